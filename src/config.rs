@@ -1,0 +1,687 @@
+//! Configuration: `proxy.toml` -> raw serde structs (unknown keys rejected) -> validated [`Config`].
+//!
+//! Precedence for every policy field: the route's own value, else `[defaults]`, else the built-in
+//! default listed in [`Policy::builtin`]. Every rejection is a [`ConfigError`] naming the field, the
+//! bad value and what is allowed, and happens before anything listens.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use http::{HeaderName, Method, StatusCode, Uri};
+use serde::Deserialize;
+
+use crate::route::{PatternError, RoutePattern};
+
+/// Largest accepted `max_body` / `max_stored_response`: both are buffered in memory per request.
+const MAX_BUFFER_LIMIT: u64 = 1 << 30;
+/// A key must be kept at least this long, or a quick retry could execute again.
+const MIN_TTL: Duration = Duration::from_secs(1);
+
+/// Why a configuration was refused. Each message names the field, the value and what is allowed.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {reason}")]
+    Read { path: String, reason: String },
+    #[error("config is not valid TOML or has an unknown or mistyped key: {0}")]
+    Syntax(String),
+    #[error("{field} = {value:?} is invalid: {allowed}")]
+    Invalid {
+        field: String,
+        value: String,
+        allowed: String,
+    },
+    #[error("{field} is required")]
+    Missing { field: String },
+    #[error("routes {first:?} and {second:?} overlap for method {method}: a request to {example:?} would match both; make one of them more specific or split the methods")]
+    Overlap {
+        first: String,
+        second: String,
+        method: String,
+        example: String,
+    },
+    #[error(
+        "routes[{index}].name = {name:?} is used by another route; route names must be unique"
+    )]
+    DuplicateName { index: usize, name: String },
+}
+
+impl ConfigError {
+    fn invalid(
+        field: impl Into<String>,
+        value: impl Into<String>,
+        allowed: impl Into<String>,
+    ) -> Self {
+        ConfigError::Invalid {
+            field: field.into(),
+            value: value.into(),
+            allowed: allowed.into(),
+        }
+    }
+}
+
+/// The whole validated configuration.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub server: ServerConfig,
+    pub store: StoreConfig,
+    pub upstream: UpstreamUrl,
+    pub routes: Vec<RouteConfig>,
+}
+
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    pub listen: SocketAddr,
+    pub admin: Option<SocketAddr>,
+    /// How long in-flight requests get to finish (and store their results) after SIGTERM.
+    pub shutdown_grace: Duration,
+    /// Connections beyond this wait in the accept queue: with `max_body` this bounds buffered memory.
+    pub max_connections: usize,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreConfig {
+    /// The embedded store: one process, lost on restart, bounded by keys and bytes.
+    Memory { max_keys: usize, max_bytes: u64 },
+}
+
+/// An `http://host:port[/prefix]` upstream. Requests go to `prefix + original path`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UpstreamUrl {
+    pub authority: http::uri::Authority,
+    /// Path prefix without a trailing slash ("" for none).
+    pub prefix: String,
+}
+
+impl UpstreamUrl {
+    pub fn parse(field: &str, raw: &str) -> Result<Self, ConfigError> {
+        let allowed = "an absolute http:// URL such as \"http://127.0.0.1:3000\" or \"http://payments:3000/api\", without query";
+        let uri: Uri = raw
+            .parse()
+            .map_err(|_| ConfigError::invalid(field, raw, allowed))?;
+        match uri.scheme_str() {
+            Some("http") => {}
+            Some("https") => {
+                return Err(ConfigError::invalid(
+                    field,
+                    raw,
+                    "an http:// URL; https upstreams are not supported yet (terminate TLS in front of the upstream, or run idemgate as a sidecar next to it)",
+                ))
+            }
+            _ => return Err(ConfigError::invalid(field, raw, allowed)),
+        }
+        let authority = uri
+            .authority()
+            .cloned()
+            .ok_or_else(|| ConfigError::invalid(field, raw, allowed))?;
+        if uri.query().is_some() || authority.as_str().contains('@') {
+            return Err(ConfigError::invalid(field, raw, allowed));
+        }
+        let prefix = uri.path().trim_end_matches('/').to_string();
+        Ok(UpstreamUrl { authority, prefix })
+    }
+}
+
+impl std::fmt::Display for UpstreamUrl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "http://{}{}", self.authority, self.prefix)
+    }
+}
+
+/// Idempotency behaviour of one route, after defaults were applied.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Policy {
+    pub key_header: HeaderName,
+    pub require_key: bool,
+    pub ttl: Duration,
+    pub lock_timeout: Duration,
+    pub wait: Duration,
+    pub mismatch_status: StatusCode,
+    pub replay_header: HeaderName,
+    /// `None` when `client_header = ""`: every caller shares one scope.
+    pub client_header: Option<HeaderName>,
+    pub max_body: usize,
+    pub max_stored_response: usize,
+    pub upstream_timeout: Duration,
+    pub store_server_errors: bool,
+}
+
+impl Policy {
+    /// Built-in defaults, used where neither the route nor `[defaults]` sets a field.
+    pub fn builtin() -> Self {
+        Policy {
+            key_header: HeaderName::from_static("idempotency-key"),
+            require_key: true,
+            ttl: Duration::from_secs(24 * 3600),
+            lock_timeout: Duration::from_secs(30),
+            wait: Duration::from_secs(10),
+            mismatch_status: StatusCode::CONFLICT,
+            replay_header: HeaderName::from_static("idempotent-replayed"),
+            client_header: Some(http::header::AUTHORIZATION),
+            max_body: 1 << 20,
+            max_stored_response: 1 << 20,
+            upstream_timeout: Duration::from_secs(30),
+            store_server_errors: false,
+        }
+    }
+}
+
+/// One `[[routes]]` entry, validated.
+#[derive(Debug, Clone)]
+pub struct RouteConfig {
+    /// Stable identity of the route: part of every stored key, and how operators name it.
+    pub name: String,
+    pub pattern: RoutePattern,
+    pub methods: Vec<Method>,
+    pub upstream: UpstreamUrl,
+    /// JSON pointers removed from a JSON body before it is fingerprinted.
+    pub fingerprint_ignore: Vec<String>,
+    pub policy: Policy,
+}
+
+impl Config {
+    /// Reads and validates a config file.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Read {
+            path: path.display().to_string(),
+            reason: e.to_string(),
+        })?;
+        Config::parse(&text)
+    }
+
+    /// Parses and validates config text.
+    pub fn parse(text: &str) -> Result<Config, ConfigError> {
+        let raw: RawConfig =
+            toml::from_str(text).map_err(|e| ConfigError::Syntax(e.to_string()))?;
+        raw.validate()
+    }
+
+    /// A human-readable list of the resolved routes, for `idemgate check`.
+    pub fn describe(&self) -> String {
+        use std::fmt::Write;
+        let mut out = String::new();
+        let _ = writeln!(out, "listen {}", self.server.listen);
+        match &self.store {
+            StoreConfig::Memory {
+                max_keys,
+                max_bytes,
+            } => {
+                let _ = writeln!(
+                    out,
+                    "store memory (max_keys {max_keys}, max_bytes {max_bytes})"
+                );
+            }
+        }
+        let _ = writeln!(out, "default upstream {}", self.upstream);
+        for r in &self.routes {
+            let methods: Vec<&str> = r.methods.iter().map(Method::as_str).collect();
+            let p = &r.policy;
+            let _ = writeln!(
+                out,
+                "route {:?}: {} {} -> {} (key {}, require_key {}, ttl {}, lock_timeout {}, wait {}, mismatch {}, client scope {}, max_body {}, max_stored_response {}, upstream_timeout {}, store_server_errors {})",
+                r.name,
+                methods.join(","),
+                r.pattern,
+                r.upstream,
+                p.key_header,
+                p.require_key,
+                humantime::format_duration(p.ttl),
+                humantime::format_duration(p.lock_timeout),
+                humantime::format_duration(p.wait),
+                p.mismatch_status.as_u16(),
+                p.client_header.as_ref().map(HeaderName::as_str).unwrap_or("(one scope)"),
+                p.max_body,
+                p.max_stored_response,
+                humantime::format_duration(p.upstream_timeout),
+                p.store_server_errors,
+            );
+        }
+        let _ = writeln!(out, "everything else: passed through to {}", self.upstream);
+        out
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Raw, as written in the file.
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    server: Option<RawServer>,
+    #[serde(default)]
+    store: RawStore,
+    upstream: Option<RawUpstream>,
+    #[serde(default)]
+    defaults: RawPolicy,
+    #[serde(default)]
+    routes: Vec<toml::Table>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawServer {
+    listen: Option<String>,
+    admin: Option<String>,
+    shutdown_grace: Option<String>,
+    max_connections: Option<i64>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawStore {
+    backend: Option<String>,
+    max_keys: Option<i64>,
+    max_bytes: Option<RawSize>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawUpstream {
+    url: Option<String>,
+}
+
+/// A size written as a byte count (`1048576`) or with a unit (`"1MiB"`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+enum RawSize {
+    Bytes(i64),
+    Text(String),
+}
+
+#[derive(Debug, Default, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawPolicy {
+    key_header: Option<String>,
+    require_key: Option<bool>,
+    ttl: Option<String>,
+    lock_timeout: Option<String>,
+    wait: Option<String>,
+    mismatch_status: Option<i64>,
+    replay_header: Option<String>,
+    client_header: Option<String>,
+    max_body: Option<RawSize>,
+    max_stored_response: Option<RawSize>,
+    upstream_timeout: Option<String>,
+    store_server_errors: Option<bool>,
+}
+
+/// The route-only keys of a `[[routes]]` table; the rest of the table is a [`RawPolicy`].
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRouteOwn {
+    name: Option<String>,
+    path: Option<String>,
+    methods: Option<Vec<String>>,
+    upstream: Option<String>,
+    #[serde(default)]
+    fingerprint_ignore: Vec<String>,
+}
+
+const ROUTE_OWN_KEYS: &[&str] = &["name", "path", "methods", "upstream", "fingerprint_ignore"];
+
+impl RawConfig {
+    fn validate(self) -> Result<Config, ConfigError> {
+        let server = validate_server(self.server)?;
+        let store = validate_store(self.store)?;
+        let upstream_raw =
+            self.upstream
+                .and_then(|u| u.url)
+                .ok_or_else(|| ConfigError::Missing {
+                    field: "upstream.url".into(),
+                })?;
+        let upstream = UpstreamUrl::parse("upstream.url", &upstream_raw)?;
+        let defaults = apply_policy("defaults", &Policy::builtin(), &self.defaults)?;
+
+        let mut routes = Vec::with_capacity(self.routes.len());
+        for (index, table) in self.routes.into_iter().enumerate() {
+            routes.push(validate_route(index, table, &defaults, &upstream)?);
+        }
+        check_unique_names(&routes)?;
+        check_overlaps(&routes)?;
+        Ok(Config {
+            server,
+            store,
+            upstream,
+            routes,
+        })
+    }
+}
+
+fn validate_server(raw: Option<RawServer>) -> Result<ServerConfig, ConfigError> {
+    let raw = raw.ok_or_else(|| ConfigError::Missing {
+        field: "server.listen".into(),
+    })?;
+    let listen_raw = raw.listen.ok_or_else(|| ConfigError::Missing {
+        field: "server.listen".into(),
+    })?;
+    let addr_allowed = "an IP address and port such as \"127.0.0.1:8080\" or \"[::]:8080\"";
+    let listen: SocketAddr = listen_raw
+        .parse()
+        .map_err(|_| ConfigError::invalid("server.listen", &listen_raw, addr_allowed))?;
+    let admin = match raw.admin {
+        None => None,
+        Some(a) => Some(
+            a.parse()
+                .map_err(|_| ConfigError::invalid("server.admin", &a, addr_allowed))?,
+        ),
+    };
+    let shutdown_grace = match raw.shutdown_grace {
+        None => Duration::from_secs(30),
+        Some(s) => parse_duration("server.shutdown_grace", &s)?,
+    };
+    let max_connections = match raw.max_connections {
+        None => 4096,
+        Some(n) if (1..=1_000_000).contains(&n) => n as usize,
+        Some(n) => {
+            return Err(ConfigError::invalid(
+                "server.max_connections",
+                n.to_string(),
+                "a whole number from 1 to 1000000",
+            ))
+        }
+    };
+    Ok(ServerConfig {
+        listen,
+        admin,
+        shutdown_grace,
+        max_connections,
+    })
+}
+
+fn validate_store(raw: RawStore) -> Result<StoreConfig, ConfigError> {
+    let backend = raw.backend.unwrap_or_else(|| "memory".into());
+    match backend.as_str() {
+        "memory" => {
+            let max_keys = match raw.max_keys {
+                None => 1_000_000,
+                Some(n) if (1..=100_000_000).contains(&n) => n as usize,
+                Some(n) => {
+                    return Err(ConfigError::invalid(
+                        "store.max_keys",
+                        n.to_string(),
+                        "a whole number from 1 to 100000000",
+                    ))
+                }
+            };
+            let max_bytes = match raw.max_bytes {
+                None => 256 << 20,
+                Some(s) => parse_size("store.max_bytes", &s, u64::MAX)?,
+            };
+            Ok(StoreConfig::Memory {
+                max_keys,
+                max_bytes,
+            })
+        }
+        other => Err(ConfigError::invalid(
+            "store.backend",
+            other,
+            "\"memory\" (the embedded store)",
+        )),
+    }
+}
+
+fn validate_route(
+    index: usize,
+    mut table: toml::Table,
+    defaults: &Policy,
+    default_upstream: &UpstreamUrl,
+) -> Result<RouteConfig, ConfigError> {
+    let at = |f: &str| format!("routes[{index}].{f}");
+    let mut own = toml::Table::new();
+    for k in ROUTE_OWN_KEYS {
+        if let Some(v) = table.remove(*k) {
+            own.insert((*k).to_string(), v);
+        }
+    }
+    let own: RawRouteOwn = toml::Value::Table(own)
+        .try_into()
+        .map_err(|e: toml::de::Error| ConfigError::Syntax(format!("routes[{index}]: {e}")))?;
+    let policy_raw: RawPolicy = toml::Value::Table(table)
+        .try_into()
+        .map_err(|e: toml::de::Error| ConfigError::Syntax(format!("routes[{index}]: {e}")))?;
+
+    let path = own
+        .path
+        .ok_or_else(|| ConfigError::Missing { field: at("path") })?;
+    let pattern = RoutePattern::parse(&path)
+        .map_err(|e: PatternError| ConfigError::invalid(at("path"), &path, e.to_string()))?;
+    let methods = validate_methods(&at("methods"), own.methods)?;
+    let upstream = match own.upstream {
+        None => default_upstream.clone(),
+        Some(u) => UpstreamUrl::parse(&at("upstream"), &u)?,
+    };
+    for p in &own.fingerprint_ignore {
+        if !p.starts_with('/') {
+            return Err(ConfigError::invalid(
+                at("fingerprint_ignore"),
+                p,
+                "JSON pointers (RFC 6901) starting with \"/\", such as \"/meta/sentAt\"",
+            ));
+        }
+    }
+    let name = match own.name {
+        Some(n) if n.is_empty() || n.len() > 128 || n.chars().any(char::is_control) => {
+            return Err(ConfigError::invalid(
+                at("name"),
+                n,
+                "1 to 128 characters without control characters",
+            ))
+        }
+        Some(n) => n,
+        None => path.clone(),
+    };
+    let policy = apply_policy(&format!("routes[{index}]"), defaults, &policy_raw)?;
+    Ok(RouteConfig {
+        name,
+        pattern,
+        methods,
+        upstream,
+        fingerprint_ignore: own.fingerprint_ignore,
+        policy,
+    })
+}
+
+fn validate_methods(field: &str, raw: Option<Vec<String>>) -> Result<Vec<Method>, ConfigError> {
+    let raw = raw.unwrap_or_else(|| vec!["POST".into()]);
+    if raw.is_empty() {
+        return Err(ConfigError::invalid(
+            field,
+            "[]",
+            "a non-empty list of HTTP methods such as [\"POST\", \"PATCH\"]",
+        ));
+    }
+    let mut methods = Vec::with_capacity(raw.len());
+    for m in raw {
+        let upper = m.to_ascii_uppercase();
+        let method = Method::from_bytes(upper.as_bytes())
+            .map_err(|_| ConfigError::invalid(field, &m, "HTTP method names such as \"POST\""))?;
+        if method == Method::CONNECT || method == Method::OPTIONS {
+            return Err(ConfigError::invalid(
+                field,
+                &m,
+                "methods that carry an operation (POST, PUT, PATCH, DELETE, ...); not CONNECT or OPTIONS",
+            ));
+        }
+        if !methods.contains(&method) {
+            methods.push(method);
+        }
+    }
+    Ok(methods)
+}
+
+/// Applies the fields set in `raw` on top of `base`; `scope` prefixes field names in errors.
+fn apply_policy(scope: &str, base: &Policy, raw: &RawPolicy) -> Result<Policy, ConfigError> {
+    let f = |name: &str| format!("{scope}.{name}");
+    let mut p = base.clone();
+    if let Some(h) = &raw.key_header {
+        p.key_header = parse_header_name(&f("key_header"), h)?;
+    }
+    if let Some(b) = raw.require_key {
+        p.require_key = b;
+    }
+    if let Some(s) = &raw.ttl {
+        p.ttl = parse_duration(&f("ttl"), s)?;
+    }
+    if let Some(s) = &raw.lock_timeout {
+        p.lock_timeout = parse_duration(&f("lock_timeout"), s)?;
+    }
+    if let Some(s) = &raw.wait {
+        p.wait = parse_duration(&f("wait"), s)?;
+    }
+    if let Some(n) = raw.mismatch_status {
+        p.mismatch_status = match u16::try_from(n).ok().map(StatusCode::from_u16) {
+            Some(Ok(s)) if s.is_client_error() => s,
+            _ => {
+                return Err(ConfigError::invalid(
+                    f("mismatch_status"),
+                    n.to_string(),
+                    "a 4xx status: 409 (default) or 422 (the IETF draft's choice)",
+                ))
+            }
+        };
+    }
+    if let Some(h) = &raw.replay_header {
+        p.replay_header = parse_header_name(&f("replay_header"), h)?;
+    }
+    if let Some(h) = &raw.client_header {
+        p.client_header = if h.is_empty() {
+            None
+        } else {
+            Some(parse_header_name(&f("client_header"), h)?)
+        };
+    }
+    if let Some(s) = &raw.max_body {
+        p.max_body = parse_size(&f("max_body"), s, MAX_BUFFER_LIMIT)? as usize;
+    }
+    if let Some(s) = &raw.max_stored_response {
+        p.max_stored_response =
+            parse_size(&f("max_stored_response"), s, MAX_BUFFER_LIMIT)? as usize;
+    }
+    if let Some(s) = &raw.upstream_timeout {
+        p.upstream_timeout = parse_duration(&f("upstream_timeout"), s)?;
+    }
+    if let Some(b) = raw.store_server_errors {
+        p.store_server_errors = b;
+    }
+
+    // Cross-field rules, checked on the merged result so a route cannot break them by halves.
+    if p.ttl < MIN_TTL {
+        return Err(ConfigError::invalid(
+            f("ttl"),
+            humantime::format_duration(p.ttl).to_string(),
+            "at least 1s; keep it longer than your clients retry (24h is the default)",
+        ));
+    }
+    if p.lock_timeout.is_zero() || p.lock_timeout > p.ttl {
+        return Err(ConfigError::invalid(
+            f("lock_timeout"),
+            humantime::format_duration(p.lock_timeout).to_string(),
+            format!(
+                "more than 0s and at most ttl ({})",
+                humantime::format_duration(p.ttl)
+            ),
+        ));
+    }
+    if p.wait > Duration::from_secs(600) {
+        return Err(ConfigError::invalid(
+            f("wait"),
+            humantime::format_duration(p.wait).to_string(),
+            "from \"0s\" (409 at once) to \"10m\"",
+        ));
+    }
+    if p.upstream_timeout.is_zero() {
+        return Err(ConfigError::invalid(
+            f("upstream_timeout"),
+            "0s",
+            "a duration above zero such as \"30s\"",
+        ));
+    }
+    if p.key_header == p.replay_header {
+        return Err(ConfigError::invalid(
+            f("replay_header"),
+            p.replay_header.as_str(),
+            "a header name other than key_header",
+        ));
+    }
+    Ok(p)
+}
+
+fn parse_header_name(field: &str, raw: &str) -> Result<HeaderName, ConfigError> {
+    HeaderName::from_bytes(raw.as_bytes()).map_err(|_| {
+        ConfigError::invalid(
+            field,
+            raw,
+            "an HTTP header name such as \"Idempotency-Key\"",
+        )
+    })
+}
+
+/// Parses "250ms", "30s", "24h", "1h 30m".
+pub fn parse_duration(field: &str, raw: &str) -> Result<Duration, ConfigError> {
+    humantime::parse_duration(raw).map_err(|_| {
+        ConfigError::invalid(
+            field,
+            raw,
+            "a duration such as \"250ms\", \"30s\", \"5m\" or \"24h\"",
+        )
+    })
+}
+
+fn parse_size(field: &str, raw: &RawSize, max: u64) -> Result<u64, ConfigError> {
+    let allowed =
+        || format!("a size such as \"512KiB\", \"1MiB\" or a byte count, at most {max} bytes");
+    let bytes = match raw {
+        RawSize::Bytes(n) => {
+            u64::try_from(*n).map_err(|_| ConfigError::invalid(field, n.to_string(), allowed()))?
+        }
+        RawSize::Text(s) => s
+            .trim()
+            .parse::<bytesize::ByteSize>()
+            .map_err(|_| ConfigError::invalid(field, s, allowed()))?
+            .as_u64(),
+    };
+    if bytes > max {
+        let shown = match raw {
+            RawSize::Bytes(n) => n.to_string(),
+            RawSize::Text(s) => s.clone(),
+        };
+        return Err(ConfigError::invalid(field, shown, allowed()));
+    }
+    Ok(bytes)
+}
+
+fn check_unique_names(routes: &[RouteConfig]) -> Result<(), ConfigError> {
+    let mut seen = BTreeMap::new();
+    for (index, r) in routes.iter().enumerate() {
+        if seen.insert(r.name.as_str(), index).is_some() {
+            return Err(ConfigError::DuplicateName {
+                index,
+                name: r.name.clone(),
+            });
+        }
+    }
+    Ok(())
+}
+
+fn check_overlaps(routes: &[RouteConfig]) -> Result<(), ConfigError> {
+    for (i, a) in routes.iter().enumerate() {
+        for b in &routes[i + 1..] {
+            let Some(method) = a.methods.iter().find(|m| b.methods.contains(m)) else {
+                continue;
+            };
+            if let Some(example) = a.pattern.overlap_example(&b.pattern) {
+                return Err(ConfigError::Overlap {
+                    first: a.name.clone(),
+                    second: b.name.clone(),
+                    method: method.to_string(),
+                    example,
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests;

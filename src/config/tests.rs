@@ -1,0 +1,245 @@
+use super::*;
+
+const MINIMAL: &str = r#"
+[server]
+listen = "127.0.0.1:8080"
+[upstream]
+url = "http://127.0.0.1:3000"
+[[routes]]
+path = "/payments"
+"#;
+
+fn with(extra: &str) -> Result<Config, ConfigError> {
+    Config::parse(&format!("{MINIMAL}{extra}"))
+}
+
+fn invalid_field(r: Result<Config, ConfigError>) -> (String, String) {
+    match r {
+        Err(ConfigError::Invalid { field, value, .. }) => (field, value),
+        other => panic!("expected Invalid, got {other:?}"),
+    }
+}
+
+#[test]
+fn the_shipped_proxy_toml_is_valid() {
+    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/proxy.toml")).unwrap();
+    let c = Config::parse(&text).unwrap();
+    assert_eq!(c.routes.len(), 2);
+    assert_eq!(c.routes[0].name, "payments");
+}
+
+#[test]
+fn minimal_config_gets_the_documented_defaults() {
+    let c = with("").unwrap();
+    let r = &c.routes[0];
+    assert_eq!(r.name, "/payments");
+    assert_eq!(r.methods, vec![Method::POST]);
+    assert_eq!(r.policy, Policy::builtin());
+    assert_eq!(r.upstream.to_string(), "http://127.0.0.1:3000");
+    assert_eq!(
+        c.store,
+        StoreConfig::Memory {
+            max_keys: 1_000_000,
+            max_bytes: 256 << 20
+        }
+    );
+    assert_eq!(c.server.shutdown_grace, Duration::from_secs(30));
+}
+
+#[test]
+fn route_values_override_defaults_which_override_builtins() {
+    let c = Config::parse(
+        r#"
+[server]
+listen = "127.0.0.1:8080"
+[upstream]
+url = "http://127.0.0.1:3000"
+[defaults]
+ttl = "1h"
+wait = "0s"
+mismatch_status = 422
+max_body = 2048
+[[routes]]
+path = "/a"
+ttl = "2h"
+client_header = ""
+upstream = "http://10.0.0.1:9000/api/"
+[[routes]]
+path = "/b"
+methods = ["put", "PATCH"]
+max_stored_response = "512KiB"
+"#,
+    )
+    .unwrap();
+    let (a, b) = (&c.routes[0].policy, &c.routes[1].policy);
+    assert_eq!(a.ttl, Duration::from_secs(7200));
+    assert_eq!(b.ttl, Duration::from_secs(3600));
+    assert_eq!(a.wait, Duration::ZERO);
+    assert_eq!(a.mismatch_status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(a.max_body, 2048);
+    assert_eq!(a.client_header, None);
+    assert_eq!(b.client_header, Some(http::header::AUTHORIZATION));
+    assert_eq!(b.max_stored_response, 512 * 1024);
+    assert_eq!(c.routes[0].upstream.prefix, "/api");
+    assert_eq!(c.routes[1].methods, vec![Method::PUT, Method::PATCH]);
+}
+
+#[test]
+fn unknown_keys_are_refused_with_their_name() {
+    for extra in [
+        "\n[defaults]\nttll = \"1h\"\n",
+        "\n[[routes]]\npath = \"/x\"\nttll = \"1h\"\n",
+    ] {
+        match with(extra) {
+            Err(ConfigError::Syntax(msg)) => assert!(msg.contains("ttll"), "{msg}"),
+            other => panic!("expected Syntax, got {other:?}"),
+        }
+    }
+    assert!(matches!(
+        Config::parse("[server]\nlisten=\"127.0.0.1:1\"\nport = 1\n"),
+        Err(ConfigError::Syntax(_))
+    ));
+}
+
+#[test]
+fn bad_values_name_field_and_value() {
+    assert_eq!(
+        invalid_field(with("ttl = \"soon\"")),
+        ("routes[0].ttl".into(), "soon".into())
+    );
+    assert_eq!(
+        invalid_field(with("max_body = \"lots\"")),
+        ("routes[0].max_body".into(), "lots".into())
+    );
+    assert_eq!(
+        invalid_field(with("max_body = \"2GiB\"")),
+        ("routes[0].max_body".into(), "2GiB".into())
+    );
+    assert_eq!(
+        invalid_field(with("max_body = -1")),
+        ("routes[0].max_body".into(), "-1".into())
+    );
+    assert_eq!(
+        invalid_field(with("mismatch_status = 500")),
+        ("routes[0].mismatch_status".into(), "500".into())
+    );
+    assert_eq!(
+        invalid_field(with("key_header = \"bad header\"")),
+        ("routes[0].key_header".into(), "bad header".into())
+    );
+    assert_eq!(
+        invalid_field(with("lock_timeout = \"2d\"")).0,
+        "routes[0].lock_timeout"
+    );
+    assert_eq!(invalid_field(with("ttl = \"500ms\"")).0, "routes[0].ttl");
+    assert_eq!(invalid_field(with("wait = \"1h\"")).0, "routes[0].wait");
+    assert_eq!(
+        invalid_field(with("upstream_timeout = \"0s\"")).0,
+        "routes[0].upstream_timeout"
+    );
+    assert_eq!(invalid_field(with("methods = []")).0, "routes[0].methods");
+    assert_eq!(
+        invalid_field(with("methods = [\"PO ST\"]")).0,
+        "routes[0].methods"
+    );
+    assert_eq!(
+        invalid_field(with("fingerprint_ignore = [\"meta\"]")).0,
+        "routes[0].fingerprint_ignore"
+    );
+    assert_eq!(
+        invalid_field(with("upstream = \"https://x\"")).0,
+        "routes[0].upstream"
+    );
+    assert_eq!(
+        invalid_field(with("upstream = \"ftp://x\"")).0,
+        "routes[0].upstream"
+    );
+    assert_eq!(
+        invalid_field(with("replay_header = \"Idempotency-Key\"")).0,
+        "routes[0].replay_header"
+    );
+    assert_eq!(
+        invalid_field(Config::parse(
+            "[server]\nlisten = \"localhost\"\n[upstream]\nurl = \"http://a:1\"\n"
+        )),
+        ("server.listen".into(), "localhost".into())
+    );
+    assert_eq!(
+        invalid_field(Config::parse("[server]\nlisten = \"127.0.0.1:1\"\n[store]\nbackend = \"etcd\"\n[upstream]\nurl = \"http://a:1\"\n")),
+        ("store.backend".into(), "etcd".into())
+    );
+    let path = with("\n[[routes]]\npath = \"/a/**/b\"\n");
+    assert_eq!(
+        invalid_field(path),
+        ("routes[1].path".into(), "/a/**/b".into())
+    );
+}
+
+#[test]
+fn error_messages_say_what_is_allowed() {
+    let msg = with("ttl = \"soon\"").unwrap_err().to_string();
+    assert!(
+        msg.contains("routes[0].ttl") && msg.contains("soon") && msg.contains("24h"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn missing_required_fields() {
+    assert_eq!(
+        Config::parse("[upstream]\nurl = \"http://a:1\"\n").unwrap_err(),
+        ConfigError::Missing {
+            field: "server.listen".into()
+        }
+    );
+    assert_eq!(
+        Config::parse("[server]\nlisten = \"127.0.0.1:1\"\n").unwrap_err(),
+        ConfigError::Missing {
+            field: "upstream.url".into()
+        }
+    );
+    assert_eq!(
+        with("\n[[routes]]\nmethods = [\"POST\"]\n").unwrap_err(),
+        ConfigError::Missing {
+            field: "routes[1].path".into()
+        }
+    );
+}
+
+#[test]
+fn overlapping_routes_are_refused() {
+    let err = with("\n[[routes]]\npath = \"/*\"\n").unwrap_err();
+    assert_eq!(
+        err,
+        ConfigError::Overlap {
+            first: "/payments".into(),
+            second: "/*".into(),
+            method: "POST".into(),
+            example: "/payments".into()
+        }
+    );
+    // Same path, disjoint methods: fine.
+    assert!(
+        with("\n[[routes]]\nname = \"put\"\npath = \"/payments\"\nmethods = [\"PUT\"]\n").is_ok()
+    );
+}
+
+#[test]
+fn route_names_are_unique() {
+    assert_eq!(
+        with("\n[[routes]]\nname = \"/payments\"\npath = \"/refunds\"\n").unwrap_err(),
+        ConfigError::DuplicateName {
+            index: 1,
+            name: "/payments".into()
+        }
+    );
+}
+
+#[test]
+fn describe_lists_routes() {
+    let text = with("").unwrap().describe();
+    assert!(
+        text.contains("route \"/payments\": POST /payments -> http://127.0.0.1:3000"),
+        "{text}"
+    );
+}

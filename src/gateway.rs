@@ -1,0 +1,653 @@
+//! The idempotency state machine: what happens to one request, phase by phase.
+//!
+//! ```text
+//! classify ─ no route ───────────────────────────────────────────────▶ pass_through (streams)
+//!    │ idempotent route
+//! extract_key ─ missing/invalid ─▶ 400 problem   (missing + require_key=false ▶ pass_through)
+//! read_body ─── over max_body ───▶ 413 problem   (counted while reading, upstream not called)
+//! fingerprint
+//! reserve ───── store down/full ─▶ 503 problem
+//!    ├─ Owner ──▶ execute: forward (lease renewed) ─▶ settle: complete | release | mark_unknown
+//!    └─ Existing ▶ resolve: other fingerprint ─▶ mismatch problem (record untouched)
+//!                   completed ─▶ replay (byte for byte, marked)
+//!                   unknown ───▶ outcome-unknown problem (never re-executed)
+//!                   pending ───▶ wait (woken by the store) ─▶ replay | 409 in-flight | reserve again
+//! ```
+//! The owner's work runs in its own task: if the client disconnects, the upstream call still
+//! finishes and its result is stored for the retry that is surely coming.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{header, request, HeaderValue, Request, Response, StatusCode};
+use http_body::Body as HttpBody;
+use hyper::body::Incoming;
+use tokio::time::Instant;
+use tokio_util::task::TaskTracker;
+
+use crate::body::{self, Body, BoxError, Captured, ReadError};
+use crate::config::{Policy, RouteConfig, UpstreamUrl};
+use crate::fingerprint::{fingerprint, Fingerprint, RequestParts};
+use crate::key::{parse_key, ClientScope, StoreKey};
+use crate::problem::Problem;
+use crate::route::Router;
+use crate::store::{
+    now_ms, OwnerToken, Record, RecordState, Reservation, Store, StoreError, StoredResponse,
+    UnknownReason,
+};
+use crate::upstream::{prepare_request, strip_hop_by_hop, UpstreamClient, UpstreamError};
+
+/// How often a waiting duplicate re-reads the record even without a signal: catches an owner
+/// whose lease ran out (it sends no signal when it dies).
+const RECHECK: Duration = Duration::from_secs(1);
+/// Header on a replay whose body was too large to keep: the body is deliberately empty.
+pub const BODY_OMITTED_HEADER: &str = "idemgate-body-omitted";
+/// A waiter whose key keeps being released and re-taken gives up after this many rounds.
+const MAX_RESERVE_ROUNDS: usize = 8;
+
+/// What became of a request, for logs and metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    Executed,
+    Replayed,
+    Waited,
+    Mismatch,
+    InFlightRejected,
+    MissingKey,
+    InvalidKey,
+    TooLarge,
+    BadRequest,
+    StoreError,
+    UpstreamError,
+    Unknown,
+    Passthrough,
+}
+
+impl Outcome {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Executed => "executed",
+            Outcome::Replayed => "replayed",
+            Outcome::Waited => "waited",
+            Outcome::Mismatch => "mismatch",
+            Outcome::InFlightRejected => "in_flight_rejected",
+            Outcome::MissingKey => "missing_key",
+            Outcome::InvalidKey => "invalid_key",
+            Outcome::TooLarge => "too_large",
+            Outcome::BadRequest => "bad_request",
+            Outcome::StoreError => "store_error",
+            Outcome::UpstreamError => "upstream_error",
+            Outcome::Unknown => "unknown",
+            Outcome::Passthrough => "passthrough",
+        }
+    }
+
+    fn of_problem(p: &Problem) -> Self {
+        match p {
+            Problem::MissingKey { .. } => Outcome::MissingKey,
+            Problem::InvalidKey { .. } => Outcome::InvalidKey,
+            Problem::KeyReused { .. } => Outcome::Mismatch,
+            Problem::InFlight { .. } => Outcome::InFlightRejected,
+            Problem::BodyTooLarge { .. } => Outcome::TooLarge,
+            Problem::BadRequestBody => Outcome::BadRequest,
+            Problem::StoreUnavailable | Problem::StoreFull => Outcome::StoreError,
+            Problem::UpstreamUnreachable | Problem::UpstreamTimeout | Problem::UpstreamFailed => {
+                Outcome::UpstreamError
+            }
+            Problem::OutcomeUnknown { .. } => Outcome::Unknown,
+        }
+    }
+}
+
+/// Everything a request needs; shared by all connections.
+pub struct Gateway {
+    router: Router,
+    store: Arc<dyn Store>,
+    upstream: UpstreamClient,
+    default_upstream: UpstreamUrl,
+    /// Owner executions, detached from their client connections; shutdown waits for them.
+    tasks: TaskTracker,
+}
+
+/// What the store says about a key that already exists, once waited on if need be.
+enum Resolved {
+    Respond(Response<Body>, Outcome),
+    /// The key was released while we waited: the request may run now.
+    Released,
+}
+
+impl Gateway {
+    pub fn new(router: Router, store: Arc<dyn Store>, default_upstream: UpstreamUrl) -> Self {
+        Gateway {
+            router,
+            store,
+            upstream: UpstreamClient::new(),
+            default_upstream,
+            tasks: TaskTracker::new(),
+        }
+    }
+
+    pub fn store(&self) -> &Arc<dyn Store> {
+        &self.store
+    }
+
+    pub fn router(&self) -> &Router {
+        &self.router
+    }
+
+    /// Owner executions still running (detached from their clients).
+    pub fn tasks(&self) -> &TaskTracker {
+        &self.tasks
+    }
+
+    /// Phase `classify`: one request in, one response out.
+    pub async fn handle(
+        self: &Arc<Self>,
+        req: Request<Incoming>,
+        peer: SocketAddr,
+    ) -> Response<Body> {
+        let route = self.router.find(req.method(), req.uri().path()).cloned();
+        let Some(route) = route else {
+            return self
+                .pass_through(req, peer, &self.default_upstream, None)
+                .await;
+        };
+        let started = Instant::now();
+        let (resp, outcome, key) = self.idempotent(route.clone(), req, peer).await;
+        tracing::info!(
+            route = %route.name,
+            key = key.as_ref().map(StoreKey::short).unwrap_or("-"),
+            outcome = outcome.as_str(),
+            status = resp.status().as_u16(),
+            elapsed_ms = started.elapsed().as_millis() as u64,
+            "idempotent request"
+        );
+        resp
+    }
+
+    async fn idempotent(
+        self: &Arc<Self>,
+        route: Arc<RouteConfig>,
+        req: Request<Incoming>,
+        peer: SocketAddr,
+    ) -> (Response<Body>, Outcome, Option<StoreKey>) {
+        let policy = &route.policy;
+
+        // Phase `extract_key`.
+        let key = match parse_key(req.headers(), &policy.key_header) {
+            Ok(Some(k)) => k,
+            Ok(None) if !policy.require_key => {
+                let resp = self
+                    .pass_through(req, peer, &route.upstream, Some(policy.upstream_timeout))
+                    .await;
+                return (resp, Outcome::Passthrough, None);
+            }
+            Ok(None) => {
+                return problem(Problem::MissingKey {
+                    header: header_display(&policy.key_header),
+                })
+            }
+            Err(reason) => {
+                return problem(Problem::InvalidKey {
+                    header: header_display(&policy.key_header),
+                    reason,
+                })
+            }
+        };
+        let scope = ClientScope::of(req.headers(), policy.client_header.as_ref());
+        let store_key = StoreKey::new(&scope, &route.name, &key);
+        drop(key);
+
+        let (resp, outcome) = match self.run_keyed(&route, req, peer, &store_key).await {
+            Ok(done) => done,
+            Err(p) => {
+                let outcome = Outcome::of_problem(&p);
+                (p.into_response(), outcome)
+            }
+        };
+        (resp, outcome, Some(store_key))
+    }
+
+    async fn run_keyed(
+        self: &Arc<Self>,
+        route: &Arc<RouteConfig>,
+        req: Request<Incoming>,
+        peer: SocketAddr,
+        key: &StoreKey,
+    ) -> Result<(Response<Body>, Outcome), Problem> {
+        let policy = &route.policy;
+
+        // Phase `read_body`.
+        let (parts, body) = req.into_parts();
+        let body = body::read_capped(body, policy.max_body)
+            .await
+            .map_err(|e| match e {
+                ReadError::TooLarge(limit) => Problem::BodyTooLarge { limit },
+                ReadError::Failed(_) => Problem::BadRequestBody,
+            })?;
+
+        // Phase `fingerprint`.
+        let fp = fingerprint(
+            &RequestParts {
+                method: &parts.method,
+                route: &route.name,
+                path: parts.uri.path(),
+                query: parts.uri.query(),
+                headers: &parts.headers,
+                body: &body,
+            },
+            &route.fingerprint_ignore,
+        );
+
+        // Phase `reserve`, then `execute` or `resolve`.
+        let wait_until = Instant::now() + policy.wait;
+        for _ in 0..MAX_RESERVE_ROUNDS {
+            let reservation = self
+                .store
+                .reserve(key, fp, policy.lock_timeout, policy.ttl)
+                .await
+                .map_err(|e| store_problem(key, e))?;
+            match reservation {
+                Reservation::Owner(token) => {
+                    return Ok(self.execute(route, parts, body, key, token, peer).await);
+                }
+                Reservation::Existing(record) => {
+                    match self.resolve(policy, key, fp, record, wait_until).await? {
+                        Resolved::Respond(resp, outcome) => return Ok((resp, outcome)),
+                        Resolved::Released => continue,
+                    }
+                }
+            }
+        }
+        Err(Problem::InFlight {
+            retry_after: Duration::from_secs(1),
+        })
+    }
+
+    /// Phase `resolve`: answer from an existing record, waiting while it is pending.
+    async fn resolve(
+        &self,
+        policy: &Policy,
+        key: &StoreKey,
+        fp: Fingerprint,
+        record: Record,
+        wait_until: Instant,
+    ) -> Result<Resolved, Problem> {
+        if let Some(done) = settled(policy, fp, &record, false)? {
+            return Ok(done);
+        }
+        // Pending: subscribe first, then re-read, so a completion in between is not missed.
+        let mut sub = self.store.subscribe(key);
+        loop {
+            let record = self
+                .store
+                .get(key)
+                .await
+                .map_err(|e| store_problem(key, e))?;
+            let Some(record) = record else {
+                return Ok(Resolved::Released);
+            };
+            if let Some(done) = settled(policy, fp, &record, true)? {
+                return Ok(done);
+            }
+            let now = Instant::now();
+            if now >= wait_until {
+                return Err(Problem::InFlight {
+                    retry_after: Duration::from_secs(1),
+                });
+            }
+            let wake = wait_until.min(now + RECHECK);
+            tokio::select! {
+                () = sub.changed() => {}
+                () = tokio::time::sleep_until(wake) => {}
+            }
+        }
+    }
+
+    /// Phase `execute`: the owner forwards the request. Runs detached from the client.
+    async fn execute(
+        self: &Arc<Self>,
+        route: &Arc<RouteConfig>,
+        parts: request::Parts,
+        body: Bytes,
+        key: &StoreKey,
+        token: OwnerToken,
+        peer: SocketAddr,
+    ) -> (Response<Body>, Outcome) {
+        let this = Arc::clone(self);
+        let route = Arc::clone(route);
+        let key = key.clone();
+        let task = self.tasks.spawn(async move {
+            this.execute_detached(&route, parts, body, &key, token, peer)
+                .await
+        });
+        match task.await {
+            Ok(done) => done,
+            Err(e) => {
+                // Only a bug gets here (a panic in the task). The record stays pending, its lease
+                // runs out, and retries are told the outcome is unknown: nothing runs twice.
+                tracing::error!(error = %e, "owner task failed");
+                let p = Problem::OutcomeUnknown {
+                    reason: UnknownReason::Interrupted,
+                };
+                (p.into_response(), Outcome::Unknown)
+            }
+        }
+    }
+
+    async fn execute_detached(
+        &self,
+        route: &RouteConfig,
+        mut parts: request::Parts,
+        body: Bytes,
+        key: &StoreKey,
+        token: OwnerToken,
+        peer: SocketAddr,
+    ) -> (Response<Body>, Outcome) {
+        let policy = &route.policy;
+        if let Err(e) = prepare_request(&mut parts, &route.upstream, peer) {
+            tracing::error!(key = key.short(), error = %e, "cannot build upstream request");
+            self.settle_release(key, token).await;
+            return (
+                Problem::UpstreamUnreachable.into_response(),
+                Outcome::UpstreamError,
+            );
+        }
+        let req = Request::from_parts(parts, body::full(body));
+        let forward = forward_and_capture(&self.upstream, req, policy);
+        tokio::pin!(forward);
+        let result = tokio::select! {
+            r = &mut forward => r,
+            () = self.renew_lease(key, token, policy.lock_timeout) => forward.await,
+        };
+        self.settle(policy, key, token, result).await
+    }
+
+    /// Keeps the lease alive while the upstream works; returns only if ownership was lost.
+    async fn renew_lease(&self, key: &StoreKey, token: OwnerToken, lease: Duration) {
+        let period = (lease / 3).max(Duration::from_millis(10));
+        let mut tick = tokio::time::interval_at(Instant::now() + period, period);
+        loop {
+            tick.tick().await;
+            match self.store.renew(key, token, lease).await {
+                Ok(()) => {}
+                Err(StoreError::NotOwner) => {
+                    tracing::warn!(
+                        key = key.short(),
+                        "lease lost while the upstream was working"
+                    );
+                    return;
+                }
+                Err(e) => tracing::warn!(key = key.short(), error = %e, "lease renewal failed"),
+            }
+        }
+    }
+
+    /// Phase `settle`: record what the upstream did, then answer the owner.
+    async fn settle(
+        &self,
+        policy: &Policy,
+        key: &StoreKey,
+        token: OwnerToken,
+        result: Result<Forwarded, UpstreamError>,
+    ) -> (Response<Body>, Outcome) {
+        let forwarded = match result {
+            Ok(f) => f,
+            Err(UpstreamError::NotSent(e)) => {
+                tracing::warn!(key = key.short(), error = %e, "upstream unreachable; key released");
+                self.settle_release(key, token).await;
+                return (
+                    Problem::UpstreamUnreachable.into_response(),
+                    Outcome::UpstreamError,
+                );
+            }
+            Err(e) => {
+                let reason = match e {
+                    UpstreamError::Timeout(_) => UnknownReason::Timeout,
+                    _ => UnknownReason::Interrupted,
+                };
+                tracing::warn!(key = key.short(), error = %e, "outcome unknown; key kept");
+                if let Err(e) = self.store.mark_unknown(key, token, reason).await {
+                    tracing::error!(key = key.short(), error = %e, "cannot mark outcome unknown; the lease will expire instead");
+                }
+                return (
+                    Problem::OutcomeUnknown { reason }.into_response(),
+                    Outcome::Unknown,
+                );
+            }
+        };
+
+        let status = forwarded.head.status;
+        let released = not_executed(status, policy.store_server_errors);
+        if released {
+            self.settle_release(key, token).await;
+        } else {
+            let stored = StoredResponse {
+                status,
+                headers: forwarded
+                    .head
+                    .headers
+                    .iter()
+                    .map(|(n, v)| (n.clone(), v.clone()))
+                    .collect(),
+                body: match &forwarded.body {
+                    ForwardedBody::Complete(b) => b.clone(),
+                    ForwardedBody::Streaming { .. } => Bytes::new(),
+                },
+                body_kept: matches!(forwarded.body, ForwardedBody::Complete(_)),
+                completed_ms: now_ms(),
+            };
+            if let Err(e) = self.store.complete(key, token, stored, policy.ttl).await {
+                // The client still gets the real response; retries will see the pending record,
+                // then (lease expired) an unknown outcome: never a second execution.
+                tracing::error!(key = key.short(), error = %e, "cannot store the response");
+            }
+        }
+
+        let mut resp = Response::from_parts(
+            forwarded.head,
+            match forwarded.body {
+                ForwardedBody::Complete(b) => body::full(b),
+                ForwardedBody::Streaming { head, rest } => body::prepend(head, rest),
+            },
+        );
+        resp.headers_mut().remove(header::CONTENT_LENGTH);
+        if let Some(len) = HttpBody::size_hint(resp.body()).exact() {
+            resp.headers_mut()
+                .insert(header::CONTENT_LENGTH, HeaderValue::from(len));
+        }
+        let outcome = if released {
+            Outcome::UpstreamError
+        } else {
+            Outcome::Executed
+        };
+        (resp, outcome)
+    }
+
+    async fn settle_release(&self, key: &StoreKey, token: OwnerToken) {
+        if let Err(e) = self.store.release(key, token).await {
+            tracing::error!(key = key.short(), error = %e, "cannot release the key; it stays pending until its lease expires");
+        }
+    }
+
+    /// Forwards a request that is not made idempotent, streaming both ways.
+    async fn pass_through<B>(
+        &self,
+        req: Request<B>,
+        peer: SocketAddr,
+        target: &UpstreamUrl,
+        timeout: Option<Duration>,
+    ) -> Response<Body>
+    where
+        B: HttpBody<Data = Bytes> + Send + 'static,
+        B::Error: Into<BoxError>,
+    {
+        let (mut parts, body) = req.into_parts();
+        if prepare_request(&mut parts, target, peer).is_err() {
+            return Problem::UpstreamUnreachable.into_response();
+        }
+        let req = Request::from_parts(parts, body::boxed(body));
+        let timeout = timeout.unwrap_or(Policy::builtin().upstream_timeout);
+        match self.upstream.send(req, timeout).await {
+            Ok(resp) => {
+                let (mut head, body) = resp.into_parts();
+                strip_hop_by_hop(&mut head.headers);
+                Response::from_parts(head, body::boxed(body))
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "pass-through request failed");
+                match e {
+                    UpstreamError::NotSent(_) => Problem::UpstreamUnreachable,
+                    UpstreamError::Timeout(_) => Problem::UpstreamTimeout,
+                    UpstreamError::Failed(_) => Problem::UpstreamFailed,
+                }
+                .into_response()
+            }
+        }
+    }
+}
+
+/// Upstream's answer to the owner.
+struct Forwarded {
+    head: http::response::Parts,
+    body: ForwardedBody,
+}
+
+enum ForwardedBody {
+    /// Within `max_stored_response`: stored and sent as one.
+    Complete(Bytes),
+    /// Too large to store: streamed to the client, replays carry status and headers only.
+    Streaming { head: Vec<Bytes>, rest: Incoming },
+}
+
+/// Sends the request and reads the response, all within `upstream_timeout`.
+async fn forward_and_capture(
+    upstream: &UpstreamClient,
+    req: Request<Body>,
+    policy: &Policy,
+) -> Result<Forwarded, UpstreamError> {
+    let started = Instant::now();
+    let resp = upstream.send(req, policy.upstream_timeout).await?;
+    let (mut head, body) = resp.into_parts();
+    strip_hop_by_hop(&mut head.headers);
+    let remaining = policy.upstream_timeout.saturating_sub(started.elapsed());
+    let captured = tokio::time::timeout(remaining, body::capture(body, policy.max_stored_response))
+        .await
+        .map_err(|_| UpstreamError::Timeout(policy.upstream_timeout))?
+        // A body cut off mid-way: the upstream ran, but we do not know what it said.
+        .map_err(|e| UpstreamError::Failed(Box::new(e)))?;
+    let body = match captured {
+        Captured::Complete(b) => ForwardedBody::Complete(b),
+        Captured::TooLarge { head, rest } => ForwardedBody::Streaming { head, rest },
+    };
+    Ok(Forwarded { head, body })
+}
+
+/// Decides from an existing record, or returns `None` while it is pending with a live lease.
+fn settled(
+    policy: &Policy,
+    fp: Fingerprint,
+    record: &Record,
+    waited: bool,
+) -> Result<Option<Resolved>, Problem> {
+    if record.fingerprint != fp {
+        return Err(Problem::KeyReused {
+            status: policy.mismatch_status,
+        });
+    }
+    match &record.state {
+        RecordState::Completed(stored) => {
+            let outcome = if waited {
+                Outcome::Waited
+            } else {
+                Outcome::Replayed
+            };
+            Ok(Some(Resolved::Respond(replay(policy, stored), outcome)))
+        }
+        RecordState::Unknown { reason, .. } => Err(Problem::OutcomeUnknown { reason: *reason }),
+        RecordState::Pending { lease_until_ms, .. } if *lease_until_ms < now_ms() => {
+            Err(Problem::OutcomeUnknown {
+                reason: UnknownReason::Abandoned,
+            })
+        }
+        RecordState::Pending { .. } => Ok(None),
+    }
+}
+
+/// The stored response, byte for byte, marked as a replay.
+fn replay(policy: &Policy, stored: &StoredResponse) -> Response<Body> {
+    let mut resp = Response::new(body::full(stored.body.clone()));
+    *resp.status_mut() = stored.status;
+    let headers = resp.headers_mut();
+    for (name, value) in &stored.headers {
+        headers.append(name.clone(), value.clone());
+    }
+    headers.insert(header::CONTENT_LENGTH, HeaderValue::from(stored.body.len()));
+    if !stored.body_kept {
+        headers.insert(BODY_OMITTED_HEADER, HeaderValue::from_static("true"));
+    }
+    headers.insert(
+        policy.replay_header.clone(),
+        HeaderValue::from_static("true"),
+    );
+    resp
+}
+
+/// Statuses that say the upstream did not execute the request: the key is released so a retry
+/// runs. 5xx only when `store_server_errors = false`; 408, 425 and 429 always (the request was
+/// refused before it was processed, and storing it would make every retry fail).
+fn not_executed(status: StatusCode, store_server_errors: bool) -> bool {
+    (status.is_server_error() && !store_server_errors) || matches!(status.as_u16(), 408 | 425 | 429)
+}
+
+fn store_problem(key: &StoreKey, e: StoreError) -> Problem {
+    tracing::warn!(key = key.short(), error = %e, "store error");
+    match e {
+        StoreError::Full(_) => Problem::StoreFull,
+        _ => Problem::StoreUnavailable,
+    }
+}
+
+fn problem(p: Problem) -> (Response<Body>, Outcome, Option<StoreKey>) {
+    let outcome = Outcome::of_problem(&p);
+    (p.into_response(), outcome, None)
+}
+
+/// `idempotency-key` -> `Idempotency-Key`, for messages.
+fn header_display(name: &http::HeaderName) -> String {
+    name.as_str()
+        .split('-')
+        .map(|w| {
+            let mut c = w.chars();
+            c.next()
+                .map(|f| f.to_ascii_uppercase().to_string() + c.as_str())
+                .unwrap_or_default()
+        })
+        .collect::<Vec<_>>()
+        .join("-")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statuses_that_release_the_key() {
+        assert!(not_executed(StatusCode::INTERNAL_SERVER_ERROR, false));
+        assert!(!not_executed(StatusCode::INTERNAL_SERVER_ERROR, true));
+        assert!(not_executed(StatusCode::TOO_MANY_REQUESTS, true));
+        assert!(!not_executed(StatusCode::CREATED, false));
+        assert!(!not_executed(StatusCode::BAD_REQUEST, false));
+        assert!(!not_executed(StatusCode::CONFLICT, false));
+    }
+
+    #[test]
+    fn header_names_are_shown_in_their_usual_case() {
+        assert_eq!(
+            header_display(&http::HeaderName::from_static("idempotency-key")),
+            "Idempotency-Key"
+        );
+    }
+}

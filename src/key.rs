@@ -1,0 +1,256 @@
+//! The idempotency key: parsing the header, and deriving the scoped, hashed key the store uses.
+//!
+//! The stored key is `SHA-256(client scope, route name, key)`: one client can never replay, block
+//! or detect another client's operation, neither the key nor the credential that scopes it is
+//! ever stored or logged in the clear, and every stored key has the same short, bounded length.
+
+use std::fmt;
+
+use http::{HeaderMap, HeaderName};
+use sha2::{Digest, Sha256};
+
+/// Longest accepted key, as Stripe and the IETF draft's examples allow.
+pub const MAX_KEY_LEN: usize = 255;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum KeyError {
+    #[error("the key is empty")]
+    Empty,
+    #[error("the key is longer than 255 characters")]
+    TooLong,
+    #[error("the key must be visible ASCII characters, bare or as a quoted string (\"abc\")")]
+    Malformed,
+    #[error("the key header appears more than once")]
+    Repeated,
+}
+
+/// Reads the key from `headers`: `Ok(None)` when the header is absent.
+///
+/// Accepts the bare form (`abc`) and the RFC 8941 sf-string form (`"abc"`, with `\"` and `\\`
+/// escapes), which the IETF draft requires. Parameters after the string are refused rather than
+/// ignored, so two different header values can never name the same key by accident.
+pub fn parse_key(headers: &HeaderMap, name: &HeaderName) -> Result<Option<String>, KeyError> {
+    let mut values = headers.get_all(name).iter();
+    let Some(value) = values.next() else {
+        return Ok(None);
+    };
+    if values.next().is_some() {
+        return Err(KeyError::Repeated);
+    }
+    parse_key_value(value.as_bytes()).map(Some)
+}
+
+/// Parses one header value into a key.
+pub fn parse_key_value(raw: &[u8]) -> Result<String, KeyError> {
+    let raw = trim_ows(raw);
+    let key = match raw.first() {
+        Some(b'"') => unquote(&raw[1..])?,
+        _ => raw.to_vec(),
+    };
+    if key.is_empty() {
+        return Err(KeyError::Empty);
+    }
+    if key.len() > MAX_KEY_LEN {
+        return Err(KeyError::TooLong);
+    }
+    if !key.iter().all(|b| (0x21..=0x7e).contains(b)) {
+        return Err(KeyError::Malformed);
+    }
+    // Every byte is ASCII, so this cannot fail; the error arm keeps it panic-free anyway.
+    String::from_utf8(key).map_err(|_| KeyError::Malformed)
+}
+
+fn trim_ows(mut raw: &[u8]) -> &[u8] {
+    while let [b' ' | b'\t', rest @ ..] = raw {
+        raw = rest;
+    }
+    while let [rest @ .., b' ' | b'\t'] = raw {
+        raw = rest;
+    }
+    raw
+}
+
+/// The body of an sf-string after its opening quote; the closing quote must end the value.
+fn unquote(body: &[u8]) -> Result<Vec<u8>, KeyError> {
+    let mut out = Vec::with_capacity(body.len());
+    let mut iter = body.iter();
+    while let Some(&b) = iter.next() {
+        match b {
+            b'\\' => match iter.next() {
+                Some(&e @ (b'"' | b'\\')) => out.push(e),
+                _ => return Err(KeyError::Malformed),
+            },
+            b'"' => {
+                return if iter.next().is_none() {
+                    Ok(out)
+                } else {
+                    Err(KeyError::Malformed)
+                };
+            }
+            0x20..=0x7e => out.push(b),
+            _ => return Err(KeyError::Malformed),
+        }
+        if out.len() > MAX_KEY_LEN {
+            return Err(KeyError::TooLong);
+        }
+    }
+    Err(KeyError::Malformed)
+}
+
+/// Who a key belongs to: a hash of the `client_header` value (or one shared scope).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct ClientScope([u8; 32]);
+
+impl ClientScope {
+    /// The scope of a request. A request without the client header gets the anonymous scope,
+    /// which is shared by every caller that sends none.
+    pub fn of(headers: &HeaderMap, client_header: Option<&HeaderName>) -> Self {
+        match client_header {
+            None => ClientScope::from_value(b"\x00shared"),
+            Some(name) => match headers.get(name) {
+                Some(v) => ClientScope::from_value(v.as_bytes()),
+                None => ClientScope::from_value(b"\x00anonymous"),
+            },
+        }
+    }
+
+    /// The scope of a client header value, as an operator types it (`idemgate keys --client`).
+    pub fn from_value(value: &[u8]) -> Self {
+        let mut h = Sha256::new();
+        h.update(b"idemgate/client-scope/v1\x00");
+        h.update(value);
+        ClientScope(h.finalize().into())
+    }
+}
+
+impl fmt::Debug for ClientScope {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "ClientScope({})", hex::encode(&self.0[..6]))
+    }
+}
+
+/// The key under which one operation is stored: hex SHA-256 of (scope, route, key).
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct StoreKey(String);
+
+impl StoreKey {
+    pub fn new(scope: &ClientScope, route: &str, key: &str) -> Self {
+        let mut h = Sha256::new();
+        h.update(b"idemgate/key/v1\x00");
+        h.update(scope.0);
+        // Length prefixes keep ("ab", "c") and ("a", "bc") apart.
+        h.update((route.len() as u64).to_be_bytes());
+        h.update(route.as_bytes());
+        h.update((key.len() as u64).to_be_bytes());
+        h.update(key.as_bytes());
+        StoreKey(hex::encode(h.finalize()))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// A short prefix that identifies the key in logs without revealing it.
+    pub fn short(&self) -> &str {
+        &self.0[..16]
+    }
+}
+
+impl fmt::Debug for StoreKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "StoreKey({})", self.short())
+    }
+}
+
+impl fmt::Display for StoreKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn key(raw: &str) -> Result<String, KeyError> {
+        parse_key_value(raw.as_bytes())
+    }
+
+    #[test]
+    fn bare_and_quoted_forms_name_the_same_key() {
+        assert_eq!(key("abc"), Ok("abc".into()));
+        assert_eq!(key("\"abc\""), Ok("abc".into()));
+        assert_eq!(key("  abc "), Ok("abc".into()));
+        assert_eq!(key(r#""a\"b\\c""#), Ok(r#"a"b\c"#.into()));
+        assert_eq!(
+            key("8e03978e-40d5-43e8-bc93-6894a57f9324"),
+            Ok("8e03978e-40d5-43e8-bc93-6894a57f9324".into())
+        );
+    }
+
+    #[test]
+    fn bad_keys_are_refused() {
+        assert_eq!(key(""), Err(KeyError::Empty));
+        assert_eq!(key("\"\""), Err(KeyError::Empty));
+        assert_eq!(key(&"a".repeat(256)), Err(KeyError::TooLong));
+        assert_eq!(key(&"a".repeat(255)), Ok("a".repeat(255)));
+        assert_eq!(
+            key(&format!("\"{}\"", "a".repeat(300))),
+            Err(KeyError::TooLong)
+        );
+        assert_eq!(key("a b"), Err(KeyError::Malformed));
+        assert_eq!(key("\"a b\""), Err(KeyError::Malformed));
+        assert_eq!(key("\"abc"), Err(KeyError::Malformed));
+        assert_eq!(key("\"abc\";p=1"), Err(KeyError::Malformed));
+        assert_eq!(key("\"a\\nb\""), Err(KeyError::Malformed));
+        assert_eq!(key("caf\u{e9}"), Err(KeyError::Malformed));
+    }
+
+    #[test]
+    fn repeated_header_is_refused() {
+        let name = HeaderName::from_static("idempotency-key");
+        let mut h = HeaderMap::new();
+        assert_eq!(parse_key(&h, &name), Ok(None));
+        h.append(&name, "a".parse().unwrap());
+        assert_eq!(parse_key(&h, &name), Ok(Some("a".into())));
+        h.append(&name, "b".parse().unwrap());
+        assert_eq!(parse_key(&h, &name), Err(KeyError::Repeated));
+    }
+
+    #[test]
+    fn store_keys_separate_scopes_routes_and_keys() {
+        let a = ClientScope::from_value(b"Bearer a");
+        let b = ClientScope::from_value(b"Bearer b");
+        let base = StoreKey::new(&a, "/payments", "k1");
+        assert_eq!(base, StoreKey::new(&a, "/payments", "k1"));
+        assert_ne!(base, StoreKey::new(&b, "/payments", "k1"));
+        assert_ne!(base, StoreKey::new(&a, "/refunds", "k1"));
+        assert_ne!(base, StoreKey::new(&a, "/payments", "k2"));
+        assert_ne!(
+            StoreKey::new(&a, "ab", "c"),
+            StoreKey::new(&a, "a", "bc"),
+            "route/key boundary must be unambiguous"
+        );
+        assert_eq!(base.as_str().len(), 64);
+        assert!(!base.as_str().contains("k1"));
+    }
+
+    proptest! {
+        #[test]
+        fn any_visible_key_round_trips_through_the_quoted_form(k in "[!-~]{1,255}") {
+            let quoted = format!("\"{}\"", k.replace('\\', "\\\\").replace('"', "\\\""));
+            prop_assert_eq!(key(&quoted), Ok(k.clone()));
+            if !k.starts_with('"') {
+                prop_assert_eq!(key(&k), Ok(k));
+            }
+        }
+
+        #[test]
+        fn parsing_never_panics(raw in prop::collection::vec(any::<u8>(), 0..300)) {
+            if let Ok(k) = parse_key_value(&raw) {
+                prop_assert!(!k.is_empty() && k.len() <= MAX_KEY_LEN);
+            }
+        }
+    }
+}

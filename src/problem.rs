@@ -1,0 +1,210 @@
+//! Every response the gateway makes itself: RFC 9457 `application/problem+json`.
+//!
+//! This is the one place that decides the status, `type` URI and wording for each cause. Bodies
+//! never carry internal details (addresses, store errors, keys); those go to the log.
+
+use std::time::Duration;
+
+use crate::body::{self, Body};
+use crate::key::KeyError;
+use crate::store::UnknownReason;
+use bytes::Bytes;
+use http::{header, HeaderValue, Response, StatusCode};
+
+/// Base of every problem `type` URI; `docs/problems.md` documents each one.
+pub const TYPE_BASE: &str = "https://idemgate.dev/problems/";
+
+/// Why the gateway answered instead of the upstream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Problem {
+    MissingKey {
+        header: String,
+    },
+    InvalidKey {
+        header: String,
+        reason: KeyError,
+    },
+    /// The key was used before with a different request (method, path, query or body).
+    KeyReused {
+        status: StatusCode,
+    },
+    /// The original request with this key is still running and `wait` ran out.
+    InFlight {
+        retry_after: Duration,
+    },
+    BodyTooLarge {
+        limit: usize,
+    },
+    /// The client's request body could not be read (connection dropped mid-body).
+    BadRequestBody,
+    StoreUnavailable,
+    StoreFull,
+    /// Nothing was sent upstream; the key was released.
+    UpstreamUnreachable,
+    /// Pass-through only: no response within `upstream_timeout`.
+    UpstreamTimeout,
+    /// Pass-through only: the exchange failed after the connection was made.
+    UpstreamFailed,
+    /// The request reached the upstream but its outcome is unknown; it will not run again.
+    OutcomeUnknown {
+        reason: UnknownReason,
+    },
+}
+
+impl Problem {
+    /// The stable slug that ends the `type` URI.
+    pub fn slug(&self) -> &'static str {
+        match self {
+            Problem::MissingKey { .. } => "missing-key",
+            Problem::InvalidKey { .. } => "invalid-key",
+            Problem::KeyReused { .. } => "key-reused",
+            Problem::InFlight { .. } => "in-flight",
+            Problem::BodyTooLarge { .. } => "body-too-large",
+            Problem::BadRequestBody => "bad-request-body",
+            Problem::StoreUnavailable => "store-unavailable",
+            Problem::StoreFull => "store-full",
+            Problem::UpstreamUnreachable => "upstream-unreachable",
+            Problem::UpstreamTimeout => "upstream-timeout",
+            Problem::UpstreamFailed => "upstream-failed",
+            Problem::OutcomeUnknown { .. } => "outcome-unknown",
+        }
+    }
+
+    pub fn status(&self) -> StatusCode {
+        match self {
+            Problem::MissingKey { .. } | Problem::InvalidKey { .. } | Problem::BadRequestBody => {
+                StatusCode::BAD_REQUEST
+            }
+            Problem::KeyReused { status } => *status,
+            Problem::InFlight { .. } => StatusCode::CONFLICT,
+            Problem::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            Problem::StoreUnavailable | Problem::StoreFull => StatusCode::SERVICE_UNAVAILABLE,
+            Problem::UpstreamUnreachable | Problem::UpstreamFailed => StatusCode::BAD_GATEWAY,
+            Problem::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
+            Problem::OutcomeUnknown { reason } => match reason {
+                UnknownReason::Timeout => StatusCode::GATEWAY_TIMEOUT,
+                UnknownReason::Interrupted | UnknownReason::Abandoned => StatusCode::BAD_GATEWAY,
+            },
+        }
+    }
+
+    fn title(&self) -> &'static str {
+        match self {
+            Problem::MissingKey { .. } => "Idempotency key missing",
+            Problem::InvalidKey { .. } => "Idempotency key invalid",
+            Problem::KeyReused { .. } => "Idempotency key reused with a different request",
+            Problem::InFlight { .. } => "Request with this idempotency key is still in progress",
+            Problem::BodyTooLarge { .. } => "Request body too large",
+            Problem::BadRequestBody => "Request body could not be read",
+            Problem::StoreUnavailable => "Idempotency store unavailable",
+            Problem::StoreFull => "Idempotency store full",
+            Problem::UpstreamUnreachable => "Upstream unreachable",
+            Problem::UpstreamTimeout => "Upstream timed out",
+            Problem::UpstreamFailed => "Upstream connection failed",
+            Problem::OutcomeUnknown { .. } => "Outcome of the original request unknown",
+        }
+    }
+
+    fn detail(&self) -> String {
+        match self {
+            Problem::MissingKey { header } => format!(
+                "This endpoint requires an {header} header, so that retries cannot execute the operation twice. Send a unique value (a UUID) per operation and reuse it on every retry."
+            ),
+            Problem::InvalidKey { header, reason } => format!(
+                "The {header} header is not a valid key: {reason}. Use 1 to 255 visible ASCII characters, such as a UUID."
+            ),
+            Problem::KeyReused { .. } => "This idempotency key was already used with a different request (method, path, query or body). The stored result is kept; use a new key for a new operation.".into(),
+            Problem::InFlight { retry_after } => format!(
+                "The original request with this idempotency key has not finished yet. Retry with the same key after {} seconds to get its result.",
+                retry_after.as_secs().max(1)
+            ),
+            Problem::BodyTooLarge { limit } => format!(
+                "The request body exceeds the {limit} bytes this endpoint accepts. It was not forwarded."
+            ),
+            Problem::BadRequestBody => "The request body ended before it was complete. It was not forwarded; retry with the same key.".into(),
+            Problem::StoreUnavailable => "The idempotency store cannot be reached, so the request was not forwarded. Retry with the same key later.".into(),
+            Problem::StoreFull => "The idempotency store is at its capacity, so the request was not forwarded. Retry with the same key later.".into(),
+            Problem::UpstreamUnreachable => "The upstream service could not be reached; the request was not sent. Retrying with the same key will try again.".into(),
+            Problem::UpstreamTimeout => "The upstream service did not answer in time.".into(),
+            Problem::UpstreamFailed => "The connection to the upstream service failed before a complete response arrived.".into(),
+            Problem::OutcomeUnknown { reason } => {
+                let why = match reason {
+                    UnknownReason::Timeout => "the upstream did not answer in time",
+                    UnknownReason::Interrupted => "the connection to the upstream failed after the request was sent",
+                    UnknownReason::Abandoned => "the gateway handling it stopped before the upstream answered",
+                };
+                format!(
+                    "The request with this idempotency key reached the upstream, but {why}, so it may or may not have been executed. It will not be executed again automatically: check the upstream's records before retrying with a new key."
+                )
+            }
+        }
+    }
+
+    fn retry_after(&self) -> Option<Duration> {
+        match self {
+            Problem::InFlight { retry_after } => Some(*retry_after),
+            Problem::StoreUnavailable | Problem::StoreFull => Some(Duration::from_secs(1)),
+            _ => None,
+        }
+    }
+
+    /// The problem+json response.
+    pub fn into_response(self) -> Response<Body> {
+        let status = self.status();
+        let body = serde_json::json!({
+            "type": format!("{TYPE_BASE}{}", self.slug()),
+            "title": self.title(),
+            "status": status.as_u16(),
+            "detail": self.detail(),
+        });
+        let bytes = serde_json::to_vec(&body).unwrap_or_default();
+        let mut resp = Response::new(body::full(Bytes::from(bytes)));
+        *resp.status_mut() = status;
+        let h = resp.headers_mut();
+        h.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/problem+json"),
+        );
+        h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+        if let Some(after) = self.retry_after() {
+            h.insert(
+                header::RETRY_AFTER,
+                HeaderValue::from(after.as_secs().max(1)),
+            );
+        }
+        resp
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::BodyExt;
+
+    #[tokio::test]
+    async fn problems_are_rfc9457_json_with_a_stable_type() {
+        let resp = Problem::InFlight {
+            retry_after: Duration::from_secs(3),
+        }
+        .into_response();
+        assert_eq!(resp.status(), StatusCode::CONFLICT);
+        assert_eq!(
+            resp.headers()[header::CONTENT_TYPE],
+            "application/problem+json"
+        );
+        assert_eq!(resp.headers()[header::RETRY_AFTER], "3");
+        let body = resp.into_body().collect().await.unwrap().to_bytes();
+        let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["type"], "https://idemgate.dev/problems/in-flight");
+        assert_eq!(v["status"], 409);
+        assert!(v["title"].is_string() && v["detail"].is_string());
+    }
+
+    #[test]
+    fn mismatch_status_is_configurable() {
+        let p = Problem::KeyReused {
+            status: StatusCode::UNPROCESSABLE_ENTITY,
+        };
+        assert_eq!(p.status(), StatusCode::UNPROCESSABLE_ENTITY);
+    }
+}

@@ -1,0 +1,307 @@
+//! Route matching: which configured route, if any, a request belongs to. Pure code, no I/O.
+//!
+//! A pattern is a `/`-separated list of segments: a literal, `*` (exactly one segment) or a
+//! trailing `**` (one or more segments). Segments are compared after percent-decoding, so
+//! `/pay%6Dents` cannot slip past the `/payments` route, and one trailing slash is ignored.
+//! Config validation refuses two routes that could match the same request, so at most one route
+//! matches and the order of routes in the file never matters.
+
+use std::borrow::Cow;
+use std::fmt;
+use std::sync::Arc;
+
+use http::Method;
+
+use crate::config::RouteConfig;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Segment {
+    Literal(String),
+    One,
+    Rest,
+}
+
+/// A parsed `path` of a `[[routes]]` entry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RoutePattern {
+    raw: String,
+    segments: Vec<Segment>,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum PatternError {
+    #[error("a path starting with \"/\", such as \"/payments\" or \"/orders/*/capture\"")]
+    NotAbsolute,
+    #[error(
+        "\"**\" only as the last segment (\"/files/**\"); \"*\" and \"**\" only as whole segments"
+    )]
+    BadWildcard,
+    #[error("a path without query (\"?\") or fragment (\"#\")")]
+    HasQuery,
+}
+
+impl RoutePattern {
+    pub fn parse(raw: &str) -> Result<Self, PatternError> {
+        let rest = raw.strip_prefix('/').ok_or(PatternError::NotAbsolute)?;
+        if raw.contains('?') || raw.contains('#') {
+            return Err(PatternError::HasQuery);
+        }
+        let mut segments = Vec::new();
+        let parts: Vec<&str> = split_segments(rest).collect();
+        for (i, part) in parts.iter().enumerate() {
+            let seg = match *part {
+                "*" => Segment::One,
+                "**" if i + 1 == parts.len() => Segment::Rest,
+                p if p.contains('*') => return Err(PatternError::BadWildcard),
+                p => Segment::Literal(decode(p).into_owned()),
+            };
+            segments.push(seg);
+        }
+        Ok(RoutePattern {
+            raw: raw.to_string(),
+            segments,
+        })
+    }
+
+    /// Whether the request path (without query) matches.
+    pub fn matches(&self, path: &str) -> bool {
+        let Some(rest) = path.strip_prefix('/') else {
+            return false;
+        };
+        let mut parts = split_segments(rest);
+        for seg in &self.segments {
+            match seg {
+                Segment::Rest => return parts.next().is_some(),
+                Segment::One => {
+                    if parts.next().is_none() {
+                        return false;
+                    }
+                }
+                Segment::Literal(lit) => match parts.next() {
+                    Some(p) if decode(p) == lit.as_str() => {}
+                    _ => return false,
+                },
+            }
+        }
+        parts.next().is_none()
+    }
+
+    /// A path both patterns match, if there is one.
+    pub fn overlap_example(&self, other: &RoutePattern) -> Option<String> {
+        let (a, b) = (&self.segments, &other.segments);
+        let mut example = String::new();
+        let mut i = 0;
+        loop {
+            match (a.get(i), b.get(i)) {
+                (None, None) => break,
+                (Some(Segment::Rest), Some(_)) | (Some(_), Some(Segment::Rest)) => {
+                    // `**` takes whatever the other has left, as long as it is at least one segment.
+                    let longer = if matches!(a.get(i), Some(Segment::Rest)) {
+                        b
+                    } else {
+                        a
+                    };
+                    for seg in &longer[i..] {
+                        push_example(&mut example, seg);
+                    }
+                    break;
+                }
+                (Some(Segment::Literal(x)), Some(Segment::Literal(y))) if x != y => return None,
+                (Some(Segment::Literal(x)), Some(_)) | (Some(_), Some(Segment::Literal(x))) => {
+                    example.push('/');
+                    example.push_str(x);
+                }
+                (Some(Segment::One), Some(Segment::One)) => example.push_str("/x"),
+                _ => return None,
+            }
+            i += 1;
+        }
+        if example.is_empty() {
+            example.push('/');
+        }
+        Some(example)
+    }
+}
+
+fn push_example(out: &mut String, seg: &Segment) {
+    match seg {
+        Segment::Literal(l) => {
+            out.push('/');
+            out.push_str(l);
+        }
+        Segment::One | Segment::Rest => out.push_str("/x"),
+    }
+}
+
+impl fmt::Display for RoutePattern {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.raw)
+    }
+}
+
+/// Splits `a/b/` into `a`, `b`: one trailing slash does not make an extra (empty) segment.
+fn split_segments(rest: &str) -> impl Iterator<Item = &str> {
+    let trimmed = rest.strip_suffix('/').unwrap_or(rest);
+    let empty = trimmed.is_empty();
+    trimmed.split('/').filter(move |_| !empty)
+}
+
+fn decode(segment: &str) -> Cow<'_, str> {
+    percent_encoding::percent_decode_str(segment).decode_utf8_lossy()
+}
+
+/// The configured idempotent routes, looked up per request.
+#[derive(Debug, Clone)]
+pub struct Router {
+    routes: Vec<Arc<RouteConfig>>,
+}
+
+impl Router {
+    pub fn new(routes: Vec<RouteConfig>) -> Self {
+        Router {
+            routes: routes.into_iter().map(Arc::new).collect(),
+        }
+    }
+
+    /// The route that makes this request idempotent, or `None` for pass-through.
+    pub fn find(&self, method: &Method, path: &str) -> Option<&Arc<RouteConfig>> {
+        self.routes
+            .iter()
+            .find(|r| r.methods.contains(method) && r.pattern.matches(path))
+    }
+
+    pub fn by_name(&self, name: &str) -> Option<&Arc<RouteConfig>> {
+        self.routes.iter().find(|r| r.name == name)
+    }
+
+    pub fn routes(&self) -> &[Arc<RouteConfig>] {
+        &self.routes
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn p(s: &str) -> RoutePattern {
+        RoutePattern::parse(s).unwrap()
+    }
+
+    #[test]
+    fn exact_paths() {
+        let pat = p("/payments");
+        assert!(pat.matches("/payments"));
+        assert!(pat.matches("/payments/"));
+        assert!(pat.matches("/pay%6Dents"));
+        assert!(!pat.matches("/payments/1"));
+        assert!(!pat.matches("/payment"));
+        assert!(!pat.matches("/"));
+        assert!(!pat.matches("payments"));
+    }
+
+    #[test]
+    fn root_only_matches_root() {
+        let pat = p("/");
+        assert!(pat.matches("/"));
+        assert!(!pat.matches("/a"));
+    }
+
+    #[test]
+    fn one_segment_wildcard() {
+        let pat = p("/orders/*/capture");
+        assert!(pat.matches("/orders/42/capture"));
+        assert!(!pat.matches("/orders/capture"));
+        assert!(!pat.matches("/orders/4/2/capture"));
+        assert!(!pat.matches("/orders/42/capture/now"));
+    }
+
+    #[test]
+    fn rest_wildcard_needs_one_segment() {
+        let pat = p("/files/**");
+        assert!(pat.matches("/files/a"));
+        assert!(pat.matches("/files/a/b/c"));
+        assert!(!pat.matches("/files"));
+        assert!(!pat.matches("/files/"));
+        assert!(!pat.matches("/other/a"));
+    }
+
+    #[test]
+    fn bad_patterns_are_refused() {
+        assert_eq!(
+            RoutePattern::parse("payments"),
+            Err(PatternError::NotAbsolute)
+        );
+        assert_eq!(
+            RoutePattern::parse("/a/**/b"),
+            Err(PatternError::BadWildcard)
+        );
+        assert_eq!(RoutePattern::parse("/a*"), Err(PatternError::BadWildcard));
+        assert_eq!(RoutePattern::parse("/a?x=1"), Err(PatternError::HasQuery));
+    }
+
+    #[test]
+    fn overlaps() {
+        assert_eq!(
+            p("/orders/*/capture").overlap_example(&p("/orders/42/capture")),
+            Some("/orders/42/capture".into())
+        );
+        assert_eq!(
+            p("/files/**").overlap_example(&p("/files/a/b")),
+            Some("/files/a/b".into())
+        );
+        assert_eq!(p("/files/**").overlap_example(&p("/files")), None);
+        assert_eq!(p("/a").overlap_example(&p("/b")), None);
+        assert_eq!(p("/a/*").overlap_example(&p("/a")), None);
+        assert_eq!(p("/*/b").overlap_example(&p("/a/*")), Some("/a/b".into()));
+        assert_eq!(p("/").overlap_example(&p("/")), Some("/".into()));
+    }
+
+    fn segment() -> impl Strategy<Value = String> {
+        prop_oneof![
+            Just("a".to_string()),
+            Just("b".to_string()),
+            Just("*".to_string())
+        ]
+    }
+
+    fn concrete() -> impl Strategy<Value = String> {
+        prop::collection::vec(prop_oneof![Just("a"), Just("b"), Just("c")], 0..5)
+            .prop_map(|s| format!("/{}", s.join("/")))
+    }
+
+    fn pattern() -> impl Strategy<Value = String> {
+        (prop::collection::vec(segment(), 0..4), any::<bool>()).prop_map(|(s, rest)| {
+            let mut out = format!("/{}", s.join("/"));
+            if rest {
+                out.push_str(if out.ends_with('/') { "**" } else { "/**" });
+            }
+            out
+        })
+    }
+
+    proptest! {
+        /// The overlap check is exact: it finds a shared path whenever some concrete path matches
+        /// both patterns, and the example it gives really matches both.
+        #[test]
+        fn overlap_is_exact(a in pattern(), b in pattern(), paths in prop::collection::vec(concrete(), 0..40)) {
+            let (pa, pb) = (p(&a), p(&b));
+            match pa.overlap_example(&pb) {
+                Some(ex) => {
+                    prop_assert!(pa.matches(&ex), "{a} should match its example {ex}");
+                    prop_assert!(pb.matches(&ex), "{b} should match its example {ex}");
+                }
+                None => {
+                    for path in paths {
+                        prop_assert!(!(pa.matches(&path) && pb.matches(&path)), "{a} and {b} both match {path}");
+                    }
+                }
+            }
+        }
+
+        #[test]
+        fn matching_never_panics(pat in pattern(), path in ".{0,40}") {
+            let _ = p(&pat).matches(&path);
+        }
+    }
+}

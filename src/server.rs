@@ -1,0 +1,231 @@
+//! The listener: accepts connections (HTTP/1.1 and h2c), hands requests to the gateway, and shuts
+//! down gracefully.
+//!
+//! Shutdown order: stop accepting, let open connections finish their requests (up to
+//! `shutdown_grace`), then wait for detached owner executions to store their results, so nothing
+//! a client was promised is lost.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use hyper_util::server::graceful::GracefulShutdown;
+use tokio::net::TcpListener;
+use tokio::sync::{oneshot, Semaphore};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use crate::config::{Config, ServerConfig};
+use crate::gateway::Gateway;
+use crate::route::Router;
+use crate::store;
+
+/// A client gets this long to send its request headers (slow-loris protection).
+const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+}
+
+/// A bound, not yet serving gateway.
+pub struct Server {
+    listener: TcpListener,
+    gateway: Arc<Gateway>,
+    settings: ServerConfig,
+}
+
+impl Server {
+    /// Opens the store and binds the listener. Must run inside a tokio runtime.
+    pub async fn bind(config: Config) -> Result<Server, ServerError> {
+        let listener = TcpListener::bind(config.server.listen)
+            .await
+            .map_err(|source| ServerError::Bind {
+                addr: config.server.listen,
+                source,
+            })?;
+        let store = store::open(&config.store);
+        let gateway = Arc::new(Gateway::new(
+            Router::new(config.routes),
+            store,
+            config.upstream,
+        ));
+        Ok(Server {
+            listener,
+            gateway,
+            settings: config.server,
+        })
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.listener.local_addr().unwrap_or(self.settings.listen)
+    }
+
+    pub fn gateway(&self) -> &Arc<Gateway> {
+        &self.gateway
+    }
+
+    /// Serves until `shutdown` resolves, then drains. Returns once everything has finished or the
+    /// grace period is over.
+    pub async fn run(self, shutdown: impl Future<Output = ()>) {
+        let Server {
+            listener,
+            gateway,
+            settings,
+        } = self;
+        tracing::info!(addr = %listener.local_addr().unwrap_or(settings.listen), "idemgate listening");
+
+        let graceful = GracefulShutdown::new();
+        let connections = Arc::new(Semaphore::new(settings.max_connections));
+        let mut builder = auto::Builder::new(TokioExecutor::new());
+        builder
+            .http1()
+            .timer(TokioTimer::new())
+            .header_read_timeout(HEADER_READ_TIMEOUT);
+        tokio::pin!(shutdown);
+
+        loop {
+            let permit = tokio::select! {
+                p = Arc::clone(&connections).acquire_owned() => match p {
+                    Ok(p) => p,
+                    Err(_) => break,
+                },
+                () = &mut shutdown => break,
+            };
+            let (stream, peer) = tokio::select! {
+                r = listener.accept() => match r {
+                    Ok(conn) => conn,
+                    Err(e) => {
+                        // Typically EMFILE: back off instead of spinning.
+                        tracing::warn!(error = %e, "accept failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                },
+                () = &mut shutdown => break,
+            };
+            let _ = stream.set_nodelay(true);
+            let gw = Arc::clone(&gateway);
+            let svc = service_fn(move |req| {
+                let gw = Arc::clone(&gw);
+                async move { Ok::<_, Infallible>(gw.handle(req, peer).await) }
+            });
+            let conn = builder
+                .serve_connection(TokioIo::new(stream), svc)
+                .into_owned();
+            let conn = graceful.watch(conn);
+            tokio::spawn(async move {
+                if let Err(e) = conn.await {
+                    tracing::debug!(error = %e, %peer, "connection ended with an error");
+                }
+                drop(permit);
+            });
+        }
+
+        drop(listener);
+        let deadline = Instant::now() + settings.shutdown_grace;
+        tracing::info!(grace = ?settings.shutdown_grace, "shutting down: draining connections");
+        if tokio::time::timeout_at(deadline, graceful.shutdown())
+            .await
+            .is_err()
+        {
+            tracing::warn!("grace period over with connections still open");
+        }
+        let tasks = gateway.tasks();
+        tasks.close();
+        if tokio::time::timeout_at(deadline, tasks.wait())
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                running = tasks.len(),
+                "grace period over with upstream calls still running; their keys stay pending"
+            );
+        }
+        tracing::info!("shut down");
+    }
+}
+
+/// A gateway serving in the background: for tests and embedding.
+pub struct Running {
+    addr: SocketAddr,
+    gateway: Arc<Gateway>,
+    stop: Option<oneshot::Sender<()>>,
+    task: JoinHandle<()>,
+}
+
+impl Running {
+    /// Binds and starts serving in a background task.
+    pub async fn start(config: Config) -> Result<Running, ServerError> {
+        let server = Server::bind(config).await?;
+        let addr = server.local_addr();
+        let gateway = Arc::clone(server.gateway());
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(server.run(async move {
+            let _ = stopped.await;
+        }));
+        Ok(Running {
+            addr,
+            gateway,
+            stop: Some(stop),
+            task,
+        })
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    pub fn gateway(&self) -> &Arc<Gateway> {
+        &self.gateway
+    }
+
+    /// Shuts down gracefully and waits until done.
+    pub async fn shutdown(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        let _ = (&mut self.task).await;
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+    }
+}
+
+/// Resolves on SIGTERM or SIGINT.
+pub async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = tokio::signal::ctrl_c() => {}
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot listen for SIGTERM; only Ctrl-C stops the gateway");
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}

@@ -1,0 +1,423 @@
+//! The embedded store: one process, records in a hash map behind one mutex.
+//!
+//! Bounded by `max_keys` and `max_bytes`: at the bound it refuses *new* keys (the gateway answers
+//! 503) rather than evicting live ones, which would let a retry execute again. A completed
+//! response that no longer fits the byte budget is kept without its body (and replays say so).
+//! Expired records are invisible at once and are purged by a background task once a second; the
+//! task holds only a weak reference and ends with the store. Everything is lost on restart: use the
+//! Redis store when that matters or when more than one instance runs.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use tokio::time::Instant;
+
+use super::wait::{Subscription, Waiters};
+use super::{
+    ms_after, now_ms, OwnerToken, Record, RecordState, Reservation, Store, StoreError,
+    StoredResponse, UnknownReason,
+};
+use crate::fingerprint::Fingerprint;
+use crate::key::StoreKey;
+
+/// Fixed cost charged per record against `max_bytes`, besides its response.
+const RECORD_OVERHEAD: usize = 256;
+const PURGE_INTERVAL: Duration = Duration::from_secs(1);
+
+pub struct MemoryStore {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    inner: Mutex<Inner>,
+    waiters: Waiters,
+    max_keys: usize,
+    max_bytes: u64,
+}
+
+#[derive(Default)]
+struct Inner {
+    map: HashMap<StoreKey, Entry>,
+    /// Expiry times; an item is stale when its entry is gone or has another `generation`.
+    expiry: BinaryHeap<Reverse<(Instant, u64, StoreKey)>>,
+    bytes: u64,
+    next_generation: u64,
+    purged: u64,
+}
+
+struct Entry {
+    record: Record,
+    expires_at: Instant,
+    generation: u64,
+    size: u64,
+}
+
+impl MemoryStore {
+    /// Creates the store and starts its purge task (so it must be called inside a tokio runtime).
+    pub fn new(max_keys: usize, max_bytes: u64) -> Self {
+        let shared = Arc::new(Shared {
+            inner: Mutex::new(Inner::default()),
+            waiters: Waiters::new(),
+            max_keys,
+            max_bytes,
+        });
+        tokio::spawn(purge_loop(Arc::downgrade(&shared)));
+        MemoryStore { shared }
+    }
+
+    /// Records currently held (expired ones included until purged).
+    pub fn len(&self) -> usize {
+        self.shared.lock().map.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Records removed by expiry so far.
+    pub fn purged(&self) -> u64 {
+        self.shared.lock().purged
+    }
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // A panic while holding the lock cannot leave a half-written entry (every mutation is a
+        // single insert or remove), so a poisoned lock is still consistent.
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl Inner {
+    /// The live entry for `key`; an expired one is removed on the spot.
+    fn live(&mut self, key: &StoreKey, now: Instant) -> Option<&mut Entry> {
+        if self.map.get(key).is_some_and(|e| e.expires_at <= now) {
+            self.remove(key);
+            self.purged += 1;
+        }
+        self.map.get_mut(key)
+    }
+
+    fn insert(&mut self, key: StoreKey, record: Record, expires_at: Instant, size: u64) {
+        let generation = self.next_generation;
+        self.next_generation += 1;
+        self.expiry
+            .push(Reverse((expires_at, generation, key.clone())));
+        self.bytes += size;
+        if let Some(old) = self.map.insert(
+            key,
+            Entry {
+                record,
+                expires_at,
+                generation,
+                size,
+            },
+        ) {
+            self.bytes -= old.size;
+        }
+    }
+
+    fn remove(&mut self, key: &StoreKey) -> Option<Entry> {
+        let e = self.map.remove(key)?;
+        self.bytes -= e.size;
+        Some(e)
+    }
+
+    /// The pending entry owned by `owner`, or `NotOwner`.
+    fn owned(
+        &mut self,
+        key: &StoreKey,
+        owner: OwnerToken,
+        now: Instant,
+    ) -> Result<&mut Entry, StoreError> {
+        match self.live(key, now) {
+            Some(e) if matches!(e.record.state, RecordState::Pending { owner: o, .. } if o == owner) => {
+                Ok(e)
+            }
+            _ => Err(StoreError::NotOwner),
+        }
+    }
+
+    fn purge_expired(&mut self, now: Instant) {
+        while let Some(Reverse((at, generation, _))) = self.expiry.peek() {
+            if *at > now {
+                break;
+            }
+            let (generation, key) = (*generation, self.expiry.pop().map(|Reverse((_, _, k))| k));
+            let Some(key) = key else { break };
+            if self
+                .map
+                .get(&key)
+                .is_some_and(|e| e.generation == generation)
+            {
+                self.remove(&key);
+                self.purged += 1;
+            }
+        }
+    }
+}
+
+async fn purge_loop(shared: Weak<Shared>) {
+    let mut tick = tokio::time::interval(PURGE_INTERVAL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let Some(shared) = shared.upgrade() else {
+            return;
+        };
+        shared.lock().purge_expired(Instant::now());
+    }
+}
+
+fn deadline(ttl: Duration) -> Instant {
+    // Far-future TTLs saturate instead of overflowing.
+    let now = Instant::now();
+    now.checked_add(ttl)
+        .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 24 * 3600))
+}
+
+#[async_trait]
+impl Store for MemoryStore {
+    async fn reserve(
+        &self,
+        key: &StoreKey,
+        fingerprint: Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<Reservation, StoreError> {
+        let now = Instant::now();
+        let mut inner = self.shared.lock();
+        if let Some(e) = inner.live(key, now) {
+            return Ok(Reservation::Existing(e.record.clone()));
+        }
+        if inner.map.len() >= self.shared.max_keys {
+            inner.purge_expired(now);
+            if inner.map.len() >= self.shared.max_keys {
+                return Err(StoreError::Full("max_keys"));
+            }
+        }
+        let size = RECORD_OVERHEAD as u64;
+        if inner.bytes + size > self.shared.max_bytes {
+            inner.purge_expired(now);
+            if inner.bytes + size > self.shared.max_bytes {
+                return Err(StoreError::Full("max_bytes"));
+            }
+        }
+        let owner = OwnerToken::random();
+        let record = Record {
+            fingerprint,
+            created_ms: now_ms(),
+            state: RecordState::Pending {
+                owner,
+                lease_until_ms: ms_after(lease),
+            },
+        };
+        inner.insert(key.clone(), record, deadline(ttl), size);
+        Ok(Reservation::Owner(owner))
+    }
+
+    async fn get(&self, key: &StoreKey) -> Result<Option<Record>, StoreError> {
+        let mut inner = self.shared.lock();
+        Ok(inner.live(key, Instant::now()).map(|e| e.record.clone()))
+    }
+
+    async fn complete(
+        &self,
+        key: &StoreKey,
+        owner: OwnerToken,
+        mut response: StoredResponse,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        {
+            let mut inner = self.shared.lock();
+            let entry = inner.owned(key, owner, Instant::now())?;
+            let old_size = entry.size;
+            let mut record = entry.record.clone();
+            // The upstream already executed: the record must be stored whatever the budget says,
+            // so at the byte bound only the body is dropped (and the replay says so).
+            let budget = self.shared.max_bytes.saturating_sub(inner.bytes - old_size);
+            if (RECORD_OVERHEAD + response.size()) as u64 > budget && response.body_kept {
+                response.body = Bytes::new();
+                response.body_kept = false;
+            }
+            let size = (RECORD_OVERHEAD + response.size()) as u64;
+            record.state = RecordState::Completed(Arc::new(response));
+            inner.insert(key.clone(), record, deadline(ttl), size);
+        }
+        self.shared.waiters.notify(key);
+        Ok(())
+    }
+
+    async fn mark_unknown(
+        &self,
+        key: &StoreKey,
+        owner: OwnerToken,
+        reason: UnknownReason,
+    ) -> Result<(), StoreError> {
+        {
+            let mut inner = self.shared.lock();
+            let entry = inner.owned(key, owner, Instant::now())?;
+            entry.record.state = RecordState::Unknown {
+                since_ms: now_ms(),
+                reason,
+            };
+        }
+        self.shared.waiters.notify(key);
+        Ok(())
+    }
+
+    async fn release(&self, key: &StoreKey, owner: OwnerToken) -> Result<(), StoreError> {
+        {
+            let mut inner = self.shared.lock();
+            inner.owned(key, owner, Instant::now())?;
+            inner.remove(key);
+        }
+        self.shared.waiters.notify(key);
+        Ok(())
+    }
+
+    async fn renew(
+        &self,
+        key: &StoreKey,
+        owner: OwnerToken,
+        lease: Duration,
+    ) -> Result<(), StoreError> {
+        let mut inner = self.shared.lock();
+        let entry = inner.owned(key, owner, Instant::now())?;
+        entry.record.state = RecordState::Pending {
+            owner,
+            lease_until_ms: ms_after(lease),
+        };
+        Ok(())
+    }
+
+    async fn delete(&self, key: &StoreKey) -> Result<bool, StoreError> {
+        let removed = self.shared.lock().remove(key).is_some();
+        if removed {
+            self.shared.waiters.notify(key);
+        }
+        Ok(removed)
+    }
+
+    fn subscribe(&self, key: &StoreKey) -> Subscription {
+        self.shared.waiters.subscribe(key)
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::key::ClientScope;
+
+    fn key(k: &str) -> StoreKey {
+        StoreKey::new(&ClientScope::from_value(b"c"), "r", k)
+    }
+
+    fn response(body: &'static [u8]) -> StoredResponse {
+        StoredResponse {
+            status: http::StatusCode::CREATED,
+            headers: vec![],
+            body: Bytes::from_static(body),
+            body_kept: true,
+            completed_ms: 0,
+        }
+    }
+
+    async fn own(s: &MemoryStore, k: &str, ttl: Duration) -> OwnerToken {
+        match s
+            .reserve(&key(k), Fingerprint([0; 32]), Duration::from_secs(30), ttl)
+            .await
+            .unwrap()
+        {
+            Reservation::Owner(t) => t,
+            other => panic!("expected to own {k}, got {other:?}"),
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn records_expire_after_ttl_and_are_purged() {
+        let s = MemoryStore::new(10, 1 << 20);
+        let t = own(&s, "a", Duration::from_secs(60)).await;
+        s.complete(&key("a"), t, response(b"x"), Duration::from_secs(60))
+            .await
+            .unwrap();
+        tokio::time::advance(Duration::from_secs(59)).await;
+        assert!(s.get(&key("a")).await.unwrap().is_some());
+        tokio::time::advance(Duration::from_secs(2)).await;
+        // Purge runs on its own timer; give it a tick.
+        tokio::time::sleep(PURGE_INTERVAL).await;
+        assert_eq!(s.len(), 0, "the purge task removed the expired record");
+        assert_eq!(s.purged(), 1);
+        assert!(s.get(&key("a")).await.unwrap().is_none());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn pending_records_live_for_the_full_ttl() {
+        let s = MemoryStore::new(10, 1 << 20);
+        own(&s, "a", Duration::from_secs(3600)).await;
+        tokio::time::advance(Duration::from_secs(600)).await;
+        assert!(matches!(
+            s.reserve(
+                &key("a"),
+                Fingerprint([0; 32]),
+                Duration::from_secs(30),
+                Duration::from_secs(3600)
+            )
+            .await
+            .unwrap(),
+            Reservation::Existing(Record {
+                state: RecordState::Pending { .. },
+                ..
+            })
+        ));
+    }
+
+    #[tokio::test]
+    async fn at_max_keys_new_keys_are_refused_and_live_ones_kept() {
+        let s = MemoryStore::new(2, 1 << 20);
+        own(&s, "a", Duration::from_secs(60)).await;
+        own(&s, "b", Duration::from_secs(60)).await;
+        let err = s
+            .reserve(
+                &key("c"),
+                Fingerprint([0; 32]),
+                Duration::from_secs(30),
+                Duration::from_secs(60),
+            )
+            .await
+            .unwrap_err();
+        assert_eq!(err, StoreError::Full("max_keys"));
+        assert!(s.get(&key("a")).await.unwrap().is_some());
+        assert!(s.get(&key("b")).await.unwrap().is_some());
+    }
+
+    #[tokio::test]
+    async fn at_max_bytes_the_body_is_dropped_not_the_record() {
+        let s = MemoryStore::new(10, 600);
+        let t = own(&s, "a", Duration::from_secs(60)).await;
+        s.complete(
+            &key("a"),
+            t,
+            response(&[b'x'; 1000]),
+            Duration::from_secs(60),
+        )
+        .await
+        .unwrap();
+        match s.get(&key("a")).await.unwrap().unwrap().state {
+            RecordState::Completed(r) => {
+                assert!(!r.body_kept);
+                assert!(r.body.is_empty());
+                assert_eq!(r.status, http::StatusCode::CREATED);
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+}
