@@ -1,0 +1,405 @@
+//! Test harness: a real upstream and the real gateway on loopback port 0, and a small client.
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderMap, Method, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full, StreamBody};
+use hyper::body::{Frame, Incoming};
+use hyper::service::service_fn;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use idemgate::config::Config;
+use idemgate::server::Running;
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, Semaphore};
+
+/// A request the upstream received (its body read in full).
+#[derive(Debug, Clone)]
+pub struct Seen {
+    pub method: Method,
+    pub path_and_query: String,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+/// How the upstream answers one request.
+pub enum Reply {
+    /// Answer at once.
+    Respond {
+        status: u16,
+        headers: Vec<(&'static str, String)>,
+        body: Bytes,
+    },
+    /// Wait for one permit of the gate, then answer.
+    Gated(Arc<Semaphore>, Box<Reply>),
+    /// Close the connection after reading the request, without answering.
+    Reset,
+    /// Never answer.
+    Hang,
+    /// Send the head and the first chunk, wait for the gate, then send the second chunk.
+    Stream {
+        first: Bytes,
+        gate: Arc<Semaphore>,
+        second: Bytes,
+    },
+}
+
+impl Reply {
+    pub fn json(status: u16, body: &str) -> Reply {
+        Reply::Respond {
+            status,
+            headers: vec![("content-type", "application/json".into())],
+            body: Bytes::copy_from_slice(body.as_bytes()),
+        }
+    }
+
+    pub fn gated(self, gate: &Arc<Semaphore>) -> Reply {
+        Reply::Gated(Arc::clone(gate), Box::new(self))
+    }
+}
+
+type Handler = Arc<dyn Fn(&Seen, usize) -> Reply + Send + Sync>;
+
+/// A real HTTP/1.1 upstream on 127.0.0.1:0 that records every request it executes.
+pub struct Upstream {
+    pub addr: SocketAddr,
+    seen: Arc<Mutex<Vec<Seen>>>,
+    arrivals: tokio::sync::Mutex<mpsc::UnboundedReceiver<Seen>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Upstream {
+    /// Starts an upstream whose handler gets each request and its 1-based execution number.
+    pub async fn start(
+        handler: impl Fn(&Seen, usize) -> Reply + Send + Sync + 'static,
+    ) -> Upstream {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        Self::serve(listener, Arc::new(handler))
+    }
+
+    /// Starts on a given address (to bring an upstream up where one was missing).
+    pub async fn start_on(
+        addr: SocketAddr,
+        handler: impl Fn(&Seen, usize) -> Reply + Send + Sync + 'static,
+    ) -> Upstream {
+        let listener = TcpListener::bind(addr).await.unwrap();
+        Self::serve(listener, Arc::new(handler))
+    }
+
+    /// An upstream answering 201 with a JSON body numbering the execution.
+    pub async fn counting() -> Upstream {
+        Self::start(|seen, n| Reply::Respond {
+            status: 201,
+            headers: vec![
+                ("content-type", "application/json".into()),
+                ("x-execution", n.to_string()),
+                ("set-cookie", format!("session={n}; HttpOnly")),
+            ],
+            body: Bytes::from(format!(
+                "{{\"execution\":{n},\"path\":\"{}\",\"bytes\":{}}}",
+                seen.path_and_query,
+                seen.body.len()
+            )),
+        })
+        .await
+    }
+
+    fn serve(listener: TcpListener, handler: Handler) -> Upstream {
+        let addr = listener.local_addr().unwrap();
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let (tx, rx) = mpsc::unbounded_channel();
+        let seen2 = Arc::clone(&seen);
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else {
+                    return;
+                };
+                let handler = Arc::clone(&handler);
+                let seen = Arc::clone(&seen2);
+                let tx = tx.clone();
+                tokio::spawn(async move {
+                    let svc = service_fn(move |req: Request<Incoming>| {
+                        let handler = Arc::clone(&handler);
+                        let seen = Arc::clone(&seen);
+                        let tx = tx.clone();
+                        async move {
+                            let (parts, body) = req.into_parts();
+                            let body = body
+                                .collect()
+                                .await
+                                .map(|b| b.to_bytes())
+                                .unwrap_or_default();
+                            let s = Seen {
+                                method: parts.method,
+                                path_and_query: parts
+                                    .uri
+                                    .path_and_query()
+                                    .map(|p| p.to_string())
+                                    .unwrap_or_default(),
+                                headers: parts.headers,
+                                body,
+                            };
+                            let n = {
+                                let mut all = seen.lock().unwrap();
+                                all.push(s.clone());
+                                all.len()
+                            };
+                            let _ = tx.send(s.clone());
+                            let reply = handler(&s, n);
+                            respond(reply).await
+                        }
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), svc)
+                        .await;
+                });
+            }
+        });
+        Upstream {
+            addr,
+            seen,
+            arrivals: tokio::sync::Mutex::new(rx),
+            task,
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// How many requests reached the upstream (executions).
+    pub fn executions(&self) -> usize {
+        self.seen.lock().unwrap().len()
+    }
+
+    pub fn seen(&self) -> Vec<Seen> {
+        self.seen.lock().unwrap().clone()
+    }
+
+    /// Waits until the next request reaches the upstream (at most 10 s).
+    pub async fn next_arrival(&self) -> Seen {
+        tokio::time::timeout(Duration::from_secs(10), self.arrivals.lock().await.recv())
+            .await
+            .expect("no request reached the upstream within 10s")
+            .expect("upstream stopped")
+    }
+}
+
+impl Drop for Upstream {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+type UpBody = http_body_util::combinators::BoxBody<Bytes, std::io::Error>;
+
+fn respond(
+    reply: Reply,
+) -> std::pin::Pin<
+    Box<dyn std::future::Future<Output = Result<Response<UpBody>, std::io::Error>> + Send>,
+> {
+    Box::pin(async move {
+        match reply {
+            Reply::Respond {
+                status,
+                headers,
+                body,
+            } => {
+                let mut b = Response::builder().status(status);
+                for (k, v) in headers {
+                    b = b.header(k, v);
+                }
+                Ok(
+                    b.body(Full::new(body).map_err(|never| match never {}).boxed())
+                        .unwrap(),
+                )
+            }
+            Reply::Gated(gate, inner) => {
+                let _permit = gate.acquire().await.unwrap();
+                respond(*inner).await
+            }
+            Reply::Reset => Err(std::io::Error::other("upstream resets the connection")),
+            Reply::Hang => {
+                std::future::pending::<()>().await;
+                unreachable!()
+            }
+            Reply::Stream {
+                first,
+                gate,
+                second,
+            } => {
+                let stream = futures_util::stream::unfold(0u8, move |state| {
+                    let (first, gate, second) = (first.clone(), Arc::clone(&gate), second.clone());
+                    async move {
+                        match state {
+                            0 => Some((Ok(Frame::data(first)), 1)),
+                            1 => {
+                                let _p = gate.acquire().await.unwrap();
+                                Some((Ok(Frame::data(second)), 2))
+                            }
+                            _ => None,
+                        }
+                    }
+                });
+                Ok(Response::builder()
+                    .status(200)
+                    .body(StreamBody::new(stream).boxed())
+                    .unwrap())
+            }
+        }
+    })
+}
+
+/// A gateway config for tests: listens on port 0, `extra` is appended (defaults and routes).
+pub fn config(upstream: &str, extra: &str) -> Config {
+    let text = format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\nshutdown_grace = \"5s\"\n[upstream]\nurl = \"{upstream}\"\n{extra}"
+    );
+    Config::parse(&text).unwrap_or_else(|e| panic!("test config invalid: {e}\n{text}"))
+}
+
+/// Starts the real gateway in-process on loopback port 0.
+pub async fn gateway(upstream: &str, extra: &str) -> Running {
+    Running::start(config(upstream, extra)).await.unwrap()
+}
+
+/// The standard payments route.
+pub const PAYMENTS: &str =
+    "[[routes]]\nname = \"payments\"\npath = \"/payments\"\nmethods = [\"POST\"]\n";
+
+/// A response as the client saw it.
+#[derive(Debug, Clone)]
+pub struct Got {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+impl Got {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+
+    pub fn is_replay(&self) -> bool {
+        self.header("idempotent-replayed") == Some("true")
+    }
+
+    /// The `type` of a problem+json body (asserting it is one).
+    pub fn problem_type(&self) -> String {
+        assert_eq!(
+            self.header("content-type"),
+            Some("application/problem+json"),
+            "not a problem response: {self:?}"
+        );
+        let v: serde_json::Value = serde_json::from_slice(&self.body).unwrap();
+        assert_eq!(v["status"].as_u64(), Some(u64::from(self.status.as_u16())));
+        let t = v["type"].as_str().unwrap().to_string();
+        t.strip_prefix("https://idemgate.dev/problems/")
+            .unwrap_or(&t)
+            .to_string()
+    }
+
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+}
+
+/// A plain HTTP/1.1 client.
+#[derive(Clone)]
+pub struct Http {
+    client: Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>,
+    base: String,
+}
+
+impl Http {
+    pub fn new(addr: SocketAddr) -> Http {
+        Http {
+            client: Client::builder(TokioExecutor::new()).build_http(),
+            base: format!("http://{addr}"),
+        }
+    }
+
+    pub fn request(&self, method: &str, path: &str) -> Req {
+        Req {
+            http: self.clone(),
+            builder: Request::builder()
+                .method(method)
+                .uri(format!("{}{path}", self.base)),
+            body: Bytes::new(),
+        }
+    }
+
+    /// `POST path` with a JSON body and an idempotency key.
+    pub async fn post(&self, path: &str, key: &str, json: &str) -> Got {
+        self.request("POST", path)
+            .header("idempotency-key", key)
+            .json(json)
+            .send()
+            .await
+    }
+}
+
+pub struct Req {
+    http: Http,
+    builder: http::request::Builder,
+    body: Bytes,
+}
+
+impl Req {
+    pub fn header(mut self, k: &str, v: &str) -> Req {
+        self.builder = self.builder.header(k, v);
+        self
+    }
+
+    pub fn json(mut self, body: &str) -> Req {
+        self.builder = self.builder.header("content-type", "application/json");
+        self.body = Bytes::copy_from_slice(body.as_bytes());
+        self
+    }
+
+    pub fn body(mut self, body: impl Into<Bytes>) -> Req {
+        self.body = body.into();
+        self
+    }
+
+    pub async fn send(self) -> Got {
+        let req = self.builder.body(Full::new(self.body)).unwrap();
+        let resp = tokio::time::timeout(Duration::from_secs(30), self.http.client.request(req))
+            .await
+            .expect("no response within 30s")
+            .expect("request failed");
+        let (parts, body) = resp.into_parts();
+        let body = body.collect().await.unwrap().to_bytes();
+        Got {
+            status: parts.status,
+            headers: parts.headers,
+            body,
+        }
+    }
+}
+
+/// A free loopback port with nothing listening on it.
+pub async fn closed_port() -> SocketAddr {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    l.local_addr().unwrap()
+}
+
+/// Sends a raw HTTP/1.1 request over TCP and returns the raw response (for chunked bodies and
+/// connection-level behaviour the client above hides).
+pub async fn raw(addr: SocketAddr, request: &[u8]) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(request).await.unwrap();
+    let mut out = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut out)).await;
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+pub fn infallible<T>(t: T) -> Result<T, Infallible> {
+    Ok(t)
+}
