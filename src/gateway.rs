@@ -158,8 +158,8 @@ impl Gateway {
         let (resp, outcome, key) = self.idempotent(route.clone(), req, peer).await;
         tracing::info!(
             route = %route.name,
-            key = key.as_ref().map(StoreKey::short).unwrap_or("-"),
-            outcome = outcome.as_str(),
+            key = %key.as_ref().map(StoreKey::short).unwrap_or("-"),
+            outcome = %outcome.as_str(),
             status = resp.status().as_u16(),
             elapsed_ms = started.elapsed().as_millis() as u64,
             "idempotent request"
@@ -446,18 +446,14 @@ impl Gateway {
             }
         }
 
-        let mut resp = Response::from_parts(
+        // The upstream's own framing headers still hold: the body is the same bytes.
+        let resp = Response::from_parts(
             forwarded.head,
             match forwarded.body {
                 ForwardedBody::Complete(b) => body::full(b),
                 ForwardedBody::Streaming { head, rest } => body::prepend(head, rest),
             },
         );
-        resp.headers_mut().remove(header::CONTENT_LENGTH);
-        if let Some(len) = HttpBody::size_hint(resp.body()).exact() {
-            resp.headers_mut()
-                .insert(header::CONTENT_LENGTH, HeaderValue::from(len));
-        }
         let outcome = if released {
             Outcome::UpstreamError
         } else {

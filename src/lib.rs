@@ -3,18 +3,18 @@
 //! retry gets the first result back.
 //!
 //! # Layout
-//! - [`cli`]: the command line (`run`, `check`); `main.rs` only calls it.
-//! - [`config`]: `proxy.toml` -> validated [`config::Config`]; every rejection names field and value.
-//! - [`route`]: which route a request belongs to (pure matching, overlap detection).
-//! - [`key`]: the `Idempotency-Key` header, client scoping, the hashed store key.
-//! - [`fingerprint`]: "same request?": SHA-256 over method, path, query and canonical body.
-//! - [`store`]: the store contract, records, and backends ([`store::memory`]); waiting on a key.
-//! - [`upstream`]: the pooled client, request rewriting, failure classification.
-//! - [`body`]: the body type, capped reading, streaming what is too large to keep.
-//! - [`gateway`]: the idempotency state machine, phase by phase (start here).
-//! - [`problem`]: every response the gateway makes itself (RFC 9457), in one place.
-//! - [`server`]: listener, connections, graceful shutdown.
-//! - [`telemetry`]: logging.
+//! - [`cli`] - the command line (`run`, `check`); `main.rs` only calls it.
+//! - [`config`] - `proxy.toml` -> validated [`config::Config`]; every rejection names field and value.
+//! - [`route`] - which route a request belongs to (pure matching, overlap detection).
+//! - [`key`] - the `Idempotency-Key` header, client scoping, the hashed store key.
+//! - [`fingerprint`] - "same request?": SHA-256 over method, path, query and canonical body.
+//! - [`store`] - the store contract, records, and backends ([`store::memory`]); waiting on a key.
+//! - [`upstream`] - the pooled client, request rewriting, failure classification.
+//! - [`body`] - the body type, capped reading, streaming what is too large to keep.
+//! - [`gateway`] - the idempotency state machine, phase by phase (start here).
+//! - [`problem`] - every response the gateway makes itself (RFC 9457), in one place.
+//! - [`server`] - listener, connections, graceful shutdown.
+//! - [`telemetry`] - logging.
 
 pub mod body;
 pub mod cli;

@@ -14,6 +14,16 @@ use http::{header, HeaderValue, Response, StatusCode};
 /// Base of every problem `type` URI; `docs/problems.md` documents each one.
 pub const TYPE_BASE: &str = "https://idemgate.dev/problems/";
 
+/// The RFC 9457 members, in the order the RFC lists them.
+#[derive(serde::Serialize)]
+struct ProblemJson {
+    #[serde(rename = "type")]
+    kind: String,
+    title: &'static str,
+    status: u16,
+    detail: String,
+}
+
 /// Why the gateway answered instead of the upstream.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Problem {
@@ -151,12 +161,12 @@ impl Problem {
     /// The problem+json response.
     pub fn into_response(self) -> Response<Body> {
         let status = self.status();
-        let body = serde_json::json!({
-            "type": format!("{TYPE_BASE}{}", self.slug()),
-            "title": self.title(),
-            "status": status.as_u16(),
-            "detail": self.detail(),
-        });
+        let body = ProblemJson {
+            kind: format!("{TYPE_BASE}{}", self.slug()),
+            title: self.title(),
+            status: status.as_u16(),
+            detail: self.detail(),
+        };
         let bytes = serde_json::to_vec(&body).unwrap_or_default();
         let mut resp = Response::new(body::full(Bytes::from(bytes)));
         *resp.status_mut() = status;

@@ -243,3 +243,58 @@ fn describe_lists_routes() {
         "{text}"
     );
 }
+
+/// The names serde accepts in one table, read from its "unknown field" error.
+fn accepted_keys(section: &str) -> Vec<String> {
+    let text = match section {
+        "routes" => format!("{MINIMAL}__probe__ = 1\n"),
+        "routes-own" => return ROUTE_OWN_KEYS.iter().map(|s| s.to_string()).collect(),
+        "server" => "[server]\n__probe__ = 1\n".to_string(),
+        other => format!("[server]\nlisten = \"127.0.0.1:1\"\n[{other}]\n__probe__ = 1\n"),
+    };
+    let msg = match Config::parse(&text) {
+        Err(ConfigError::Syntax(m)) => m,
+        other => panic!("{section}: expected an unknown-field error, got {other:?}"),
+    };
+    // serde says "expected `url`" for a single field and "expected one of `a`, `b`" for more.
+    let list = msg
+        .split("expected")
+        .nth(1)
+        .unwrap_or_else(|| panic!("{msg}"));
+    list.split('`')
+        .skip(1)
+        .step_by(2)
+        .map(str::to_string)
+        .collect()
+}
+
+#[test]
+fn every_config_key_is_documented() {
+    let docs = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/docs/configuration.md"
+    ))
+    .unwrap();
+    let mut missing = Vec::new();
+    for (section, prefix) in [
+        ("server", "server."),
+        ("store", "store."),
+        ("upstream", "upstream."),
+        ("defaults", ""),
+        ("routes-own", "routes."),
+        ("routes", ""),
+    ] {
+        let keys = accepted_keys(section);
+        assert!(!keys.is_empty(), "{section}");
+        for k in keys {
+            let documented = format!("`{prefix}{k}`");
+            if !docs.contains(&documented) {
+                missing.push(documented);
+            }
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "docs/configuration.md does not document {missing:?}"
+    );
+}

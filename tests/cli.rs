@@ -1,0 +1,155 @@
+//! The real binary: `idemgate check` and `idemgate run`, as an operator uses them.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use support::*;
+
+const BIN: &str = env!("CARGO_BIN_EXE_idemgate");
+
+fn write_config(dir: &std::path::Path, text: &str) -> std::path::PathBuf {
+    let path = dir.join("proxy.toml");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+fn temp_dir(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("idemgate-cli-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+#[test]
+fn check_accepts_the_shipped_proxy_toml_and_prints_routes() {
+    let out = Command::new(BIN)
+        .args([
+            "check",
+            "--config",
+            concat!(env!("CARGO_MANIFEST_DIR"), "/proxy.toml"),
+        ])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("route \"payments\": POST /payments"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("route \"capture\": POST /orders/*/capture"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("config OK"));
+}
+
+#[test]
+fn check_reads_idemgate_config_from_the_environment() {
+    let out = Command::new(BIN)
+        .arg("check")
+        .env(
+            "IDEMGATE_CONFIG",
+            concat!(env!("CARGO_MANIFEST_DIR"), "/proxy.toml"),
+        )
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+}
+
+#[test]
+fn bad_config_exits_64_naming_the_field_and_value() {
+    let dir = temp_dir("bad");
+    let path = write_config(
+        &dir,
+        "[server]\nlisten = \"127.0.0.1:0\"\n[upstream]\nurl = \"http://127.0.0.1:1\"\n[[routes]]\npath = \"/p\"\nttl = \"forever\"\n",
+    );
+    for cmd in ["check", "run"] {
+        let out = Command::new(BIN)
+            .args([cmd, "--config"])
+            .arg(&path)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(64), "{cmd}: {stderr}");
+        assert!(
+            stderr.contains("routes[0].ttl") && stderr.contains("forever"),
+            "{stderr}"
+        );
+    }
+    let missing = Command::new(BIN)
+        .args(["check", "--config", "/nonexistent/proxy.toml"])
+        .output()
+        .unwrap();
+    assert_eq!(missing.status.code(), Some(64));
+    assert!(String::from_utf8_lossy(&missing.stderr).contains("/nonexistent/proxy.toml"));
+}
+
+/// Reads stderr lines until the "listening" line and returns the address it names.
+fn wait_listening(child: &mut Child) -> std::net::SocketAddr {
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    loop {
+        let line = rx
+            .recv_timeout(Duration::from_secs(20))
+            .expect("the gateway printed no 'listening' line within 20s");
+        if line.contains("idemgate listening") {
+            let addr = line
+                .split("addr=")
+                .nth(1)
+                .unwrap()
+                .split_whitespace()
+                .next()
+                .unwrap();
+            return addr.parse().unwrap();
+        }
+    }
+}
+
+#[tokio::test]
+async fn run_serves_then_exits_0_on_sigterm() {
+    let up = Upstream::counting().await;
+    let dir = temp_dir("run");
+    let path = write_config(
+        &dir,
+        &format!(
+            "[server]\nlisten = \"127.0.0.1:0\"\n[upstream]\nurl = \"{}\"\n{PAYMENTS}",
+            up.url()
+        ),
+    );
+    let mut child = Command::new(BIN)
+        .args(["run", "--config"])
+        .arg(&path)
+        .env("RUST_LOG", "info")
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let addr = wait_listening(&mut child);
+    let http = Http::new(addr);
+    assert_eq!(http.post("/payments", "k", "{}").await.status, 201);
+    assert!(http.post("/payments", "k", "{}").await.is_replay());
+    assert_eq!(up.executions(), 1);
+
+    let pid = child.id().to_string();
+    assert!(Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let status = tokio::task::spawn_blocking(move || child.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(status.code(), Some(0));
+}
