@@ -84,6 +84,70 @@ pub struct ServerConfig {
 pub enum StoreConfig {
     /// The embedded store: one process, lost on restart, bounded by keys and bytes.
     Memory { max_keys: usize, max_bytes: u64 },
+    /// A Redis server or cluster shared by every instance.
+    Redis(RedisSettings),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RedisSettings {
+    pub target: RedisTarget,
+    /// Prepended to every key and to the pub/sub channel; lets several gateways share a Redis.
+    pub key_prefix: String,
+    /// Upper bound for one Redis command, so a slow Redis cannot stall requests.
+    pub command_timeout: Duration,
+}
+
+#[derive(Clone, PartialEq, Eq)]
+pub enum RedisTarget {
+    /// `redis://[user:password@]host:port[/db]`.
+    Single(String),
+    /// Seed nodes of a Redis Cluster.
+    Cluster(Vec<String>),
+}
+
+impl std::fmt::Debug for RedisTarget {
+    // URLs may carry a password: never print it.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RedisTarget::Single(u) => write!(f, "Single({})", redact_url(u)),
+            RedisTarget::Cluster(nodes) => {
+                let shown: Vec<String> = nodes.iter().map(|u| redact_url(u)).collect();
+                write!(f, "Cluster({shown:?})")
+            }
+        }
+    }
+}
+
+/// What an idempotent route does when the store cannot be used.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnStoreError {
+    /// 503 problem with `Retry-After`: nothing is forwarded without idempotency (fail closed).
+    Reject,
+    /// Forward without idempotency: availability over duplicates (fail open).
+    Pass,
+}
+
+/// `redis://user:secret@host` -> `redis://user:***@host`, for messages and logs.
+pub fn redact_url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_string();
+    };
+    let (authority, path) = match rest.find('/') {
+        Some(i) => rest.split_at(i),
+        None => (rest, ""),
+    };
+    match authority.rsplit_once('@') {
+        Some((userinfo, host)) => {
+            let user = userinfo.split(':').next().unwrap_or("");
+            let masked = if userinfo.contains(':') {
+                format!("{user}:***")
+            } else {
+                "***".to_string()
+            };
+            format!("{scheme}://{masked}@{host}{path}")
+        }
+        None => url.to_string(),
+    }
 }
 
 /// An `http://host:port[/prefix]` upstream. Requests go to `prefix + original path`.
@@ -145,6 +209,7 @@ pub struct Policy {
     pub max_stored_response: usize,
     pub upstream_timeout: Duration,
     pub store_server_errors: bool,
+    pub on_store_error: OnStoreError,
 }
 
 impl Policy {
@@ -163,6 +228,7 @@ impl Policy {
             max_stored_response: 1 << 20,
             upstream_timeout: Duration::from_secs(30),
             store_server_errors: false,
+            on_store_error: OnStoreError::Reject,
         }
     }
 }
@@ -212,6 +278,25 @@ impl Config {
                     "store memory (max_keys {max_keys}, max_bytes {max_bytes})"
                 );
             }
+            StoreConfig::Redis(r) => {
+                let target = match &r.target {
+                    RedisTarget::Single(u) => redact_url(u),
+                    RedisTarget::Cluster(nodes) => format!(
+                        "cluster [{}]",
+                        nodes
+                            .iter()
+                            .map(|u| redact_url(u))
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
+                };
+                let _ = writeln!(
+                    out,
+                    "store redis {target} (key_prefix {:?}, command_timeout {})",
+                    r.key_prefix,
+                    humantime::format_duration(r.command_timeout)
+                );
+            }
         }
         let _ = writeln!(out, "default upstream {}", self.upstream);
         for r in &self.routes {
@@ -219,7 +304,7 @@ impl Config {
             let p = &r.policy;
             let _ = writeln!(
                 out,
-                "route {:?}: {} {} -> {} (key {}, require_key {}, ttl {}, lock_timeout {}, wait {}, mismatch {}, client scope {}, max_body {}, max_stored_response {}, upstream_timeout {}, store_server_errors {})",
+                "route {:?}: {} {} -> {} (key {}, require_key {}, ttl {}, lock_timeout {}, wait {}, mismatch {}, client scope {}, max_body {}, max_stored_response {}, upstream_timeout {}, store_server_errors {}, on_store_error {:?})",
                 r.name,
                 methods.join(","),
                 r.pattern,
@@ -235,6 +320,7 @@ impl Config {
                 p.max_stored_response,
                 humantime::format_duration(p.upstream_timeout),
                 p.store_server_errors,
+                p.on_store_error,
             );
         }
         let _ = writeln!(out, "everything else: passed through to {}", self.upstream);
@@ -273,6 +359,10 @@ struct RawStore {
     backend: Option<String>,
     max_keys: Option<i64>,
     max_bytes: Option<RawSize>,
+    url: Option<String>,
+    cluster: Option<Vec<String>>,
+    key_prefix: Option<String>,
+    command_timeout: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -304,6 +394,7 @@ struct RawPolicy {
     max_stored_response: Option<RawSize>,
     upstream_timeout: Option<String>,
     store_server_errors: Option<bool>,
+    on_store_error: Option<String>,
 }
 
 /// The route-only keys of a `[[routes]]` table; the rest of the table is a [`RawPolicy`].
@@ -390,9 +481,24 @@ fn validate_server(raw: Option<RawServer>) -> Result<ServerConfig, ConfigError> 
 }
 
 fn validate_store(raw: RawStore) -> Result<StoreConfig, ConfigError> {
-    let backend = raw.backend.unwrap_or_else(|| "memory".into());
+    let backend = raw.backend.clone().unwrap_or_else(|| "memory".into());
+    let only = |field: &str, set: bool, backend: &str| -> Result<(), ConfigError> {
+        if set {
+            Err(ConfigError::invalid(
+                format!("store.{field}"),
+                "(set)",
+                format!("only with backend = \"{backend}\""),
+            ))
+        } else {
+            Ok(())
+        }
+    };
     match backend.as_str() {
         "memory" => {
+            only("url", raw.url.is_some(), "redis")?;
+            only("cluster", raw.cluster.is_some(), "redis")?;
+            only("key_prefix", raw.key_prefix.is_some(), "redis")?;
+            only("command_timeout", raw.command_timeout.is_some(), "redis")?;
             let max_keys = match raw.max_keys {
                 None => 1_000_000,
                 Some(n) if (1..=100_000_000).contains(&n) => n as usize,
@@ -413,12 +519,87 @@ fn validate_store(raw: RawStore) -> Result<StoreConfig, ConfigError> {
                 max_bytes,
             })
         }
+        "redis" => {
+            only("max_keys", raw.max_keys.is_some(), "memory")?;
+            only("max_bytes", raw.max_bytes.is_some(), "memory")?;
+            let target = match (raw.url, raw.cluster) {
+                (Some(url), None) => RedisTarget::Single(validate_redis_url("store.url", url)?),
+                (None, Some(nodes)) if !nodes.is_empty() => RedisTarget::Cluster(
+                    nodes
+                        .into_iter()
+                        .map(|u| validate_redis_url("store.cluster", u))
+                        .collect::<Result<_, _>>()?,
+                ),
+                (None, Some(_)) => {
+                    return Err(ConfigError::invalid(
+                        "store.cluster",
+                        "[]",
+                        "a non-empty list of seed node URLs such as [\"redis://10.0.0.1:7000\"]",
+                    ))
+                }
+                (Some(_), Some(_)) => {
+                    return Err(ConfigError::invalid(
+                        "store.cluster",
+                        "(set together with store.url)",
+                        "either store.url (one Redis) or store.cluster (Redis Cluster seed nodes), not both",
+                    ))
+                }
+                (None, None) => {
+                    return Err(ConfigError::Missing {
+                        field: "store.url (or store.cluster)".into(),
+                    })
+                }
+            };
+            let key_prefix = raw.key_prefix.unwrap_or_else(|| "idemgate:".into());
+            if key_prefix.contains(['{', '}']) || key_prefix.len() > 64 {
+                return Err(ConfigError::invalid(
+                    "store.key_prefix",
+                    key_prefix,
+                    "up to 64 characters without \"{\" or \"}\" (the gateway adds its own hash tag)",
+                ));
+            }
+            let command_timeout = match raw.command_timeout {
+                None => Duration::from_millis(500),
+                Some(s) => parse_duration("store.command_timeout", &s)?,
+            };
+            if command_timeout.is_zero() || command_timeout > Duration::from_secs(60) {
+                return Err(ConfigError::invalid(
+                    "store.command_timeout",
+                    humantime::format_duration(command_timeout).to_string(),
+                    "more than 0s and at most 60s",
+                ));
+            }
+            Ok(StoreConfig::Redis(RedisSettings {
+                target,
+                key_prefix,
+                command_timeout,
+            }))
+        }
         other => Err(ConfigError::invalid(
             "store.backend",
             other,
-            "\"memory\" (the embedded store)",
+            "\"memory\" (embedded, one instance) or \"redis\" (shared)",
         )),
     }
+}
+
+/// Checks a Redis URL without connecting; errors show it with the password masked.
+fn validate_redis_url(field: &str, url: String) -> Result<String, ConfigError> {
+    let allowed =
+        "a URL such as \"redis://127.0.0.1:6379/0\" or \"redis://user:password@host:6379\"";
+    if url.starts_with("rediss://") {
+        return Err(ConfigError::invalid(
+            field,
+            redact_url(&url),
+            "a redis:// URL; TLS (rediss://) is not supported yet: reach Redis over a private network or a TLS tunnel",
+        ));
+    }
+    if !url.starts_with("redis://") {
+        return Err(ConfigError::invalid(field, redact_url(&url), allowed));
+    }
+    redis::Client::open(url.as_str())
+        .map_err(|_| ConfigError::invalid(field, redact_url(&url), allowed))?;
+    Ok(url)
 }
 
 fn validate_route(
@@ -563,6 +744,19 @@ fn apply_policy(scope: &str, base: &Policy, raw: &RawPolicy) -> Result<Policy, C
     }
     if let Some(b) = raw.store_server_errors {
         p.store_server_errors = b;
+    }
+    if let Some(s) = &raw.on_store_error {
+        p.on_store_error = match s.as_str() {
+            "reject" => OnStoreError::Reject,
+            "pass" => OnStoreError::Pass,
+            _ => {
+                return Err(ConfigError::invalid(
+                    f("on_store_error"),
+                    s,
+                    "\"reject\" (503, fail closed; the default) or \"pass\" (forward without idempotency)",
+                ))
+            }
+        };
     }
 
     // Cross-field rules, checked on the merged result so a route cannot break them by halves.

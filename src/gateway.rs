@@ -28,7 +28,7 @@ use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 
 use crate::body::{self, Body, BoxError, Captured, ReadError};
-use crate::config::{Policy, RouteConfig, UpstreamUrl};
+use crate::config::{OnStoreError, Policy, RouteConfig, UpstreamUrl};
 use crate::fingerprint::{fingerprint, Fingerprint, RequestParts};
 use crate::key::{parse_key, ClientScope, StoreKey};
 use crate::problem::Problem;
@@ -244,11 +244,23 @@ impl Gateway {
         // Phase `reserve`, then `execute` or `resolve`.
         let wait_until = Instant::now() + policy.wait;
         for _ in 0..MAX_RESERVE_ROUNDS {
-            let reservation = self
+            let reservation = match self
                 .store
                 .reserve(key, fp, policy.lock_timeout, policy.ttl)
                 .await
-                .map_err(|e| store_problem(key, e))?;
+            {
+                Ok(r) => r,
+                Err(e) if policy.on_store_error == OnStoreError::Pass => {
+                    // The operator chose availability over duplicates for this route.
+                    tracing::warn!(key = key.short(), error = %e, "store unavailable; forwarding without idempotency (on_store_error = \"pass\")");
+                    let req = Request::from_parts(parts, http_body_util::Full::new(body));
+                    let resp = self
+                        .pass_through(req, peer, &route.upstream, Some(policy.upstream_timeout))
+                        .await;
+                    return Ok((resp, Outcome::StoreError));
+                }
+                Err(e) => return Err(store_problem(key, e)),
+            };
             match reservation {
                 Reservation::Owner(token) => {
                     return Ok(self.execute(route, parts, body, key, token, peer).await);

@@ -150,6 +150,13 @@ impl StoreKey {
         &self.0
     }
 
+    /// A key as [`StoreKey::as_str`] printed it (64 lowercase hex digits), e.g. from a pub/sub
+    /// message or an operator.
+    pub fn from_hex(s: &str) -> Option<Self> {
+        (s.len() == 64 && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')))
+            .then(|| StoreKey(s.to_string()))
+    }
+
     /// A short prefix that identifies the key in logs without revealing it.
     pub fn short(&self) -> &str {
         &self.0[..16]

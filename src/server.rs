@@ -35,6 +35,8 @@ pub enum ServerError {
         addr: SocketAddr,
         source: std::io::Error,
     },
+    #[error("cannot open the store: {0}")]
+    Store(#[from] store::redis::RedisUrlError),
 }
 
 /// A bound, not yet serving gateway.
@@ -53,7 +55,7 @@ impl Server {
                 addr: config.server.listen,
                 source,
             })?;
-        let store = store::open(&config.store);
+        let store = store::open(&config.store)?;
         let gateway = Arc::new(Gateway::new(
             Router::new(config.routes),
             store,

@@ -1,17 +1,23 @@
 //! The store contract (see `src/store/mod.rs`), run against every backend.
 //!
 //! Each check is a plain async function over `&dyn Store`, so a new backend gets the whole suite
-//! by adding one `contract_tests!` line.
+//! by adding one module that runs `all_checks!`.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+
+use support::redis::{RedisCluster, RedisServer};
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue, StatusCode};
+use idemgate::config::{RedisSettings, RedisTarget};
 use idemgate::fingerprint::Fingerprint;
 use idemgate::key::{ClientScope, StoreKey};
 use idemgate::store::memory::MemoryStore;
+use idemgate::store::redis::RedisStore;
 use idemgate::store::{
     OwnerToken, Record, RecordState, Reservation, Store, StoreError, StoredResponse, UnknownReason,
 };
@@ -232,33 +238,101 @@ async fn keys_are_independent(store: Arc<dyn Store>) {
     ));
 }
 
-macro_rules! contract_tests {
-    ($backend:ident, $make:expr) => {
-        mod $backend {
-            use super::*;
-            contract_tests!(@each $make;
-                exactly_one_of_many_concurrent_reservations_owns_a_key,
-                a_completed_record_is_returned_exactly,
-                only_the_owner_can_complete_release_renew_or_mark_unknown,
-                release_lets_the_next_reservation_own_the_key,
-                unknown_outcomes_are_kept,
-                renew_extends_the_lease,
-                waiters_are_woken_by_completion,
-                waiters_are_woken_by_release,
-                operators_can_delete_any_record,
-                keys_are_independent,
-            );
-        }
-    };
-    (@each $make:expr; $($name:ident),* $(,)?) => {
-        $(
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn $name() {
-                let store: Arc<dyn Store> = $make;
-                super::$name(store).await;
-            }
-        )*
+/// Every check, as (name, function).
+macro_rules! all_checks {
+    ($m:ident) => {
+        $m!(
+            exactly_one_of_many_concurrent_reservations_owns_a_key,
+            a_completed_record_is_returned_exactly,
+            only_the_owner_can_complete_release_renew_or_mark_unknown,
+            release_lets_the_next_reservation_own_the_key,
+            unknown_outcomes_are_kept,
+            renew_extends_the_lease,
+            waiters_are_woken_by_completion,
+            waiters_are_woken_by_release,
+            operators_can_delete_any_record,
+            keys_are_independent,
+        );
     };
 }
 
-contract_tests!(memory, Arc::new(MemoryStore::new(10_000, 64 << 20)));
+/// The embedded store: one test per check.
+mod memory {
+    use super::*;
+    macro_rules! each {
+        ($($name:ident),* $(,)?) => {$(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                super::$name(Arc::new(MemoryStore::new(10_000, 64 << 20))).await;
+            }
+        )*};
+    }
+    all_checks!(each);
+}
+
+async fn redis_store(settings: RedisSettings) -> Arc<dyn Store> {
+    let store = Arc::new(RedisStore::new(&settings).unwrap());
+    // The connection is made in the background: wait until the store answers.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while store.ping().await.is_err() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the Redis store never became ready"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    store
+}
+
+fn settings(target: RedisTarget) -> RedisSettings {
+    RedisSettings {
+        target,
+        key_prefix: "contract:".into(),
+        command_timeout: Duration::from_secs(2),
+    }
+}
+
+/// One real redis-server per check.
+mod redis_single {
+    use super::*;
+    macro_rules! each {
+        ($($name:ident),* $(,)?) => {$(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                let server = RedisServer::start();
+                let store = redis_store(settings(RedisTarget::Single(server.url()))).await;
+                super::$name(store).await;
+                drop(server);
+            }
+        )*};
+    }
+    all_checks!(each);
+}
+
+/// A 3-master Redis Cluster formed by the test; every check runs against it in turn.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_cluster_passes_every_check() {
+    let cluster = RedisCluster::start();
+    let store = redis_store(settings(RedisTarget::Cluster(cluster.urls()))).await;
+    macro_rules! each {
+        ($($name:ident),* $(,)?) => {$(
+            $name(Arc::clone(&store)).await;
+        )*};
+    }
+    all_checks!(each);
+    // The keys really were spread over the masters (so slots, not luck, kept them atomic).
+    let mut masters_with_keys = 0;
+    for port in &cluster.ports {
+        let n: usize = support::redis::cli(*port, &["dbsize"])
+            .trim()
+            .parse()
+            .unwrap_or(0);
+        if n > 0 {
+            masters_with_keys += 1;
+        }
+    }
+    assert!(
+        masters_with_keys >= 2,
+        "keys landed on {masters_with_keys} master(s) only"
+    );
+}

@@ -11,10 +11,13 @@
 //!   silently vanishes and lets a retry execute again;
 //! - [`Store::subscribe`] lets a duplicate wait for the key to change without polling.
 //!
-//! Backends: [`memory::MemoryStore`] (embedded, one instance). The contract tests in
+//! Backends: [`memory::MemoryStore`] (embedded, one instance) and [`redis::RedisStore`]
+//! (shared, one Redis or a Redis Cluster), whose records use [`codec`]. The contract tests in
 //! `tests/store_contract.rs` run against every backend.
 
+pub mod codec;
 pub mod memory;
+pub mod redis;
 pub mod wait;
 
 use std::sync::Arc;
@@ -203,12 +206,13 @@ pub fn ms_after(d: Duration) -> u64 {
     now_ms().saturating_add(d.as_millis().min(u64::MAX as u128) as u64)
 }
 
-/// Opens the backend named in the config.
-pub fn open(config: &crate::config::StoreConfig) -> Arc<dyn Store> {
-    match config {
+/// Opens the backend named in the config. Never waits for a remote store to be reachable.
+pub fn open(config: &crate::config::StoreConfig) -> Result<Arc<dyn Store>, redis::RedisUrlError> {
+    Ok(match config {
         crate::config::StoreConfig::Memory {
             max_keys,
             max_bytes,
         } => Arc::new(memory::MemoryStore::new(*max_keys, *max_bytes)),
-    }
+        crate::config::StoreConfig::Redis(settings) => Arc::new(redis::RedisStore::new(settings)?),
+    })
 }

@@ -47,6 +47,14 @@ impl Waiters {
         }
     }
 
+    /// Wakes every waiter, to re-read after signals may have been missed (e.g. a reconnect).
+    pub fn notify_all(&self) {
+        let map = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
+        for tx in map.values() {
+            tx.send_replace(());
+        }
+    }
+
     /// Keys with at least one waiter (for tests and metrics).
     pub fn len(&self) -> usize {
         self.inner

@@ -1,5 +1,8 @@
-//! Test harness: a real upstream and the real gateway on loopback port 0, and a small client.
+//! Test harness: a real upstream and the real gateway on loopback port 0, a small client, and
+//! real Redis servers ([`redis`]).
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+pub mod redis;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;

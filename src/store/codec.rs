@@ -1,0 +1,297 @@
+//! The compact, versioned binary form of a [`Record`], as shared stores keep it.
+//!
+//! ```text
+//! byte 0        version (1)
+//! byte 1        state: 1 pending, 2 completed, 3 unknown
+//! bytes 2..34   fingerprint
+//! bytes 34..42  created_ms (u64, big endian)
+//! pending:      42..58 owner token (u128)   58..66 lease_until_ms (u64)
+//! completed:    42..44 status (u16)  44..52 completed_ms  52 body_kept  53..55 header count (u16)
+//!               then per header: name length (u16), name, value length (u32), value
+//!               then the body: every remaining byte, raw (no base64, no length)
+//! unknown:      42..50 since_ms  50 reason (1 timeout, 2 interrupted, 3 abandoned)
+//! ```
+//! The fixed offsets matter: the Redis scripts check the state byte and the owner token in place
+//! (`string.byte(v, 2)`, `string.sub(v, 43, 58)`) and rewrite only the part after byte 42.
+
+use std::sync::Arc;
+
+use bytes::{BufMut, Bytes, BytesMut};
+use http::{HeaderName, HeaderValue, StatusCode};
+
+use super::{OwnerToken, Record, RecordState, StoreError, StoredResponse, UnknownReason};
+use crate::fingerprint::Fingerprint;
+
+pub const VERSION: u8 = 1;
+pub const STATE_PENDING: u8 = 1;
+pub const STATE_COMPLETED: u8 = 2;
+pub const STATE_UNKNOWN: u8 = 3;
+/// Length of the part every state shares: version, state, fingerprint, created_ms.
+pub const HEADER_LEN: usize = 42;
+
+/// Encodes a whole record.
+pub fn encode(record: &Record) -> Bytes {
+    let mut out = BytesMut::with_capacity(HEADER_LEN + 64);
+    out.put_u8(VERSION);
+    out.put_u8(state_byte(&record.state));
+    out.put_slice(&record.fingerprint.0);
+    out.put_u64(record.created_ms);
+    out.put_slice(&encode_state(&record.state));
+    out.freeze()
+}
+
+fn state_byte(state: &RecordState) -> u8 {
+    match state {
+        RecordState::Pending { .. } => STATE_PENDING,
+        RecordState::Completed(_) => STATE_COMPLETED,
+        RecordState::Unknown { .. } => STATE_UNKNOWN,
+    }
+}
+
+/// The state-specific part after byte 42 (what the scripts splice in).
+pub fn encode_state(state: &RecordState) -> Bytes {
+    let mut out = BytesMut::new();
+    match state {
+        RecordState::Pending {
+            owner,
+            lease_until_ms,
+        } => {
+            out.put_u128(owner.0);
+            out.put_u64(*lease_until_ms);
+        }
+        RecordState::Completed(r) => {
+            out.reserve(r.size());
+            out.put_u16(r.status.as_u16());
+            out.put_u64(r.completed_ms);
+            out.put_u8(u8::from(r.body_kept));
+            // A response has far fewer than 65536 headers (hyper caps them at 100); the cap
+            // here only keeps the count field honest.
+            let headers = &r.headers[..r.headers.len().min(u16::MAX as usize)];
+            out.put_u16(headers.len() as u16);
+            for (name, value) in headers {
+                out.put_u16(name.as_str().len() as u16);
+                out.put_slice(name.as_str().as_bytes());
+                out.put_u32(value.len() as u32);
+                out.put_slice(value.as_bytes());
+            }
+            out.put_slice(&r.body);
+        }
+        RecordState::Unknown { since_ms, reason } => {
+            out.put_u64(*since_ms);
+            out.put_u8(match reason {
+                UnknownReason::Timeout => 1,
+                UnknownReason::Interrupted => 2,
+                UnknownReason::Abandoned => 3,
+            });
+        }
+    }
+    out.freeze()
+}
+
+/// The owner token as the scripts compare it (16 bytes, big endian).
+pub fn owner_bytes(owner: OwnerToken) -> [u8; 16] {
+    owner.0.to_be_bytes()
+}
+
+/// Decodes a record; any malformed input is a [`StoreError::Corrupt`], never a panic.
+pub fn decode(raw: &Bytes) -> Result<Record, StoreError> {
+    let mut r = Reader { raw, pos: 0 };
+    let version = r.u8()?;
+    if version != VERSION {
+        return Err(corrupt(format!("unsupported record version {version}")));
+    }
+    let state = r.u8()?;
+    let mut fingerprint = [0u8; 32];
+    fingerprint.copy_from_slice(r.take(32)?);
+    let created_ms = r.u64()?;
+    let state = match state {
+        STATE_PENDING => RecordState::Pending {
+            owner: OwnerToken(u128::from_be_bytes(r.array()?)),
+            lease_until_ms: r.u64()?,
+        },
+        STATE_COMPLETED => {
+            let status = StatusCode::from_u16(r.u16()?).map_err(|_| corrupt("bad status"))?;
+            let completed_ms = r.u64()?;
+            let body_kept = r.u8()? != 0;
+            let count = r.u16()? as usize;
+            let mut headers = Vec::with_capacity(count.min(128));
+            for _ in 0..count {
+                let name_len = r.u16()? as usize;
+                let name = HeaderName::from_bytes(r.take(name_len)?)
+                    .map_err(|_| corrupt("bad header name"))?;
+                let value_len = r.u32()? as usize;
+                let value = HeaderValue::from_bytes(r.take(value_len)?)
+                    .map_err(|_| corrupt("bad header value"))?;
+                headers.push((name, value));
+            }
+            let body = raw.slice(r.pos..);
+            RecordState::Completed(Arc::new(StoredResponse {
+                status,
+                headers,
+                body,
+                body_kept,
+                completed_ms,
+            }))
+        }
+        STATE_UNKNOWN => RecordState::Unknown {
+            since_ms: r.u64()?,
+            reason: match r.u8()? {
+                1 => UnknownReason::Timeout,
+                2 => UnknownReason::Interrupted,
+                3 => UnknownReason::Abandoned,
+                other => return Err(corrupt(format!("unknown reason {other}"))),
+            },
+        },
+        other => return Err(corrupt(format!("unknown state {other}"))),
+    };
+    Ok(Record {
+        fingerprint: Fingerprint(fingerprint),
+        created_ms,
+        state,
+    })
+}
+
+fn corrupt(msg: impl Into<String>) -> StoreError {
+    StoreError::Corrupt(msg.into())
+}
+
+struct Reader<'a> {
+    raw: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], StoreError> {
+        let end = self
+            .pos
+            .checked_add(n)
+            .filter(|&e| e <= self.raw.len())
+            .ok_or_else(|| corrupt("record truncated"))?;
+        let s = &self.raw[self.pos..end];
+        self.pos = end;
+        Ok(s)
+    }
+
+    fn array<const N: usize>(&mut self) -> Result<[u8; N], StoreError> {
+        let mut a = [0u8; N];
+        a.copy_from_slice(self.take(N)?);
+        Ok(a)
+    }
+
+    fn u8(&mut self) -> Result<u8, StoreError> {
+        Ok(self.array::<1>()?[0])
+    }
+
+    fn u16(&mut self) -> Result<u16, StoreError> {
+        Ok(u16::from_be_bytes(self.array()?))
+    }
+
+    fn u32(&mut self) -> Result<u32, StoreError> {
+        Ok(u32::from_be_bytes(self.array()?))
+    }
+
+    fn u64(&mut self) -> Result<u64, StoreError> {
+        Ok(u64::from_be_bytes(self.array()?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn record(state: RecordState) -> Record {
+        Record {
+            fingerprint: Fingerprint([9; 32]),
+            created_ms: 1_700_000_000_123,
+            state,
+        }
+    }
+
+    #[test]
+    fn every_state_round_trips() {
+        let states = [
+            RecordState::Pending {
+                owner: OwnerToken(0x0102_0304_0506_0708_090a_0b0c_0d0e_0f10),
+                lease_until_ms: 42,
+            },
+            RecordState::Completed(Arc::new(StoredResponse {
+                status: StatusCode::CREATED,
+                headers: vec![
+                    (
+                        HeaderName::from_static("set-cookie"),
+                        HeaderValue::from_static("a=1"),
+                    ),
+                    (
+                        HeaderName::from_static("set-cookie"),
+                        HeaderValue::from_static("b=2"),
+                    ),
+                ],
+                body: Bytes::from_static(b"\x00\xffraw body"),
+                body_kept: true,
+                completed_ms: 7,
+            })),
+            RecordState::Unknown {
+                since_ms: 5,
+                reason: UnknownReason::Abandoned,
+            },
+        ];
+        for s in states {
+            let r = record(s);
+            assert_eq!(decode(&encode(&r)).unwrap(), r);
+        }
+    }
+
+    #[test]
+    fn the_layout_the_scripts_rely_on() {
+        let owner = OwnerToken(u128::MAX - 5);
+        let enc = encode(&record(RecordState::Pending {
+            owner,
+            lease_until_ms: 1,
+        }));
+        assert_eq!(enc[1], STATE_PENDING);
+        assert_eq!(&enc[42..58], &owner_bytes(owner));
+        assert_eq!(enc.len(), 66);
+    }
+
+    #[test]
+    fn the_body_is_stored_raw() {
+        let body = Bytes::from(vec![0xAB; 1000]);
+        let enc = encode(&record(RecordState::Completed(Arc::new(StoredResponse {
+            status: StatusCode::OK,
+            headers: vec![],
+            body: body.clone(),
+            body_kept: true,
+            completed_ms: 0,
+        }))));
+        assert_eq!(enc.len(), HEADER_LEN + 13 + 1000);
+        assert!(enc.ends_with(&body));
+    }
+
+    #[test]
+    fn other_versions_are_refused() {
+        let mut enc = encode(&record(RecordState::Unknown {
+            since_ms: 0,
+            reason: UnknownReason::Timeout,
+        }))
+        .to_vec();
+        enc[0] = 2;
+        assert!(matches!(
+            decode(&Bytes::from(enc)),
+            Err(StoreError::Corrupt(_))
+        ));
+    }
+
+    proptest! {
+        #[test]
+        fn any_bytes_decode_without_panic(raw in prop::collection::vec(any::<u8>(), 0..200)) {
+            let _ = decode(&Bytes::from(raw));
+        }
+
+        #[test]
+        fn truncations_are_errors_not_panics(cut in 0usize..66) {
+            let enc = encode(&record(RecordState::Pending { owner: OwnerToken(1), lease_until_ms: 2 }));
+            prop_assert!(decode(&enc.slice(..cut)).is_err());
+        }
+    }
+}

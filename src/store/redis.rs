@@ -1,0 +1,454 @@
+//! The Redis store: one shared, atomic store for many gateway instances, or a Redis Cluster.
+//!
+//! - `reserve` is one round trip: `SET key <pending> NX GET PX <ttl>` creates the record or
+//!   returns the existing one. The Redis TTL of a pending record is the full `ttl`, not the
+//!   lease: an abandoned key never silently vanishes and lets a retry execute again.
+//! - `complete`, `mark_unknown`, `renew` and `release` are Lua scripts that check the state byte
+//!   and owner token in place (see [`super::codec`]) before writing, so a stale owner can never
+//!   overwrite or delete another's record; the ones that end a pending state also `PUBLISH` the
+//!   key in the same round trip.
+//! - Waiters are woken through one pub/sub subscriber connection per instance, fanned out in
+//!   process; after every (re)subscription all local waiters re-read, since messages sent while
+//!   disconnected are lost. The gateway also re-reads on a timer, as a last resort.
+//! - Commands go over one multiplexed, auto-reconnecting connection (redis-rs
+//!   `ConnectionManager`, or the cluster connection), each bounded by `command_timeout`. Waiting
+//!   never holds a connection.
+//! - Every record of one operation is one key, `<prefix>{<hash>}`: one slot in a cluster.
+//! - Redis down at startup is not fatal: commands fail with `Unavailable` (and readiness says
+//!   so) until it is reachable; no restart is needed when it comes back.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use futures_util::StreamExt;
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::cluster_async::ClusterConnection;
+use redis::{Cmd, Pipeline, RedisFuture, Script, Value};
+use tokio::sync::OnceCell;
+use tokio::task::AbortHandle;
+
+use super::codec;
+use super::wait::{Subscription, Waiters};
+use super::{
+    ms_after, now_ms, OwnerToken, Record, RecordState, Reservation, Store, StoreError,
+    StoredResponse, UnknownReason,
+};
+use crate::config::{RedisSettings, RedisTarget};
+use crate::fingerprint::Fingerprint;
+use crate::key::StoreKey;
+
+/// Checks that KEYS[1] is pending and owned by ARGV[1]; every owner-only script starts with it.
+const OWNED: &str = r"
+local v = redis.call('GET', KEYS[1])
+if (not v) or string.byte(v, 2) ~= 1 or string.sub(v, 43, 58) ~= ARGV[1] then return 0 end
+";
+
+fn owner_script(body: &str) -> Script {
+    Script::new(&format!("{OWNED}{body}"))
+}
+
+struct Scripts {
+    /// ARGV: owner, completed tail, ttl ms, channel, message.
+    complete: Script,
+    /// ARGV: owner, unknown tail, channel, message.
+    mark_unknown: Script,
+    /// ARGV: owner, new lease (8 bytes).
+    renew: Script,
+    /// ARGV: owner, channel, message.
+    release: Script,
+    /// ARGV: channel, message.
+    delete: Script,
+}
+
+impl Scripts {
+    fn new() -> Self {
+        Scripts {
+            complete: owner_script(
+                r"redis.call('SET', KEYS[1], string.sub(v, 1, 1) .. '\2' .. string.sub(v, 3, 42) .. ARGV[2], 'PX', ARGV[3])
+redis.call('PUBLISH', ARGV[4], ARGV[5])
+return 1",
+            ),
+            mark_unknown: owner_script(
+                r"redis.call('SET', KEYS[1], string.sub(v, 1, 1) .. '\3' .. string.sub(v, 3, 42) .. ARGV[2], 'KEEPTTL')
+redis.call('PUBLISH', ARGV[3], ARGV[4])
+return 1",
+            ),
+            renew: owner_script(
+                r"redis.call('SET', KEYS[1], string.sub(v, 1, 58) .. ARGV[2], 'KEEPTTL')
+return 1",
+            ),
+            release: owner_script(
+                r"redis.call('DEL', KEYS[1])
+redis.call('PUBLISH', ARGV[2], ARGV[3])
+return 1",
+            ),
+            delete: Script::new(
+                r"local n = redis.call('DEL', KEYS[1])
+if n == 1 then redis.call('PUBLISH', ARGV[1], ARGV[2]) end
+return n",
+            ),
+        }
+    }
+}
+
+/// One connection handle for either deployment; cheap to clone (both are multiplexed).
+#[derive(Clone)]
+enum Conn {
+    Single(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+impl ConnectionLike for Conn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Conn::Single(c) => c.req_packed_command(cmd),
+            Conn::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Conn::Single(c) => c.req_packed_commands(pipeline, offset, count),
+            Conn::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Conn::Single(c) => c.get_db(),
+            Conn::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+pub struct RedisStore {
+    conn: Arc<OnceCell<Conn>>,
+    prefix: String,
+    channel: String,
+    timeout: Duration,
+    waiters: Waiters,
+    scripts: Scripts,
+    /// Background tasks (cluster connect, pub/sub listener), stopped with the store.
+    tasks: Vec<AbortHandle>,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("invalid Redis URL: {0}")]
+pub struct RedisUrlError(String);
+
+impl RedisStore {
+    /// Creates the store. Never waits for Redis: connections are made in the background.
+    pub fn new(settings: &RedisSettings) -> Result<Self, RedisUrlError> {
+        let conn = Arc::new(OnceCell::new());
+        let waiters = Waiters::new();
+        let channel = format!("{}done", settings.key_prefix);
+        let mut tasks = Vec::new();
+        let timeout = settings.command_timeout;
+        let subscriber_client = match &settings.target {
+            RedisTarget::Single(url) => {
+                let client =
+                    redis::Client::open(url.as_str()).map_err(|e| RedisUrlError(e.to_string()))?;
+                let config = ConnectionManagerConfig::new()
+                    .set_connection_timeout(Some(timeout.max(Duration::from_secs(1))))
+                    .set_response_timeout(Some(timeout))
+                    .set_number_of_retries(2)
+                    .set_max_delay(Duration::from_secs(1));
+                let manager = ConnectionManager::new_lazy_with_config(client.clone(), config)
+                    .map_err(|e| RedisUrlError(e.to_string()))?;
+                let _ = conn.set(Conn::Single(manager));
+                client
+            }
+            RedisTarget::Cluster(nodes) => {
+                let cluster =
+                    redis::cluster::ClusterClientBuilder::new(nodes.iter().map(String::as_str))
+                        .connection_timeout(timeout.max(Duration::from_secs(1)))
+                        .response_timeout(timeout)
+                        .build()
+                        .map_err(|e| RedisUrlError(e.to_string()))?;
+                tasks
+                    .push(tokio::spawn(connect_cluster(cluster, Arc::clone(&conn))).abort_handle());
+                let first = nodes.first().map(String::as_str).unwrap_or_default();
+                redis::Client::open(first).map_err(|e| RedisUrlError(e.to_string()))?
+            }
+        };
+        tasks.push(
+            tokio::spawn(listen(subscriber_client, channel.clone(), waiters.clone()))
+                .abort_handle(),
+        );
+        Ok(RedisStore {
+            conn,
+            prefix: settings.key_prefix.clone(),
+            channel,
+            timeout,
+            waiters,
+            scripts: Scripts::new(),
+            tasks,
+        })
+    }
+
+    fn redis_key(&self, key: &StoreKey) -> String {
+        format!("{}{{{}}}", self.prefix, key.as_str())
+    }
+
+    fn conn(&self) -> Result<Conn, StoreError> {
+        self.conn
+            .get()
+            .cloned()
+            .ok_or_else(|| StoreError::Unavailable("not connected to the Redis cluster yet".into()))
+    }
+
+    /// Runs one Redis call within `command_timeout`.
+    async fn call<T>(
+        &self,
+        what: &str,
+        fut: impl std::future::Future<Output = redis::RedisResult<T>>,
+    ) -> Result<T, StoreError> {
+        match tokio::time::timeout(self.timeout, fut).await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => Err(StoreError::Unavailable(format!("{what}: {e}"))),
+            Err(_) => Err(StoreError::Unavailable(format!(
+                "{what}: no answer within {:?}",
+                self.timeout
+            ))),
+        }
+    }
+
+    /// Runs an owner-only script: 1 = done, 0 = not the owner.
+    async fn owned(
+        &self,
+        what: &str,
+        script: &Script,
+        key: &StoreKey,
+        args: &[&[u8]],
+    ) -> Result<(), StoreError> {
+        let mut conn = self.conn()?;
+        let mut inv = script.key(self.redis_key(key));
+        for a in args {
+            inv.arg(*a);
+        }
+        let done: i64 = self.call(what, inv.invoke_async(&mut conn)).await?;
+        if done == 1 {
+            Ok(())
+        } else {
+            Err(StoreError::NotOwner)
+        }
+    }
+}
+
+impl Drop for RedisStore {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+/// Keeps trying to reach the cluster until it answers once; the connection then reconnects by
+/// itself.
+async fn connect_cluster(client: redis::cluster::ClusterClient, cell: Arc<OnceCell<Conn>>) {
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        match client.get_async_connection().await {
+            Ok(c) => {
+                let _ = cell.set(Conn::Cluster(c));
+                tracing::info!("connected to the Redis cluster");
+                return;
+            }
+            Err(e) => tracing::warn!(error = %e, "cannot reach the Redis cluster yet; retrying"),
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_secs(5));
+    }
+}
+
+/// The pub/sub subscriber: turns "key done" messages into local wake-ups.
+async fn listen(client: redis::Client, channel: String, waiters: Waiters) {
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        let connected = tokio::time::timeout(Duration::from_secs(5), async {
+            let mut ps = client.get_async_pubsub().await?;
+            ps.subscribe(&channel).await?;
+            Ok::<_, redis::RedisError>(ps)
+        })
+        .await;
+        match connected {
+            Ok(Ok(mut ps)) => {
+                backoff = Duration::from_millis(100);
+                // Anything published while we were not subscribed is lost: re-check everyone.
+                waiters.notify_all();
+                let mut messages = ps.on_message();
+                while let Some(msg) = messages.next().await {
+                    if let Some(key) = std::str::from_utf8(msg.get_payload_bytes())
+                        .ok()
+                        .and_then(StoreKey::from_hex)
+                    {
+                        waiters.notify(&key);
+                    }
+                }
+                tracing::warn!("Redis pub/sub connection lost; reconnecting");
+            }
+            Ok(Err(e)) => tracing::warn!(error = %e, "cannot subscribe to Redis; retrying"),
+            Err(_) => tracing::warn!("Redis subscription timed out; retrying"),
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_secs(5));
+    }
+}
+
+fn ms_arg(d: Duration) -> u64 {
+    d.as_millis().clamp(1, u64::MAX as u128) as u64
+}
+
+#[async_trait]
+impl Store for RedisStore {
+    async fn reserve(
+        &self,
+        key: &StoreKey,
+        fingerprint: Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<Reservation, StoreError> {
+        let owner = OwnerToken::random();
+        let record = codec::encode(&Record {
+            fingerprint,
+            created_ms: now_ms(),
+            state: RecordState::Pending {
+                owner,
+                lease_until_ms: ms_after(lease),
+            },
+        });
+        let mut conn = self.conn()?;
+        let mut cmd = redis::cmd("SET");
+        cmd.arg(self.redis_key(key))
+            .arg(&record[..])
+            .arg("NX")
+            .arg("GET")
+            .arg("PX")
+            .arg(ms_arg(ttl));
+        let existing: Option<Vec<u8>> = self.call("reserve", cmd.query_async(&mut conn)).await?;
+        match existing {
+            None => Ok(Reservation::Owner(owner)),
+            Some(raw) => Ok(Reservation::Existing(codec::decode(&Bytes::from(raw))?)),
+        }
+    }
+
+    async fn get(&self, key: &StoreKey) -> Result<Option<Record>, StoreError> {
+        let mut conn = self.conn()?;
+        let mut cmd = redis::cmd("GET");
+        cmd.arg(self.redis_key(key));
+        let raw: Option<Vec<u8>> = self.call("get", cmd.query_async(&mut conn)).await?;
+        raw.map(|r| codec::decode(&Bytes::from(r))).transpose()
+    }
+
+    async fn complete(
+        &self,
+        key: &StoreKey,
+        owner: OwnerToken,
+        response: StoredResponse,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        let tail = codec::encode_state(&RecordState::Completed(Arc::new(response)));
+        let ttl = ms_arg(ttl).to_string();
+        self.owned(
+            "complete",
+            &self.scripts.complete,
+            key,
+            &[
+                &codec::owner_bytes(owner),
+                &tail,
+                ttl.as_bytes(),
+                self.channel.as_bytes(),
+                key.as_str().as_bytes(),
+            ],
+        )
+        .await
+    }
+
+    async fn mark_unknown(
+        &self,
+        key: &StoreKey,
+        owner: OwnerToken,
+        reason: UnknownReason,
+    ) -> Result<(), StoreError> {
+        let tail = codec::encode_state(&RecordState::Unknown {
+            since_ms: now_ms(),
+            reason,
+        });
+        self.owned(
+            "mark_unknown",
+            &self.scripts.mark_unknown,
+            key,
+            &[
+                &codec::owner_bytes(owner),
+                &tail,
+                self.channel.as_bytes(),
+                key.as_str().as_bytes(),
+            ],
+        )
+        .await
+    }
+
+    async fn release(&self, key: &StoreKey, owner: OwnerToken) -> Result<(), StoreError> {
+        self.owned(
+            "release",
+            &self.scripts.release,
+            key,
+            &[
+                &codec::owner_bytes(owner),
+                self.channel.as_bytes(),
+                key.as_str().as_bytes(),
+            ],
+        )
+        .await
+    }
+
+    async fn renew(
+        &self,
+        key: &StoreKey,
+        owner: OwnerToken,
+        lease: Duration,
+    ) -> Result<(), StoreError> {
+        let lease_until = ms_after(lease).to_be_bytes();
+        self.owned(
+            "renew",
+            &self.scripts.renew,
+            key,
+            &[&codec::owner_bytes(owner), &lease_until],
+        )
+        .await
+    }
+
+    async fn delete(&self, key: &StoreKey) -> Result<bool, StoreError> {
+        let mut conn = self.conn()?;
+        let mut inv = self.scripts.delete.key(self.redis_key(key));
+        inv.arg(self.channel.as_bytes())
+            .arg(key.as_str().as_bytes());
+        let n: i64 = self.call("delete", inv.invoke_async(&mut conn)).await?;
+        Ok(n == 1)
+    }
+
+    fn subscribe(&self, key: &StoreKey) -> Subscription {
+        self.waiters.subscribe(key)
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        let mut conn = self.conn()?;
+        let pong: String = self
+            .call("ping", redis::cmd("PING").query_async(&mut conn))
+            .await?;
+        if pong == "PONG" {
+            Ok(())
+        } else {
+            Err(StoreError::Unavailable(format!(
+                "unexpected PING answer {pong:?}"
+            )))
+        }
+    }
+}

@@ -1,0 +1,270 @@
+//! Real `redis-server` processes for tests: one server, or a 3-master cluster, on free loopback
+//! ports (never 6379), started and stopped by the tests. A missing binary is a failure that says
+//! what to install, never a skip.
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::io::{BufRead, BufReader};
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+fn binary(name: &str) -> PathBuf {
+    for dir in ["/usr/bin", "/usr/local/bin", "/usr/sbin"] {
+        let p = PathBuf::from(dir).join(name);
+        if p.exists() {
+            return p;
+        }
+    }
+    if let Ok(out) = Command::new("which").arg(name).output() {
+        let s = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        if !s.is_empty() {
+            return PathBuf::from(s);
+        }
+    }
+    panic!(
+        "{name} not found: these tests need a real Redis. Install it (Debian: apt-get install redis-server), or run scripts/test, which does"
+    );
+}
+
+/// A loopback port that is free now, never 6379; with `bus`, port + 10000 is free too (cluster bus).
+fn free_port(bus: bool) -> u16 {
+    for _ in 0..200 {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        if port == 6379 || (bus && port > 55000) {
+            continue;
+        }
+        if bus && TcpListener::bind(("127.0.0.1", port + 10000)).is_err() {
+            continue;
+        }
+        return port;
+    }
+    panic!("no free port found");
+}
+
+fn scratch_dir(tag: &str) -> PathBuf {
+    static N: AtomicU32 = AtomicU32::new(0);
+    let dir = std::env::temp_dir().join(format!(
+        "idemgate-redis-{tag}-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::SeqCst)
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// One `redis-server` on a free port. Killed on drop.
+pub struct RedisServer {
+    pub port: u16,
+    dir: PathBuf,
+    extra: Vec<String>,
+    child: Option<Child>,
+}
+
+impl RedisServer {
+    /// A plain server without persistence.
+    pub fn start() -> RedisServer {
+        Self::start_with(&[])
+    }
+
+    /// A server that survives `kill -9` with nothing lost (AOF, fsync on every write).
+    pub fn start_durable() -> RedisServer {
+        Self::start_with(&["--appendonly", "yes", "--appendfsync", "always"])
+    }
+
+    pub fn start_with(extra: &[&str]) -> RedisServer {
+        let mut s = RedisServer {
+            port: free_port(false),
+            dir: scratch_dir("single"),
+            extra: extra.iter().map(|s| s.to_string()).collect(),
+            child: None,
+        };
+        s.spawn();
+        s
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    fn spawn(&mut self) {
+        let mut args: Vec<String> = vec![
+            "--port".into(),
+            self.port.to_string(),
+            "--bind".into(),
+            "127.0.0.1".into(),
+            "--save".into(),
+            "".into(),
+            "--dir".into(),
+            self.dir.display().to_string(),
+            "--daemonize".into(),
+            "no".into(),
+            "--logfile".into(),
+            "".into(),
+        ];
+        args.extend(self.extra.iter().cloned());
+        self.child = Some(start_and_wait_ready(&binary("redis-server"), &args));
+    }
+
+    /// `kill -9`: no shutdown, no final save.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Starts again on the same port and directory (an AOF, if enabled, is replayed).
+    pub fn restart(&mut self) {
+        self.kill();
+        self.spawn();
+    }
+
+    /// Runs a `redis-cli` command against this server and returns its output.
+    pub fn cli(&self, args: &[&str]) -> String {
+        cli(self.port, args)
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+pub fn cli(port: u16, args: &[&str]) -> String {
+    let out = Command::new(binary("redis-cli"))
+        .args(["-h", "127.0.0.1", "-p", &port.to_string()])
+        .args(args)
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Starts redis-server in the foreground and waits for its "Ready to accept connections" line.
+fn start_and_wait_ready(bin: &PathBuf, args: &[String]) -> Child {
+    let mut child = Command::new(bin)
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start {}: {e}", bin.display()));
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut tx = Some(tx);
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if line.contains("Ready to accept connections") {
+                if let Some(tx) = tx.take() {
+                    let _ = tx.send(());
+                }
+            }
+        }
+    });
+    if rx.recv_timeout(Duration::from_secs(20)).is_err() {
+        let _ = child.kill();
+        panic!("redis-server {args:?} did not become ready within 20s");
+    }
+    child
+}
+
+/// A 3-master Redis Cluster formed by the test itself.
+pub struct RedisCluster {
+    pub ports: Vec<u16>,
+    dir: PathBuf,
+    children: Vec<Child>,
+}
+
+impl RedisCluster {
+    pub fn start() -> RedisCluster {
+        let dir = scratch_dir("cluster");
+        let mut ports = Vec::new();
+        let mut children = Vec::new();
+        for _ in 0..3 {
+            let port = loop {
+                let p = free_port(true);
+                if !ports.contains(&p) {
+                    break p;
+                }
+            };
+            let node_dir = dir.join(port.to_string());
+            std::fs::create_dir_all(&node_dir).unwrap();
+            let args: Vec<String> = [
+                "--port",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                "nodes.conf",
+                "--save",
+                "",
+                "--dir",
+                &node_dir.display().to_string(),
+                "--logfile",
+                "",
+            ]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+            children.push(start_and_wait_ready(&binary("redis-server"), &args));
+            ports.push(port);
+        }
+        let nodes: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+        let out = Command::new(binary("redis-cli"))
+            .args(["--cluster", "create"])
+            .args(&nodes)
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "redis-cli --cluster create failed: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        let cluster = RedisCluster {
+            ports,
+            dir,
+            children,
+        };
+        cluster.wait_ok();
+        cluster
+    }
+
+    /// Waits until every node reports `cluster_state:ok` (redis-cli offers no blocking wait).
+    #[allow(clippy::disallowed_methods)]
+    fn wait_ok(&self) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        for &port in &self.ports {
+            while !cli(port, &["cluster", "info"]).contains("cluster_state:ok") {
+                assert!(
+                    Instant::now() < deadline,
+                    "cluster did not become ok within 30s"
+                );
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+    }
+
+    pub fn urls(&self) -> Vec<String> {
+        self.ports
+            .iter()
+            .map(|p| format!("redis://127.0.0.1:{p}"))
+            .collect()
+    }
+}
+
+impl Drop for RedisCluster {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
