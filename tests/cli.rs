@@ -3,9 +3,7 @@
 
 mod support;
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
-use std::time::Duration;
+use std::process::{Command, Stdio};
 
 use support::*;
 
@@ -89,32 +87,6 @@ fn bad_config_exits_64_naming_the_field_and_value() {
         .unwrap();
     assert_eq!(missing.status.code(), Some(64));
     assert!(String::from_utf8_lossy(&missing.stderr).contains("/nonexistent/proxy.toml"));
-}
-
-/// Reads stderr lines until the "listening" line and returns the address it names.
-fn wait_listening(child: &mut Child) -> std::net::SocketAddr {
-    let stderr = child.stderr.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    loop {
-        let line = rx
-            .recv_timeout(Duration::from_secs(20))
-            .expect("the gateway printed no 'listening' line within 20s");
-        if line.contains("idemgate listening") {
-            let addr = line
-                .split("addr=")
-                .nth(1)
-                .unwrap()
-                .split_whitespace()
-                .next()
-                .unwrap();
-            return addr.parse().unwrap();
-        }
-    }
 }
 
 #[tokio::test]

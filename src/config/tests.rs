@@ -298,3 +298,118 @@ fn every_config_key_is_documented() {
         "docs/configuration.md does not document {missing:?}"
     );
 }
+
+fn store(section: &str) -> Result<Config, ConfigError> {
+    Config::parse(&format!(
+        "[server]\nlisten = \"127.0.0.1:8080\"\n[store]\n{section}\n[upstream]\nurl = \"http://127.0.0.1:3000\"\n"
+    ))
+}
+
+#[test]
+fn redis_store_settings() {
+    let c = store("backend = \"redis\"\nurl = \"redis://user:s3cret@10.0.0.5:6380/2\"").unwrap();
+    assert_eq!(
+        c.store,
+        StoreConfig::Redis(RedisSettings {
+            target: RedisTarget::Single("redis://user:s3cret@10.0.0.5:6380/2".into()),
+            key_prefix: "idemgate:".into(),
+            command_timeout: Duration::from_millis(500),
+        })
+    );
+    let shown = c.describe();
+    assert!(
+        shown.contains("redis://user:***@10.0.0.5:6380/2"),
+        "{shown}"
+    );
+    assert!(!shown.contains("s3cret"));
+    assert!(!format!("{:?}", c.store).contains("s3cret"));
+
+    let c = store("backend = \"redis\"\ncluster = [\"redis://a:7000\", \"redis://b:7000\"]\nkey_prefix = \"pay:\"\ncommand_timeout = \"1s\"").unwrap();
+    let StoreConfig::Redis(r) = c.store else {
+        panic!()
+    };
+    assert_eq!(
+        r.target,
+        RedisTarget::Cluster(vec!["redis://a:7000".into(), "redis://b:7000".into()])
+    );
+    assert_eq!(r.key_prefix, "pay:");
+}
+
+#[test]
+fn bad_redis_settings_are_refused() {
+    assert_eq!(
+        store("backend = \"redis\"").unwrap_err(),
+        ConfigError::Missing {
+            field: "store.url (or store.cluster)".into()
+        }
+    );
+    assert_eq!(
+        invalid_field(store(
+            "backend = \"redis\"\nurl = \"redis://a:1\"\ncluster = [\"redis://b:1\"]"
+        ))
+        .0,
+        "store.cluster"
+    );
+    assert_eq!(
+        invalid_field(store("backend = \"redis\"\ncluster = []")).0,
+        "store.cluster"
+    );
+    assert_eq!(
+        invalid_field(store("backend = \"redis\"\nurl = \"rediss://u:pw@a:1\"")),
+        ("store.url".into(), "rediss://u:***@a:1".into())
+    );
+    assert_eq!(
+        invalid_field(store("backend = \"redis\"\nurl = \"http://a:1\"")).0,
+        "store.url"
+    );
+    assert_eq!(
+        invalid_field(store(
+            "backend = \"redis\"\nurl = \"redis://a:1\"\nmax_keys = 5"
+        ))
+        .0,
+        "store.max_keys"
+    );
+    assert_eq!(
+        invalid_field(store("backend = \"memory\"\nurl = \"redis://a:1\"")).0,
+        "store.url"
+    );
+    assert_eq!(
+        invalid_field(store(
+            "backend = \"redis\"\nurl = \"redis://a:1\"\nkey_prefix = \"{x}\""
+        ))
+        .0,
+        "store.key_prefix"
+    );
+    assert_eq!(
+        invalid_field(store(
+            "backend = \"redis\"\nurl = \"redis://a:1\"\ncommand_timeout = \"0s\""
+        ))
+        .0,
+        "store.command_timeout"
+    );
+}
+
+#[test]
+fn on_store_error_is_reject_or_pass() {
+    assert_eq!(
+        with("").unwrap().routes[0].policy.on_store_error,
+        OnStoreError::Reject
+    );
+    assert_eq!(
+        with("on_store_error = \"pass\"").unwrap().routes[0]
+            .policy
+            .on_store_error,
+        OnStoreError::Pass
+    );
+    assert_eq!(
+        invalid_field(with("on_store_error = \"maybe\"")),
+        ("routes[0].on_store_error".into(), "maybe".into())
+    );
+}
+
+#[test]
+fn urls_are_redacted() {
+    assert_eq!(redact_url("redis://:pw@h:1/0"), "redis://:***@h:1/0");
+    assert_eq!(redact_url("redis://user@h:1"), "redis://***@h:1");
+    assert_eq!(redact_url("redis://h:1"), "redis://h:1");
+}

@@ -406,3 +406,109 @@ pub async fn raw(addr: SocketAddr, request: &[u8]) -> String {
 pub fn infallible<T>(t: T) -> Result<T, Infallible> {
     Ok(t)
 }
+
+/// The real `idemgate` binary running `run --config` on a written config. Killed on drop.
+pub struct GatewayProcess {
+    pub addr: SocketAddr,
+    child: std::process::Child,
+    _dir: TempDir,
+}
+
+impl GatewayProcess {
+    /// Writes `config` and starts the binary; returns once it logged where it listens.
+    pub fn start(config: &str) -> GatewayProcess {
+        let dir = TempDir::new("gw");
+        let path = dir.path.join("proxy.toml");
+        std::fs::write(&path, config).unwrap();
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_idemgate"))
+            .args(["run", "--config"])
+            .arg(&path)
+            .env("RUST_LOG", "info")
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let addr = wait_listening(&mut child);
+        GatewayProcess {
+            addr,
+            child,
+            _dir: dir,
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Sends a signal (e.g. "-TERM", "-KILL") and waits for the exit status.
+    pub fn signal_and_wait(mut self, signal: &str) -> std::process::ExitStatus {
+        let pid = self.child.id().to_string();
+        std::process::Command::new("kill")
+            .args([signal, &pid])
+            .status()
+            .unwrap();
+        self.child.wait().unwrap()
+    }
+}
+
+impl Drop for GatewayProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Reads the child's stderr until the "listening" line and returns the address it names; the
+/// rest of stderr keeps being drained (and echoed, for failing tests) in the background.
+pub fn wait_listening(child: &mut std::process::Child) -> SocketAddr {
+    use std::io::BufRead;
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            eprintln!("[gateway] {line}");
+            let _ = tx.send(line);
+        }
+    });
+    loop {
+        let line = rx
+            .recv_timeout(Duration::from_secs(20))
+            .expect("the gateway printed no 'listening' line within 20s");
+        if line.contains("idemgate listening") {
+            let addr = line
+                .split("addr=")
+                .nth(1)
+                .unwrap()
+                .split_whitespace()
+                .next()
+                .unwrap();
+            return addr.parse().unwrap();
+        }
+    }
+}
+
+/// A scratch directory removed on drop.
+pub struct TempDir {
+    pub path: std::path::PathBuf,
+}
+
+impl TempDir {
+    pub fn new(tag: &str) -> TempDir {
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let path = std::env::temp_dir().join(format!(
+            "idemgate-{tag}-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, std::sync::atomic::Ordering::SeqCst)
+        ));
+        std::fs::create_dir_all(&path).unwrap();
+        TempDir { path }
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.path);
+    }
+}

@@ -29,7 +29,7 @@ fn binary(name: &str) -> PathBuf {
 }
 
 /// A loopback port that is free now, never 6379; with `bus`, port + 10000 is free too (cluster bus).
-fn free_port(bus: bool) -> u16 {
+pub fn free_port(bus: bool) -> u16 {
     for _ in 0..200 {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let port = l.local_addr().unwrap().port();
@@ -76,8 +76,13 @@ impl RedisServer {
     }
 
     pub fn start_with(extra: &[&str]) -> RedisServer {
+        Self::start_on(free_port(false), extra)
+    }
+
+    /// Starts on a given port (e.g. one a gateway already points at).
+    pub fn start_on(port: u16, extra: &[&str]) -> RedisServer {
         let mut s = RedisServer {
-            port: free_port(false),
+            port,
             dir: scratch_dir("single"),
             extra: extra.iter().map(|s| s.to_string()).collect(),
             child: None,

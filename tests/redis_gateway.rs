@@ -1,0 +1,241 @@
+//! The gateway on a shared Redis: several real gateway processes, Redis outages, and startup
+//! without Redis. Real `redis-server`, real upstream, real gateways, over loopback.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use support::redis::{free_port, RedisServer};
+use support::*;
+use tokio::sync::Semaphore;
+
+fn redis_config(upstream: &str, redis_url: &str, extra: &str) -> String {
+    format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\nshutdown_grace = \"5s\"\n[store]\nbackend = \"redis\"\nurl = \"{redis_url}\"\ncommand_timeout = \"300ms\"\n[upstream]\nurl = \"{upstream}\"\n{extra}"
+    )
+}
+
+async fn in_process(upstream: &str, redis_url: &str, extra: &str) -> idemgate::server::Running {
+    let config =
+        idemgate::config::Config::parse(&redis_config(upstream, redis_url, extra)).unwrap();
+    idemgate::server::Running::start(config).await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_gateway_processes_on_one_redis_execute_once_and_a_third_replays() {
+    let redis = RedisServer::start();
+    let gate = Arc::new(Semaphore::new(0));
+    let g = Arc::clone(&gate);
+    let up =
+        Upstream::start(move |_, n| Reply::json(201, &format!("{{\"execution\":{n}}}")).gated(&g))
+            .await;
+    let config = redis_config(&up.url(), &redis.url(), PAYMENTS);
+    let gw1 = GatewayProcess::start(&config);
+    let gw2 = GatewayProcess::start(&config);
+
+    let mut calls = Vec::new();
+    for i in 0..40 {
+        let http = Http::new(if i % 2 == 0 { gw1.addr } else { gw2.addr });
+        calls.push(tokio::spawn(async move {
+            http.post("/payments", "shared-across-instances", r#"{"amount":100}"#)
+                .await
+        }));
+    }
+    up.next_arrival().await;
+    gate.add_permits(100);
+    let mut bodies = Vec::new();
+    for c in calls {
+        let got = c.await.unwrap();
+        assert_eq!(got.status, 201, "{got:?}");
+        bodies.push(got.body);
+    }
+    assert_eq!(up.executions(), 1, "one execution across both instances");
+    assert!(bodies.iter().all(|b| b == &bodies[0]));
+
+    // An instance started afterwards replays what the others stored.
+    let gw3 = GatewayProcess::start(&config);
+    let late = Http::new(gw3.addr)
+        .post("/payments", "shared-across-instances", r#"{"amount":100}"#)
+        .await;
+    assert!(late.is_replay());
+    assert_eq!(late.body, bodies[0]);
+    assert_eq!(up.executions(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_gateway_loses_nothing() {
+    let redis = RedisServer::start();
+    let up = Upstream::counting().await;
+    let config = redis_config(&up.url(), &redis.url(), PAYMENTS);
+    let gw = GatewayProcess::start(&config);
+    let first = Http::new(gw.addr).post("/payments", "k", "{}").await;
+    assert_eq!(first.status, 201);
+    assert!(gw.signal_and_wait("-KILL").code().is_none());
+    let gw = GatewayProcess::start(&config);
+    let again = Http::new(gw.addr).post("/payments", "k", "{}").await;
+    assert!(again.is_replay());
+    assert_eq!(again.body, first.body);
+    assert_eq!(up.executions(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_killed_and_restarted_under_traffic_never_executes_twice() {
+    let mut redis = RedisServer::start_durable();
+    let up = Upstream::counting().await;
+    let gw = in_process(
+        &up.url(),
+        &redis.url(),
+        &format!("{PAYMENTS}lock_timeout = \"1s\"\nwait = \"1s\"\n"),
+    )
+    .await;
+    let http = Http::new(gw.addr());
+
+    // Keys settled before the outage.
+    let mut before = HashMap::new();
+    for i in 0..5 {
+        let got = http.post("/payments", &format!("before-{i}"), "{}").await;
+        assert_eq!(got.status, 201);
+        before.insert(i, got.body);
+    }
+
+    // Clients that work through keys one after another, retrying each until a final answer,
+    // until told to stop (bounded either way).
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut clients = Vec::new();
+    for c in 0..8 {
+        let (http, stop) = (http.clone(), Arc::clone(&stop));
+        clients.push(tokio::spawn(async move {
+            let mut results = Vec::new();
+            for j in 0..200 {
+                if stop.load(std::sync::atomic::Ordering::SeqCst) {
+                    break;
+                }
+                let key = format!("during-{c}-{j}");
+                let mut answers = Vec::new();
+                for _ in 0..400 {
+                    let got = http.post("/payments", &key, "{}").await;
+                    let status = got.status.as_u16();
+                    let unknown = got.header("content-type") == Some("application/problem+json")
+                        && got.problem_type() == "outcome-unknown";
+                    answers.push(got);
+                    if status == 201 || unknown {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                results.push((key, answers));
+            }
+            results
+        }));
+    }
+
+    // Outage: Redis dies while the clients run.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    redis.kill();
+    let during = http.post("/payments", "while-down", "{}").await;
+    assert_eq!(during.status, 503);
+    assert_eq!(during.problem_type(), "store-unavailable");
+    assert!(during.header("retry-after").is_some());
+    // Pass-through traffic does not need the store.
+    assert_eq!(http.request("GET", "/status").send().await.status, 201);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    redis.restart();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+
+    let mut saw_503 = false;
+    let mut keys = 0;
+    for c in clients {
+        for (key, answers) in c.await.unwrap() {
+            keys += 1;
+            saw_503 |= answers.iter().any(|a| a.status == 503);
+            let last = answers.last().unwrap();
+            assert!(
+                last.status == 201 || last.problem_type() == "outcome-unknown",
+                "{key} never got a final answer: {last:?}"
+            );
+            let oks: Vec<_> = answers.iter().filter(|a| a.status == 201).collect();
+            assert!(
+                oks.iter().all(|a| a.body == oks[0].body),
+                "{key}: different 2xx bodies"
+            );
+        }
+    }
+    assert!(saw_503, "the outage was visible to the clients as 503s");
+    assert!(
+        keys > 16,
+        "traffic ran before, during and after the outage ({keys} keys)"
+    );
+
+    // At most one execution per key, over the whole run.
+    let mut per_key: HashMap<String, usize> = HashMap::new();
+    for s in up.seen() {
+        if let Some(k) = s.headers.get("idempotency-key") {
+            *per_key.entry(k.to_str().unwrap().to_string()).or_default() += 1;
+        }
+    }
+    for (k, n) in &per_key {
+        assert_eq!(*n, 1, "key {k} executed {n} times");
+    }
+
+    // Service resumed without restarting the gateway, and nothing stored before was lost.
+    for (i, body) in before {
+        let again = http.post("/payments", &format!("before-{i}"), "{}").await;
+        assert!(again.is_replay(), "before-{i} lost: {again:?}");
+        assert_eq!(again.body, body);
+    }
+    assert_eq!(http.post("/payments", "after", "{}").await.status, 201);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gateway_starts_without_redis_and_recovers_when_it_comes() {
+    let port = free_port(false);
+    let up = Upstream::counting().await;
+    let gw = in_process(&up.url(), &format!("redis://127.0.0.1:{port}"), PAYMENTS).await;
+    let http = Http::new(gw.addr());
+    let got = http.post("/payments", "k", "{}").await;
+    assert_eq!(got.status, 503);
+    assert_eq!(got.problem_type(), "store-unavailable");
+    assert_eq!(up.executions(), 0);
+
+    let _redis = RedisServer::start_on(port, &[]);
+    let mut last = got;
+    for _ in 0..200 {
+        last = http.post("/payments", "k", "{}").await;
+        if last.status != 503 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(last.status, 201, "{last:?}");
+    assert!(http.post("/payments", "k", "{}").await.is_replay());
+    assert_eq!(up.executions(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_store_error_pass_forwards_without_idempotency() {
+    let port = free_port(false);
+    let up = Upstream::counting().await;
+    let gw = in_process(
+        &up.url(),
+        &format!("redis://127.0.0.1:{port}"),
+        "[[routes]]\npath = \"/payments\"\non_store_error = \"pass\"\n[[routes]]\npath = \"/refunds\"\n",
+    )
+    .await;
+    let http = Http::new(gw.addr());
+    for _ in 0..2 {
+        let got = http.post("/payments", "k", "{}").await;
+        assert_eq!(got.status, 201);
+        assert!(!got.is_replay());
+    }
+    assert_eq!(up.executions(), 2, "fail-open: both were forwarded");
+    assert_eq!(
+        http.post("/refunds", "k", "{}").await.status,
+        503,
+        "the default stays fail-closed"
+    );
+    assert_eq!(up.executions(), 2);
+}
