@@ -1,4 +1,4 @@
-//! The command line: `idemgate run` and `idemgate check`.
+//! The command line: `idemgate run`, `idemgate check`, `idemgate keys get|delete`.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -6,6 +6,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 use crate::config::Config;
+use crate::operator;
 use crate::server::{shutdown_signal, Server};
 use crate::telemetry::{self, LogFormat};
 
@@ -42,6 +43,35 @@ pub enum Command {
         #[arg(long, env = "IDEMGATE_CONFIG")]
         config: PathBuf,
     },
+    /// Inspect or release one stored key (shared store only).
+    Keys {
+        #[command(subcommand)]
+        action: KeysAction,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum KeysAction {
+    /// Print a key's record: state, fingerprint, timestamps, status, body size. Exit 1 if none.
+    Get(KeyArgs),
+    /// Delete a key's record, so the next retry executes. Check the upstream's records first.
+    Delete(KeyArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct KeyArgs {
+    /// The TOML config file of the gateways sharing the store.
+    #[arg(long, env = "IDEMGATE_CONFIG")]
+    pub config: PathBuf,
+    /// The route's `name`.
+    #[arg(long)]
+    pub route: String,
+    /// The idempotency key, as the client sent it.
+    #[arg(long)]
+    pub key: String,
+    /// The client header's value (e.g. "Bearer ..."), for routes that scope keys per client.
+    #[arg(long)]
+    pub client: Option<String>,
 }
 
 /// Parses the command line and runs the command.
@@ -60,6 +90,7 @@ pub fn main() -> ExitCode {
                 ExitCode::from(EXIT_BAD_CONFIG)
             }
         },
+        Command::Keys { action } => keys(action),
         Command::Run { config } => {
             let config = match Config::load(&config) {
                 Ok(c) => c,
@@ -93,6 +124,69 @@ fn run(config: Config) -> ExitCode {
             }
         };
         server.run(shutdown_signal()).await;
+        ExitCode::SUCCESS
+    })
+}
+
+fn keys(action: KeysAction) -> ExitCode {
+    let (args, delete) = match action {
+        KeysAction::Get(a) => (a, false),
+        KeysAction::Delete(a) => (a, true),
+    };
+    let config = match Config::load(&args.config) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("idemgate: {}: {e}", args.config.display());
+            return ExitCode::from(EXIT_BAD_CONFIG);
+        }
+    };
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("idemgate: cannot start the async runtime: {e}");
+            return ExitCode::from(EXIT_CANNOT_START);
+        }
+    };
+    runtime.block_on(async move {
+        let key = match operator::locate(&config, &args.route, &args.key, args.client.as_deref()) {
+            Ok(k) => k,
+            Err(e) => {
+                eprintln!("idemgate: {e}");
+                return ExitCode::from(EXIT_BAD_CONFIG);
+            }
+        };
+        let store = match operator::open_store(&config).await {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("idemgate: {e}");
+                return ExitCode::from(EXIT_CANNOT_START);
+            }
+        };
+        let record = match store.get(&key).await {
+            Ok(r) => r,
+            Err(e) => {
+                eprintln!("idemgate: {e}");
+                return ExitCode::from(EXIT_CANNOT_START);
+            }
+        };
+        let Some(record) = record else {
+            println!("no record for this key (never used, expired, or deleted)");
+            return ExitCode::from(1);
+        };
+        print!("{}", operator::describe(&key, &args.route, &record));
+        if delete {
+            match store.delete(&key).await {
+                Ok(true) => println!("deleted: the next request with this key executes"),
+                Ok(false) => println!("already gone"),
+                Err(e) => {
+                    eprintln!("idemgate: {e}");
+                    return ExitCode::from(EXIT_CANNOT_START);
+                }
+            }
+        }
         ExitCode::SUCCESS
     })
 }

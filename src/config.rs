@@ -127,6 +127,15 @@ pub enum OnStoreError {
     Pass,
 }
 
+/// What happens to a key whose request reached the upstream without a complete answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnUnknown {
+    /// Keep the key as `unknown`: retries get `outcome-unknown` and never execute (the default).
+    Reject,
+    /// Release the key (and take over abandoned ones): for upstreams that are safe to run again.
+    Retry,
+}
+
 /// `redis://user:secret@host` -> `redis://user:***@host`, for messages and logs.
 pub fn redact_url(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else {
@@ -210,6 +219,7 @@ pub struct Policy {
     pub upstream_timeout: Duration,
     pub store_server_errors: bool,
     pub on_store_error: OnStoreError,
+    pub on_unknown: OnUnknown,
 }
 
 impl Policy {
@@ -229,6 +239,7 @@ impl Policy {
             upstream_timeout: Duration::from_secs(30),
             store_server_errors: false,
             on_store_error: OnStoreError::Reject,
+            on_unknown: OnUnknown::Reject,
         }
     }
 }
@@ -304,7 +315,7 @@ impl Config {
             let p = &r.policy;
             let _ = writeln!(
                 out,
-                "route {:?}: {} {} -> {} (key {}, require_key {}, ttl {}, lock_timeout {}, wait {}, mismatch {}, client scope {}, max_body {}, max_stored_response {}, upstream_timeout {}, store_server_errors {}, on_store_error {:?})",
+                "route {:?}: {} {} -> {} (key {}, require_key {}, ttl {}, lock_timeout {}, wait {}, mismatch {}, client scope {}, max_body {}, max_stored_response {}, upstream_timeout {}, store_server_errors {}, on_store_error {:?}, on_unknown {:?})",
                 r.name,
                 methods.join(","),
                 r.pattern,
@@ -321,6 +332,7 @@ impl Config {
                 humantime::format_duration(p.upstream_timeout),
                 p.store_server_errors,
                 p.on_store_error,
+                p.on_unknown,
             );
         }
         let _ = writeln!(out, "everything else: passed through to {}", self.upstream);
@@ -395,6 +407,7 @@ struct RawPolicy {
     upstream_timeout: Option<String>,
     store_server_errors: Option<bool>,
     on_store_error: Option<String>,
+    on_unknown: Option<String>,
 }
 
 /// The route-only keys of a `[[routes]]` table; the rest of the table is a [`RawPolicy`].
@@ -754,6 +767,19 @@ fn apply_policy(scope: &str, base: &Policy, raw: &RawPolicy) -> Result<Policy, C
                     f("on_store_error"),
                     s,
                     "\"reject\" (503, fail closed; the default) or \"pass\" (forward without idempotency)",
+                ))
+            }
+        };
+    }
+    if let Some(s) = &raw.on_unknown {
+        p.on_unknown = match s.as_str() {
+            "reject" => OnUnknown::Reject,
+            "retry" => OnUnknown::Retry,
+            _ => {
+                return Err(ConfigError::invalid(
+                    f("on_unknown"),
+                    s,
+                    "\"reject\" (never re-execute an unknown outcome; the default) or \"retry\" (only for upstreams that are safe to run twice)",
                 ))
             }
         };

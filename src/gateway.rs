@@ -28,7 +28,7 @@ use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 
 use crate::body::{self, Body, BoxError, Captured, ReadError};
-use crate::config::{OnStoreError, Policy, RouteConfig, UpstreamUrl};
+use crate::config::{OnStoreError, OnUnknown, Policy, RouteConfig, UpstreamUrl};
 use crate::fingerprint::{fingerprint, Fingerprint, RequestParts};
 use crate::key::{parse_key, ClientScope, StoreKey};
 use crate::problem::Problem;
@@ -116,6 +116,8 @@ enum Resolved {
     Respond(Response<Body>, Outcome),
     /// The key was released while we waited: the request may run now.
     Released,
+    /// Abandoned or unknown, and the route allows running it again: take over this record.
+    TakeOver(Record),
 }
 
 impl Gateway {
@@ -269,6 +271,19 @@ impl Gateway {
                     match self.resolve(policy, key, fp, record, wait_until).await? {
                         Resolved::Respond(resp, outcome) => return Ok((resp, outcome)),
                         Resolved::Released => continue,
+                        Resolved::TakeOver(old) => {
+                            let taken = self
+                                .store
+                                .take_over(key, &old, fp, policy.lock_timeout, policy.ttl)
+                                .await
+                                .map_err(|e| store_problem(key, e))?;
+                            if let Some(token) = taken {
+                                tracing::warn!(key = key.short(), "taking over an abandoned or unknown key (on_unknown = \"retry\")");
+                                return Ok(self
+                                    .execute(route, parts, body, key, token, peer)
+                                    .await);
+                            }
+                        }
                     }
                 }
             }
@@ -343,6 +358,7 @@ impl Gateway {
                 tracing::error!(error = %e, "owner task failed");
                 let p = Problem::OutcomeUnknown {
                     reason: UnknownReason::Interrupted,
+                    retryable: false,
                 };
                 (p.into_response(), Outcome::Unknown)
             }
@@ -420,12 +436,18 @@ impl Gateway {
                     UpstreamError::Timeout(_) => UnknownReason::Timeout,
                     _ => UnknownReason::Interrupted,
                 };
-                tracing::warn!(key = key.short(), error = %e, "outcome unknown; key kept");
-                if let Err(e) = self.store.mark_unknown(key, token, reason).await {
-                    tracing::error!(key = key.short(), error = %e, "cannot mark outcome unknown; the lease will expire instead");
+                let retryable = policy.on_unknown == OnUnknown::Retry;
+                if retryable {
+                    tracing::warn!(key = key.short(), error = %e, "outcome unknown; key released (on_unknown = \"retry\")");
+                    self.settle_release(key, token).await;
+                } else {
+                    tracing::warn!(key = key.short(), error = %e, "outcome unknown; key kept");
+                    if let Err(e) = self.store.mark_unknown(key, token, reason).await {
+                        tracing::error!(key = key.short(), error = %e, "cannot mark outcome unknown; the lease will expire instead");
+                    }
                 }
                 return (
-                    Problem::OutcomeUnknown { reason }.into_response(),
+                    Problem::OutcomeUnknown { reason, retryable }.into_response(),
                     Outcome::Unknown,
                 );
             }
@@ -574,13 +596,29 @@ fn settled(
             };
             Ok(Some(Resolved::Respond(replay(policy, stored), outcome)))
         }
-        RecordState::Unknown { reason, .. } => Err(Problem::OutcomeUnknown { reason: *reason }),
-        RecordState::Pending { lease_until_ms, .. } if *lease_until_ms < now_ms() => {
-            Err(Problem::OutcomeUnknown {
-                reason: UnknownReason::Abandoned,
-            })
+        RecordState::Unknown { .. } | RecordState::Pending { .. }
+            if policy.on_unknown == OnUnknown::Retry && is_unknown(record) =>
+        {
+            Ok(Some(Resolved::TakeOver(record.clone())))
         }
+        RecordState::Unknown { reason, .. } => Err(Problem::OutcomeUnknown {
+            reason: *reason,
+            retryable: false,
+        }),
+        RecordState::Pending { .. } if is_unknown(record) => Err(Problem::OutcomeUnknown {
+            reason: UnknownReason::Abandoned,
+            retryable: false,
+        }),
         RecordState::Pending { .. } => Ok(None),
+    }
+}
+
+/// Unknown, or pending with a lease that ran out (its owner died mid-flight).
+fn is_unknown(record: &Record) -> bool {
+    match &record.state {
+        RecordState::Unknown { .. } => true,
+        RecordState::Pending { lease_until_ms, .. } => *lease_until_ms < now_ms(),
+        RecordState::Completed(_) => false,
     }
 }
 

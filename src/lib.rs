@@ -3,12 +3,14 @@
 //! retry gets the first result back.
 //!
 //! # Layout
-//! - [`cli`] - the command line (`run`, `check`); `main.rs` only calls it.
+//! - [`cli`] - the command line (`run`, `check`, `keys`); `main.rs` only calls it.
+//! - [`operator`] - `idemgate keys get|delete`: inspect and release one key.
 //! - [`config`] - `proxy.toml` -> validated [`config::Config`]; every rejection names field and value.
 //! - [`route`] - which route a request belongs to (pure matching, overlap detection).
 //! - [`key`] - the `Idempotency-Key` header, client scoping, the hashed store key.
 //! - [`fingerprint`] - "same request?": SHA-256 over method, path, query and canonical body.
-//! - [`store`] - the store contract, records, and backends ([`store::memory`]); waiting on a key.
+//! - [`store`] - the store contract, records, backends ([`store::memory`], [`store::redis`]),
+//!   the record codec, waiting on a key.
 //! - [`upstream`] - the pooled client, request rewriting, failure classification.
 //! - [`body`] - the body type, capped reading, streaming what is too large to keep.
 //! - [`gateway`] - the idempotency state machine, phase by phase (start here).
@@ -22,6 +24,7 @@ pub mod config;
 pub mod fingerprint;
 pub mod gateway;
 pub mod key;
+pub mod operator;
 pub mod problem;
 pub mod route;
 pub mod server;

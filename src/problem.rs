@@ -55,9 +55,11 @@ pub enum Problem {
     UpstreamTimeout,
     /// Pass-through only: the exchange failed after the connection was made.
     UpstreamFailed,
-    /// The request reached the upstream but its outcome is unknown; it will not run again.
+    /// The request reached the upstream but its outcome is unknown. With `retryable` false (the
+    /// default `on_unknown = "reject"`) it will never run again under this key.
     OutcomeUnknown {
         reason: UnknownReason,
+        retryable: bool,
     },
 }
 
@@ -91,7 +93,7 @@ impl Problem {
             Problem::StoreUnavailable | Problem::StoreFull => StatusCode::SERVICE_UNAVAILABLE,
             Problem::UpstreamUnreachable | Problem::UpstreamFailed => StatusCode::BAD_GATEWAY,
             Problem::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
-            Problem::OutcomeUnknown { reason } => match reason {
+            Problem::OutcomeUnknown { reason, .. } => match reason {
                 UnknownReason::Timeout => StatusCode::GATEWAY_TIMEOUT,
                 UnknownReason::Interrupted | UnknownReason::Abandoned => StatusCode::BAD_GATEWAY,
             },
@@ -137,15 +139,21 @@ impl Problem {
             Problem::UpstreamUnreachable => "The upstream service could not be reached; the request was not sent. Retrying with the same key will try again.".into(),
             Problem::UpstreamTimeout => "The upstream service did not answer in time.".into(),
             Problem::UpstreamFailed => "The connection to the upstream service failed before a complete response arrived.".into(),
-            Problem::OutcomeUnknown { reason } => {
+            Problem::OutcomeUnknown { reason, retryable } => {
                 let why = match reason {
                     UnknownReason::Timeout => "the upstream did not answer in time",
                     UnknownReason::Interrupted => "the connection to the upstream failed after the request was sent",
                     UnknownReason::Abandoned => "the gateway handling it stopped before the upstream answered",
                 };
-                format!(
-                    "The request with this idempotency key reached the upstream, but {why}, so it may or may not have been executed. It will not be executed again automatically: check the upstream's records before retrying with a new key."
-                )
+                if *retryable {
+                    format!(
+                        "The request with this idempotency key reached the upstream, but {why}, so it may or may not have been executed. This endpoint is configured as safe to run again: retrying with the same key executes it again."
+                    )
+                } else {
+                    format!(
+                        "The request with this idempotency key reached the upstream, but {why}, so it may or may not have been executed. It will not be executed again automatically: check the upstream's records before retrying with a new key."
+                    )
+                }
             }
         }
     }

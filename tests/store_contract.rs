@@ -227,6 +227,41 @@ async fn operators_can_delete_any_record(store: Arc<dyn Store>) {
     own(&*store, &k).await;
 }
 
+async fn take_over_is_compare_and_set(store: Arc<dyn Store>) {
+    let k = key("take-over");
+    let t = own(&*store, &k).await;
+    store
+        .mark_unknown(&k, t, UnknownReason::Interrupted)
+        .await
+        .unwrap();
+    let unknown = store.get(&k).await.unwrap().unwrap();
+    let t2 = store
+        .take_over(&k, &unknown, FP, LEASE, TTL)
+        .await
+        .unwrap()
+        .expect("takes over");
+    assert_ne!(t, t2);
+    assert!(
+        matches!(store.get(&k).await.unwrap().unwrap().state, RecordState::Pending { owner, .. } if owner == t2)
+    );
+    // The same stale view cannot take over twice, and the old owner is out.
+    assert_eq!(
+        store.take_over(&k, &unknown, FP, LEASE, TTL).await.unwrap(),
+        None
+    );
+    assert_eq!(
+        store.complete(&k, t, response(), TTL).await,
+        Err(StoreError::NotOwner)
+    );
+    store.complete(&k, t2, response(), TTL).await.unwrap();
+    // Nothing to take over once the key is gone.
+    store.delete(&k).await.unwrap();
+    assert_eq!(
+        store.take_over(&k, &unknown, FP, LEASE, TTL).await.unwrap(),
+        None
+    );
+}
+
 async fn keys_are_independent(store: Arc<dyn Store>) {
     let (a, b) = (key("ind-a"), key("ind-b"));
     let ta = own(&*store, &a).await;
@@ -251,6 +286,7 @@ macro_rules! all_checks {
             waiters_are_woken_by_completion,
             waiters_are_woken_by_release,
             operators_can_delete_any_record,
+            take_over_is_compare_and_set,
             keys_are_independent,
         );
     };

@@ -413,3 +413,21 @@ fn urls_are_redacted() {
     assert_eq!(redact_url("redis://user@h:1"), "redis://***@h:1");
     assert_eq!(redact_url("redis://h:1"), "redis://h:1");
 }
+
+#[test]
+fn on_unknown_is_reject_or_retry() {
+    assert_eq!(
+        with("").unwrap().routes[0].policy.on_unknown,
+        OnUnknown::Reject
+    );
+    assert_eq!(
+        with("on_unknown = \"retry\"").unwrap().routes[0]
+            .policy
+            .on_unknown,
+        OnUnknown::Retry
+    );
+    assert_eq!(
+        invalid_field(with("on_unknown = \"again\"")).0,
+        "routes[0].on_unknown"
+    );
+}

@@ -207,17 +207,27 @@ impl Store for MemoryStore {
                 return Err(StoreError::Full("max_bytes"));
             }
         }
-        let owner = OwnerToken::random();
-        let record = Record {
-            fingerprint,
-            created_ms: now_ms(),
-            state: RecordState::Pending {
-                owner,
-                lease_until_ms: ms_after(lease),
-            },
-        };
+        let (owner, record) = super::pending(fingerprint, lease);
         inner.insert(key.clone(), record, deadline(ttl), size);
         Ok(Reservation::Owner(owner))
+    }
+
+    async fn take_over(
+        &self,
+        key: &StoreKey,
+        expected: &Record,
+        fingerprint: Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<Option<OwnerToken>, StoreError> {
+        let mut inner = self.shared.lock();
+        match inner.live(key, Instant::now()) {
+            Some(e) if e.record == *expected => {}
+            _ => return Ok(None),
+        }
+        let (owner, record) = super::pending(fingerprint, lease);
+        inner.insert(key.clone(), record, deadline(ttl), RECORD_OVERHEAD as u64);
+        Ok(Some(owner))
     }
 
     async fn get(&self, key: &StoreKey) -> Result<Option<Record>, StoreError> {

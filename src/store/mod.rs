@@ -182,6 +182,18 @@ pub trait Store: Send + Sync + 'static {
         lease: Duration,
     ) -> Result<(), StoreError>;
 
+    /// Replaces the record with a new pending one owned by a new token, if it is still exactly
+    /// `expected` (compare and set): how a retry takes over an abandoned or unknown key when the
+    /// route allows it (`on_unknown = "retry"`). `None` when the record changed meanwhile.
+    async fn take_over(
+        &self,
+        key: &StoreKey,
+        expected: &Record,
+        fingerprint: Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<Option<OwnerToken>, StoreError>;
+
     /// Deletes a record whoever owns it: for operators, after checking the upstream's records.
     async fn delete(&self, key: &StoreKey) -> Result<bool, StoreError>;
 
@@ -191,6 +203,20 @@ pub trait Store: Send + Sync + 'static {
 
     /// Whether the backend can serve requests now (for readiness).
     async fn ping(&self) -> Result<(), StoreError>;
+}
+
+/// A new pending record for a fresh owner.
+pub fn pending(fingerprint: Fingerprint, lease: Duration) -> (OwnerToken, Record) {
+    let owner = OwnerToken::random();
+    let record = Record {
+        fingerprint,
+        created_ms: now_ms(),
+        state: RecordState::Pending {
+            owner,
+            lease_until_ms: ms_after(lease),
+        },
+    };
+    (owner, record)
 }
 
 /// Wall-clock milliseconds since the Unix epoch.

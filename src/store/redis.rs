@@ -60,6 +60,8 @@ struct Scripts {
     release: Script,
     /// ARGV: channel, message.
     delete: Script,
+    /// ARGV: expected record, new record, ttl ms.
+    take_over: Script,
 }
 
 impl Scripts {
@@ -88,6 +90,11 @@ return 1",
                 r"local n = redis.call('DEL', KEYS[1])
 if n == 1 then redis.call('PUBLISH', ARGV[1], ARGV[2]) end
 return n",
+            ),
+            take_over: Script::new(
+                r"if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+return 1",
             ),
         }
     }
@@ -315,15 +322,8 @@ impl Store for RedisStore {
         lease: Duration,
         ttl: Duration,
     ) -> Result<Reservation, StoreError> {
-        let owner = OwnerToken::random();
-        let record = codec::encode(&Record {
-            fingerprint,
-            created_ms: now_ms(),
-            state: RecordState::Pending {
-                owner,
-                lease_until_ms: ms_after(lease),
-            },
-        });
+        let (owner, record) = super::pending(fingerprint, lease);
+        let record = codec::encode(&record);
         let mut conn = self.conn()?;
         let mut cmd = redis::cmd("SET");
         cmd.arg(self.redis_key(key))
@@ -423,6 +423,25 @@ impl Store for RedisStore {
             &[&codec::owner_bytes(owner), &lease_until],
         )
         .await
+    }
+
+    async fn take_over(
+        &self,
+        key: &StoreKey,
+        expected: &Record,
+        fingerprint: Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<Option<OwnerToken>, StoreError> {
+        // The codec is deterministic, so the expected record encodes to the stored bytes.
+        let expected = codec::encode(expected);
+        let (owner, record) = super::pending(fingerprint, lease);
+        let record = codec::encode(&record);
+        let mut conn = self.conn()?;
+        let mut inv = self.scripts.take_over.key(self.redis_key(key));
+        inv.arg(&expected[..]).arg(&record[..]).arg(ms_arg(ttl));
+        let done: i64 = self.call("take_over", inv.invoke_async(&mut conn)).await?;
+        Ok((done == 1).then_some(owner))
     }
 
     async fn delete(&self, key: &StoreKey) -> Result<bool, StoreError> {

@@ -44,6 +44,8 @@ pub enum Reply {
     Reset,
     /// Never answer.
     Hang,
+    /// Wait, then answer.
+    Delayed(Duration, Box<Reply>),
     /// Send the head and the first chunk, wait for the gate, then send the second chunk.
     Stream {
         first: Bytes,
@@ -227,6 +229,10 @@ fn respond(
                 respond(*inner).await
             }
             Reply::Reset => Err(std::io::Error::other("upstream resets the connection")),
+            Reply::Delayed(d, inner) => {
+                tokio::time::sleep(d).await;
+                respond(*inner).await
+            }
             Reply::Hang => {
                 std::future::pending::<()>().await;
                 unreachable!()
@@ -368,6 +374,27 @@ impl Req {
     pub fn body(mut self, body: impl Into<Bytes>) -> Req {
         self.body = body.into();
         self
+    }
+
+    /// Sends with a client-side timeout; `None` when it ran out or the connection failed (a
+    /// client that gives up, as real ones do).
+    pub async fn try_send(self, timeout: Duration) -> Option<Got> {
+        let req = self.builder.body(Full::new(self.body)).ok()?;
+        let resp = tokio::time::timeout(timeout, self.http.client.request(req))
+            .await
+            .ok()?
+            .ok()?;
+        let (parts, body) = resp.into_parts();
+        let body = tokio::time::timeout(timeout, body.collect())
+            .await
+            .ok()?
+            .ok()?
+            .to_bytes();
+        Some(Got {
+            status: parts.status,
+            headers: parts.headers,
+            body,
+        })
     }
 
     pub async fn send(self) -> Got {

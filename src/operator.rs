@@ -1,0 +1,129 @@
+//! Operator commands: look at one key's record, or release it (`idemgate keys get|delete`).
+//!
+//! Keys are stored hashed, so the operator names them the way a client sent them: route name,
+//! key and (if the route scopes keys per client) the client header's value. Deleting is for
+//! after an unknown outcome, once the operator has checked the upstream's own records: the next
+//! retry with that key then executes.
+
+use std::fmt::Write;
+use std::time::{Duration, UNIX_EPOCH};
+
+use crate::config::{Config, StoreConfig};
+use crate::key::{parse_key_value, ClientScope, StoreKey};
+use crate::store::{self, now_ms, Record, RecordState, Store};
+
+/// How long a command waits for the store to answer its first command.
+const CONNECT_WAIT: Duration = Duration::from_secs(5);
+
+#[derive(Debug, thiserror::Error)]
+pub enum OperatorError {
+    #[error("no route named {0:?} in the config (route names: {1})")]
+    NoRoute(String, String),
+    #[error("invalid key: {0}")]
+    BadKey(crate::key::KeyError),
+    #[error("backend = \"memory\" keeps records inside the running gateway process; `idemgate keys` needs a shared store (backend = \"redis\")")]
+    MemoryStore,
+    #[error("{0}")]
+    Store(String),
+}
+
+/// The stored key for (route, key, client), as the gateway derives it.
+pub fn locate(
+    config: &Config,
+    route: &str,
+    key: &str,
+    client: Option<&str>,
+) -> Result<StoreKey, OperatorError> {
+    let r = config
+        .routes
+        .iter()
+        .find(|r| r.name == route)
+        .ok_or_else(|| {
+            let names: Vec<&str> = config.routes.iter().map(|r| r.name.as_str()).collect();
+            OperatorError::NoRoute(route.to_string(), names.join(", "))
+        })?;
+    let key = parse_key_value(key.as_bytes()).map_err(OperatorError::BadKey)?;
+    let scope = match (&r.policy.client_header, client) {
+        (None, _) => ClientScope::of(&http::HeaderMap::new(), None),
+        (Some(_), Some(value)) => ClientScope::from_value(value.as_bytes()),
+        (Some(name), None) => ClientScope::of(&http::HeaderMap::new(), Some(name)),
+    };
+    Ok(StoreKey::new(&scope, &r.name, &key))
+}
+
+/// Opens the configured shared store and waits until it answers.
+pub async fn open_store(config: &Config) -> Result<std::sync::Arc<dyn Store>, OperatorError> {
+    if matches!(config.store, StoreConfig::Memory { .. }) {
+        return Err(OperatorError::MemoryStore);
+    }
+    let store = store::open(&config.store).map_err(|e| OperatorError::Store(e.to_string()))?;
+    let deadline = tokio::time::Instant::now() + CONNECT_WAIT;
+    loop {
+        match store.ping().await {
+            Ok(()) => return Ok(store),
+            Err(e) if tokio::time::Instant::now() >= deadline => {
+                return Err(OperatorError::Store(format!("cannot reach the store: {e}")))
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+}
+
+/// A record as an operator reads it.
+pub fn describe(key: &StoreKey, route: &str, record: &Record) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "key          {key}");
+    let _ = writeln!(out, "route        {route}");
+    let now = now_ms();
+    match &record.state {
+        RecordState::Pending { lease_until_ms, .. } if *lease_until_ms >= now => {
+            let _ = writeln!(
+                out,
+                "state        pending (in flight; lease valid for {} more)",
+                human_ms(lease_until_ms - now)
+            );
+        }
+        RecordState::Pending { lease_until_ms, .. } => {
+            let _ = writeln!(
+                out,
+                "state        pending, lease expired {} ago: its gateway stopped mid-flight; outcome unknown",
+                human_ms(now.saturating_sub(*lease_until_ms))
+            );
+        }
+        RecordState::Completed(_) => {
+            let _ = writeln!(out, "state        completed");
+        }
+        RecordState::Unknown { since_ms, reason } => {
+            let _ = writeln!(
+                out,
+                "state        unknown ({}) since {}",
+                reason.as_str(),
+                timestamp(*since_ms)
+            );
+        }
+    }
+    let _ = writeln!(out, "fingerprint  {}", record.fingerprint);
+    let _ = writeln!(out, "created      {}", timestamp(record.created_ms));
+    if let RecordState::Completed(r) = &record.state {
+        let _ = writeln!(out, "completed    {}", timestamp(r.completed_ms));
+        let _ = writeln!(out, "status       {}", r.status.as_u16());
+        let _ = writeln!(out, "headers      {}", r.headers.len());
+        if r.body_kept {
+            let _ = writeln!(out, "body         {} bytes", r.body.len());
+        } else {
+            let _ = writeln!(
+                out,
+                "body         not kept (larger than max_stored_response)"
+            );
+        }
+    }
+    out
+}
+
+fn timestamp(ms: u64) -> String {
+    humantime::format_rfc3339_millis(UNIX_EPOCH + Duration::from_millis(ms)).to_string()
+}
+
+fn human_ms(ms: u64) -> String {
+    humantime::format_duration(Duration::from_millis(ms / 1000 * 1000)).to_string()
+}

@@ -1,0 +1,443 @@
+//! Failure semantics with real processes: gateways killed mid-flight, upstreams that reset or
+//! hang, lease renewal, SIGTERM with requests in flight, operator release, and a chaos run.
+//! Invariant everywhere: no key executes twice unless the route or an operator says it may.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::process::Command;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use rand::Rng;
+use support::redis::RedisServer;
+use support::*;
+use tokio::sync::Semaphore;
+
+fn redis_config(upstream: &str, redis_url: &str, listen: &str, extra: &str) -> String {
+    format!(
+        "[server]\nlisten = \"{listen}\"\nshutdown_grace = \"10s\"\n[store]\nbackend = \"redis\"\nurl = \"{redis_url}\"\n[upstream]\nurl = \"{upstream}\"\n{extra}"
+    )
+}
+
+/// Retries until the answer is no longer `409 in-flight` (bounded): waits on what the gateway
+/// says, not on a guessed sleep.
+async fn retry_while_in_flight(http: &Http, key: &str) -> Got {
+    for _ in 0..200 {
+        let got = http.post("/payments", key, "{}").await;
+        if got.status != 409 {
+            return got;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("{key} stayed in flight for 10s");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_killed_mid_request_never_leads_to_a_second_execution() {
+    let redis = RedisServer::start();
+    let gate = Arc::new(Semaphore::new(0));
+    let g = Arc::clone(&gate);
+    let up =
+        Upstream::start(move |_, n| Reply::json(201, &format!("{{\"n\":{n}}}")).gated(&g)).await;
+    let config = redis_config(
+        &up.url(),
+        &redis.url(),
+        "127.0.0.1:0",
+        "[[routes]]\nname = \"payments\"\npath = \"/payments\"\nlock_timeout = \"1s\"\nwait = \"0s\"\n",
+    );
+    let gw = GatewayProcess::start(&config);
+    let http = Http::new(gw.addr);
+    let doomed = tokio::spawn({
+        let http = http.clone();
+        async move {
+            http.request("POST", "/payments")
+                .header("idempotency-key", "k")
+                .json("{}")
+                .try_send(Duration::from_secs(10))
+                .await
+        }
+    });
+    up.next_arrival().await;
+    gw.signal_and_wait("-KILL");
+    assert!(
+        doomed.await.unwrap().is_none(),
+        "the client lost its connection"
+    );
+
+    let gw = GatewayProcess::start(&config);
+    let http = Http::new(gw.addr);
+    // While the dead owner's lease is still valid: in flight.
+    let early = http.post("/payments", "k", "{}").await;
+    assert_eq!(early.status, 409, "{early:?}");
+    assert_eq!(early.problem_type(), "in-flight");
+    // Once it ran out: the outcome is unknown, and it says why.
+    let late = retry_while_in_flight(&http, "k").await;
+    assert_eq!(late.status, 502);
+    assert_eq!(late.problem_type(), "outcome-unknown");
+    assert!(
+        late.text().contains("stopped before the upstream answered"),
+        "{}",
+        late.text()
+    );
+    gate.add_permits(10);
+    assert_eq!(
+        http.post("/payments", "k", "{}").await.problem_type(),
+        "outcome-unknown"
+    );
+    assert_eq!(up.executions(), 1, "never executed a second time");
+
+    // The operator checks the record, then releases it: the next retry executes.
+    let dir = TempDir::new("keys");
+    let path = dir.path.join("proxy.toml");
+    std::fs::write(&path, &config).unwrap();
+    let bin = env!("CARGO_BIN_EXE_idemgate");
+    let get = Command::new(bin)
+        .args([
+            "keys", "get", "--route", "payments", "--key", "k", "--config",
+        ])
+        .arg(&path)
+        .output()
+        .unwrap();
+    let shown = String::from_utf8_lossy(&get.stdout);
+    assert!(
+        get.status.success(),
+        "{shown}{}",
+        String::from_utf8_lossy(&get.stderr)
+    );
+    assert!(shown.contains("lease expired"), "{shown}");
+    let del = Command::new(bin)
+        .args([
+            "keys", "delete", "--route", "payments", "--key", "k", "--config",
+        ])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(del.status.success());
+    assert!(String::from_utf8_lossy(&del.stdout).contains("deleted"));
+    let gone = Command::new(bin)
+        .args([
+            "keys", "get", "--route", "payments", "--key", "k", "--config",
+        ])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert_eq!(gone.status.code(), Some(1));
+    let after = http.post("/payments", "k", "{}").await;
+    assert_eq!(after.status, 201);
+    assert_eq!(up.executions(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_on_unknown_retry_an_abandoned_key_is_taken_over() {
+    let redis = RedisServer::start();
+    let gate = Arc::new(Semaphore::new(0));
+    let g = Arc::clone(&gate);
+    let up = Upstream::start(move |_, n| {
+        let r = Reply::json(201, &format!("{{\"n\":{n}}}"));
+        if n == 1 {
+            r.gated(&g)
+        } else {
+            r
+        }
+    })
+    .await;
+    let config = redis_config(
+        &up.url(),
+        &redis.url(),
+        "127.0.0.1:0",
+        "[[routes]]\npath = \"/payments\"\nlock_timeout = \"1s\"\nwait = \"0s\"\non_unknown = \"retry\"\n",
+    );
+    let gw = GatewayProcess::start(&config);
+    let http = Http::new(gw.addr);
+    tokio::spawn({
+        let http = http.clone();
+        async move {
+            http.request("POST", "/payments")
+                .header("idempotency-key", "k")
+                .json("{}")
+                .try_send(Duration::from_secs(10))
+                .await
+        }
+    });
+    up.next_arrival().await;
+    gw.signal_and_wait("-KILL");
+    let gw = GatewayProcess::start(&config);
+    let http = Http::new(gw.addr);
+    let got = retry_while_in_flight(&http, "k").await;
+    assert_eq!(got.status, 201, "{got:?}");
+    assert_eq!(&got.body[..], b"{\"n\":2}");
+    assert!(http.post("/payments", "k", "{}").await.is_replay());
+    assert_eq!(up.executions(), 2);
+    gate.add_permits(1);
+}
+
+#[tokio::test]
+async fn with_on_unknown_retry_a_reset_or_timeout_releases_the_key() {
+    let up = Upstream::start(|_, n| match n {
+        1 => Reply::Reset,
+        2 => Reply::Hang,
+        _ => Reply::json(201, "{}"),
+    })
+    .await;
+    let gw = gateway(
+        &up.url(),
+        "[[routes]]\npath = \"/payments\"\non_unknown = \"retry\"\nupstream_timeout = \"300ms\"\n",
+    )
+    .await;
+    let http = Http::new(gw.addr());
+    let reset = http.post("/payments", "k", "{}").await;
+    assert_eq!(reset.problem_type(), "outcome-unknown");
+    assert!(reset.text().contains("executes it again"));
+    let timeout = http.post("/payments", "k", "{}").await;
+    assert_eq!(timeout.status, 504);
+    assert_eq!(timeout.problem_type(), "outcome-unknown");
+    assert_eq!(http.post("/payments", "k", "{}").await.status, 201);
+    assert_eq!(up.executions(), 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lease_renewal_keeps_a_slow_upstream_call_from_being_taken_over() {
+    let redis = RedisServer::start();
+    let gate = Arc::new(Semaphore::new(0));
+    let g = Arc::clone(&gate);
+    let up =
+        Upstream::start(move |_, n| Reply::json(201, &format!("{{\"n\":{n}}}")).gated(&g)).await;
+    let config = redis_config(
+        &up.url(),
+        &redis.url(),
+        "127.0.0.1:0",
+        "[[routes]]\npath = \"/payments\"\nlock_timeout = \"300ms\"\nwait = \"0s\"\non_unknown = \"retry\"\n",
+    );
+    let gw = GatewayProcess::start(&config);
+    let http = Http::new(gw.addr);
+    let original = tokio::spawn({
+        let http = http.clone();
+        async move { http.post("/payments", "slow", "{}").await }
+    });
+    up.next_arrival().await;
+    // Well past several leases, the live owner still holds the key (even with on_unknown =
+    // "retry", which would take over an expired lease).
+    for _ in 0..5 {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let dup = http.post("/payments", "slow", "{}").await;
+        assert_eq!(dup.problem_type(), "in-flight");
+    }
+    gate.add_permits(1);
+    let original = original.await.unwrap();
+    assert_eq!(original.status, 201);
+    assert!(http.post("/payments", "slow", "{}").await.is_replay());
+    assert_eq!(up.executions(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_lets_in_flight_requests_finish_and_their_results_replay_after_restart() {
+    let redis = RedisServer::start();
+    let gate = Arc::new(Semaphore::new(0));
+    let g = Arc::clone(&gate);
+    let up =
+        Upstream::start(move |_, n| Reply::json(201, &format!("{{\"n\":{n}}}")).gated(&g)).await;
+    let config = redis_config(&up.url(), &redis.url(), "127.0.0.1:0", PAYMENTS);
+    let gw = GatewayProcess::start(&config);
+    let addr = gw.addr;
+    let http = Http::new(addr);
+    let mut in_flight = Vec::new();
+    for i in 0..3 {
+        let http = http.clone();
+        in_flight.push(tokio::spawn(async move {
+            http.post("/payments", &format!("k{i}"), "{}").await
+        }));
+    }
+    for _ in 0..3 {
+        up.next_arrival().await;
+    }
+    let pid = gw.pid().to_string();
+    assert!(Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap()
+        .success());
+    // The listener closes first...
+    for _ in 0..200 {
+        if tokio::net::TcpStream::connect(addr).await.is_err() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // ...then the upstream answers, and every in-flight client gets its result.
+    gate.add_permits(3);
+    let mut bodies = HashMap::new();
+    for (i, t) in in_flight.into_iter().enumerate() {
+        let got = t.await.unwrap();
+        assert_eq!(got.status, 201);
+        bodies.insert(i, got.body);
+    }
+    let status = tokio::task::spawn_blocking(move || gw.signal_and_wait("-0"))
+        .await
+        .unwrap();
+    assert_eq!(status.code(), Some(0), "exit 0 after draining");
+
+    let gw = GatewayProcess::start(&config);
+    let http = Http::new(gw.addr);
+    for (i, body) in bodies {
+        let again = http.post("/payments", &format!("k{i}"), "{}").await;
+        assert!(again.is_replay());
+        assert_eq!(again.body, body);
+    }
+    assert_eq!(up.executions(), 3);
+}
+
+/// Many clients retrying aggressively with random timeouts, an upstream with random latency and
+/// resets, gateways killed and restarted at random, Redis restarted once. At the end: at most one
+/// execution per key, and every 2xx for a key carried the same body.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chaos() {
+    const RUN: Duration = Duration::from_secs(25);
+    let mut redis = RedisServer::start_durable();
+    let up = Upstream::start(|_, n| {
+        let mut rng = rand::rng();
+        let latency = Duration::from_millis(rng.random_range(0..150));
+        if rng.random_bool(0.1) {
+            Reply::Delayed(latency, Box::new(Reply::Reset))
+        } else {
+            Reply::Delayed(
+                latency,
+                Box::new(Reply::json(201, &format!("{{\"execution\":{n}}}"))),
+            )
+        }
+    })
+    .await;
+    let ports: Vec<u16> = (0..2).map(|_| support::redis::free_port(false)).collect();
+    let configs: Vec<String> = ports
+        .iter()
+        .map(|p| {
+            redis_config(
+                &up.url(),
+                &redis.url(),
+                &format!("127.0.0.1:{p}"),
+                "[[routes]]\npath = \"/payments\"\nlock_timeout = \"1s\"\nwait = \"2s\"\nupstream_timeout = \"1s\"\n",
+            )
+        })
+        .collect();
+    let gateways: Arc<Mutex<Vec<Option<GatewayProcess>>>> = Arc::new(Mutex::new(
+        configs
+            .iter()
+            .map(|c| Some(GatewayProcess::start(c)))
+            .collect(),
+    ));
+    let addrs: Vec<SocketAddr> = ports
+        .iter()
+        .map(|p| format!("127.0.0.1:{p}").parse().unwrap())
+        .collect();
+
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let bodies: Arc<Mutex<HashMap<String, Vec<bytes::Bytes>>>> = Arc::default();
+    let mut clients = Vec::new();
+    for c in 0..12 {
+        let (stop, bodies, addrs) = (Arc::clone(&stop), Arc::clone(&bodies), addrs.clone());
+        clients.push(tokio::spawn(async move {
+            let mut finished = 0;
+            for j in 0..10_000 {
+                if stop.load(std::sync::atomic::Ordering::SeqCst) {
+                    break;
+                }
+                let key = format!("c{c}-{j}");
+                for _ in 0..100 {
+                    if stop.load(std::sync::atomic::Ordering::SeqCst) {
+                        break;
+                    }
+                    let (addr, timeout) = {
+                        let mut rng = rand::rng();
+                        (
+                            addrs[rng.random_range(0..addrs.len())],
+                            Duration::from_millis(rng.random_range(50..800)),
+                        )
+                    };
+                    let got = Http::new(addr)
+                        .request("POST", "/payments")
+                        .header("idempotency-key", &key)
+                        .json("{}")
+                        .try_send(timeout)
+                        .await;
+                    let Some(got) = got else { continue };
+                    if got.status.is_success() {
+                        bodies
+                            .lock()
+                            .unwrap()
+                            .entry(key.clone())
+                            .or_default()
+                            .push(got.body.clone());
+                        finished += 1;
+                        break;
+                    }
+                    let problem = (got.header("content-type") == Some("application/problem+json"))
+                        .then(|| got.problem_type());
+                    if problem.as_deref() == Some("outcome-unknown") {
+                        finished += 1;
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+            finished
+        }));
+    }
+
+    // The chaos: kill -9 and restart gateways at random, and restart Redis once, midway.
+    let started = tokio::time::Instant::now();
+    let mut redis_restarted = false;
+    let mut kills = 0;
+    while started.elapsed() < RUN {
+        let pause = Duration::from_millis(rand::rng().random_range(500..2000));
+        tokio::time::sleep(pause).await;
+        if !redis_restarted && started.elapsed() > RUN / 2 {
+            redis.restart();
+            redis_restarted = true;
+            continue;
+        }
+        let i = rand::rng().random_range(0..configs.len());
+        let old = gateways.lock().unwrap()[i].take();
+        if let Some(gw) = old {
+            tokio::task::spawn_blocking(move || gw.signal_and_wait("-KILL"))
+                .await
+                .unwrap();
+            kills += 1;
+        }
+        let config = configs[i].clone();
+        let fresh = tokio::task::spawn_blocking(move || GatewayProcess::start(&config))
+            .await
+            .unwrap();
+        gateways.lock().unwrap()[i] = Some(fresh);
+    }
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let mut finished = 0;
+    for c in clients {
+        finished += c.await.unwrap();
+    }
+    let executions = up.executions();
+    eprintln!("chaos: {kills} gateway kills, Redis restarted once, {finished} keys finished, {executions} upstream executions");
+    assert!(
+        redis_restarted && kills >= 3,
+        "the chaos happened ({kills} kills)"
+    );
+    assert!(
+        finished > 50,
+        "clients got through the chaos ({finished} keys finished)"
+    );
+
+    let mut per_key: HashMap<String, usize> = HashMap::new();
+    for s in up.seen() {
+        let k = s.headers["idempotency-key"].to_str().unwrap().to_string();
+        *per_key.entry(k).or_default() += 1;
+    }
+    let twice: Vec<_> = per_key.iter().filter(|(_, n)| **n > 1).collect();
+    assert!(twice.is_empty(), "keys executed more than once: {twice:?}");
+    for (key, seen) in bodies.lock().unwrap().iter() {
+        assert!(
+            seen.iter().all(|b| b == &seen[0]),
+            "{key}: different 2xx bodies {seen:?}"
+        );
+    }
+}
