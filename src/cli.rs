@@ -2,12 +2,13 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
 
 use clap::{Parser, Subcommand};
 
 use crate::config::Config;
 use crate::operator;
-use crate::server::{shutdown_signal, Server};
+use crate::server::{reload_on_sighup, shutdown_signal, Server};
 use crate::telemetry::{self, LogFormat};
 
 /// Exit status for a configuration that cannot be used (EX_USAGE in sysexits.h).
@@ -91,20 +92,20 @@ pub fn main() -> ExitCode {
             }
         },
         Command::Keys { action } => keys(action),
-        Command::Run { config } => {
-            let config = match Config::load(&config) {
+        Command::Run { config: path } => {
+            let config = match Config::load(&path) {
                 Ok(c) => c,
                 Err(e) => {
-                    eprintln!("idemgate: {}: {e}", config.display());
+                    eprintln!("idemgate: {}: {e}", path.display());
                     return ExitCode::from(EXIT_BAD_CONFIG);
                 }
             };
-            run(config)
+            run(path, config)
         }
     }
 }
 
-fn run(config: Config) -> ExitCode {
+fn run(path: PathBuf, config: Config) -> ExitCode {
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -116,14 +117,16 @@ fn run(config: Config) -> ExitCode {
         }
     };
     runtime.block_on(async move {
-        let server = match Server::bind(config).await {
+        let server = match Server::bind(config.clone()).await {
             Ok(s) => s,
             Err(e) => {
                 tracing::error!(error = %e, "cannot start");
                 return ExitCode::from(EXIT_CANNOT_START);
             }
         };
+        let reloader = tokio::spawn(reload_on_sighup(path, Arc::clone(server.gateway()), config));
         server.run(shutdown_signal()).await;
+        reloader.abort();
         ExitCode::SUCCESS
     })
 }

@@ -17,9 +17,11 @@
 //! finishes and its result is stored for the retry that is surely coming.
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use arc_swap::ArcSwap;
 use bytes::Bytes;
 use http::{header, request, HeaderValue, Request, Response, StatusCode};
 use http_body::Body as HttpBody;
@@ -31,6 +33,7 @@ use crate::body::{self, Body, BoxError, Captured, ReadError};
 use crate::config::{OnStoreError, OnUnknown, Policy, RouteConfig, UpstreamUrl};
 use crate::fingerprint::{fingerprint, Fingerprint, RequestParts};
 use crate::key::{parse_key, ClientScope, StoreKey};
+use crate::metrics::Metrics;
 use crate::problem::Problem;
 use crate::route::Router;
 use crate::store::{
@@ -101,12 +104,21 @@ impl Outcome {
     }
 }
 
+/// What a config reload replaces: the routes and the default upstream.
+pub struct Routing {
+    pub router: Router,
+    pub default_upstream: UpstreamUrl,
+}
+
 /// Everything a request needs; shared by all connections.
 pub struct Gateway {
-    router: Router,
+    /// Swapped whole on SIGHUP; each request works on the snapshot it started with.
+    routing: ArcSwap<Routing>,
     store: Arc<dyn Store>,
     upstream: UpstreamClient,
-    default_upstream: UpstreamUrl,
+    metrics: Arc<Metrics>,
+    /// Set when shutdown begins, so readiness turns false before the listener closes.
+    shutting_down: AtomicBool,
     /// Owner executions, detached from their client connections; shutdown waits for them.
     tasks: TaskTracker,
 }
@@ -121,12 +133,14 @@ enum Resolved {
 }
 
 impl Gateway {
-    pub fn new(router: Router, store: Arc<dyn Store>, default_upstream: UpstreamUrl) -> Self {
+    /// `store` should already be wrapped for metrics ([`crate::store::instrumented`]).
+    pub fn new(routing: Routing, store: Arc<dyn Store>, metrics: Arc<Metrics>) -> Self {
         Gateway {
-            router,
+            routing: ArcSwap::from_pointee(routing),
             store,
             upstream: UpstreamClient::new(),
-            default_upstream,
+            metrics,
+            shutting_down: AtomicBool::new(false),
             tasks: TaskTracker::new(),
         }
     }
@@ -135,8 +149,26 @@ impl Gateway {
         &self.store
     }
 
-    pub fn router(&self) -> &Router {
-        &self.router
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+
+    /// The routing in force now.
+    pub fn routing(&self) -> Arc<Routing> {
+        self.routing.load_full()
+    }
+
+    /// Replaces routes and default upstream; requests already running keep their snapshot.
+    pub fn reload(&self, routing: Routing) {
+        self.routing.store(Arc::new(routing));
+    }
+
+    pub fn begin_shutdown(&self) {
+        self.shutting_down.store(true, Ordering::SeqCst);
+    }
+
+    pub fn is_shutting_down(&self) -> bool {
+        self.shutting_down.load(Ordering::SeqCst)
     }
 
     /// Owner executions still running (detached from their clients).
@@ -150,14 +182,19 @@ impl Gateway {
         req: Request<Incoming>,
         peer: SocketAddr,
     ) -> Response<Body> {
-        let route = self.router.find(req.method(), req.uri().path()).cloned();
-        let Some(route) = route else {
-            return self
-                .pass_through(req, peer, &self.default_upstream, None)
+        let _in_flight = self.metrics.in_flight();
+        let routing = self.routing.load_full();
+        let Some(route) = routing.router.find(req.method(), req.uri().path()).cloned() else {
+            let resp = self
+                .pass_through(req, peer, &routing.default_upstream, None, "")
                 .await;
+            self.metrics.request("", Outcome::Passthrough);
+            return resp;
         };
+        drop(routing);
         let started = Instant::now();
         let (resp, outcome, key) = self.idempotent(route.clone(), req, peer).await;
+        self.metrics.request(&route.name, outcome);
         tracing::info!(
             route = %route.name,
             key = %key.as_ref().map(StoreKey::short).unwrap_or("-"),
@@ -182,7 +219,13 @@ impl Gateway {
             Ok(Some(k)) => k,
             Ok(None) if !policy.require_key => {
                 let resp = self
-                    .pass_through(req, peer, &route.upstream, Some(policy.upstream_timeout))
+                    .pass_through(
+                        req,
+                        peer,
+                        &route.upstream,
+                        Some(policy.upstream_timeout),
+                        &route.name,
+                    )
                     .await;
                 return (resp, Outcome::Passthrough, None);
             }
@@ -257,7 +300,13 @@ impl Gateway {
                     tracing::warn!(key = key.short(), error = %e, "store unavailable; forwarding without idempotency (on_store_error = \"pass\")");
                     let req = Request::from_parts(parts, http_body_util::Full::new(body));
                     let resp = self
-                        .pass_through(req, peer, &route.upstream, Some(policy.upstream_timeout))
+                        .pass_through(
+                            req,
+                            peer,
+                            &route.upstream,
+                            Some(policy.upstream_timeout),
+                            &route.name,
+                        )
                         .await;
                     return Ok((resp, Outcome::StoreError));
                 }
@@ -384,12 +433,14 @@ impl Gateway {
             );
         }
         let req = Request::from_parts(parts, body::full(body));
+        let started = Instant::now();
         let forward = forward_and_capture(&self.upstream, req, policy);
         tokio::pin!(forward);
         let result = tokio::select! {
             r = &mut forward => r,
             () = self.renew_lease(key, token, policy.lock_timeout) => forward.await,
         };
+        self.metrics.upstream(&route.name, started.elapsed());
         self.settle(policy, key, token, result).await
     }
 
@@ -509,6 +560,7 @@ impl Gateway {
         peer: SocketAddr,
         target: &UpstreamUrl,
         timeout: Option<Duration>,
+        route: &str,
     ) -> Response<Body>
     where
         B: HttpBody<Data = Bytes> + Send + 'static,
@@ -520,7 +572,10 @@ impl Gateway {
         }
         let req = Request::from_parts(parts, body::boxed(body));
         let timeout = timeout.unwrap_or(Policy::builtin().upstream_timeout);
-        match self.upstream.send(req, timeout).await {
+        let started = Instant::now();
+        let sent = self.upstream.send(req, timeout).await;
+        self.metrics.upstream(route, started.elapsed());
+        match sent {
             Ok(resp) => {
                 let (mut head, body) = resp.into_parts();
                 strip_hop_by_hop(&mut head.headers);

@@ -16,14 +16,18 @@
 //! - [`gateway`] - the idempotency state machine, phase by phase (start here).
 //! - [`problem`] - every response the gateway makes itself (RFC 9457), in one place.
 //! - [`server`] - listener, connections, graceful shutdown.
+//! - [`admin`] - the admin listener: `/healthz`, `/readyz`, `/metrics`.
+//! - [`metrics`] - the Prometheus metrics.
 //! - [`telemetry`] - logging.
 
+pub mod admin;
 pub mod body;
 pub mod cli;
 pub mod config;
 pub mod fingerprint;
 pub mod gateway;
 pub mod key;
+pub mod metrics;
 pub mod operator;
 pub mod problem;
 pub mod route;

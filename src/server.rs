@@ -21,9 +21,11 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use crate::config::{Config, ServerConfig};
-use crate::gateway::Gateway;
+use crate::gateway::{Gateway, Routing};
+use crate::metrics::Metrics;
 use crate::route::Router;
 use crate::store;
+use crate::store::instrumented::Instrumented;
 
 /// A client gets this long to send its request headers (slow-loris protection).
 const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
@@ -42,30 +44,45 @@ pub enum ServerError {
 /// A bound, not yet serving gateway.
 pub struct Server {
     listener: TcpListener,
+    admin: Option<TcpListener>,
     gateway: Arc<Gateway>,
     settings: ServerConfig,
 }
 
 impl Server {
-    /// Opens the store and binds the listener. Must run inside a tokio runtime.
+    /// Opens the store and binds the listeners. Must run inside a tokio runtime.
     pub async fn bind(config: Config) -> Result<Server, ServerError> {
-        let listener = TcpListener::bind(config.server.listen)
-            .await
-            .map_err(|source| ServerError::Bind {
-                addr: config.server.listen,
-                source,
-            })?;
-        let store = store::open(&config.store)?;
-        let gateway = Arc::new(Gateway::new(
-            Router::new(config.routes),
-            store,
-            config.upstream,
+        let bind = |addr: SocketAddr| async move {
+            TcpListener::bind(addr)
+                .await
+                .map_err(|source| ServerError::Bind { addr, source })
+        };
+        let listener = bind(config.server.listen).await?;
+        let admin = match config.server.admin {
+            Some(addr) => Some(bind(addr).await?),
+            None => None,
+        };
+        let metrics = Arc::new(Metrics::new());
+        let store: Arc<dyn store::Store> = Arc::new(Instrumented::new(
+            store::open(&config.store)?,
+            Arc::clone(&metrics),
         ));
+        let routing = Routing {
+            router: Router::new(config.routes),
+            default_upstream: config.upstream,
+        };
+        let gateway = Arc::new(Gateway::new(routing, store, metrics));
         Ok(Server {
             listener,
+            admin,
             gateway,
             settings: config.server,
         })
+    }
+
+    /// The admin listener's address, if one is configured.
+    pub fn admin_addr(&self) -> Option<SocketAddr> {
+        self.admin.as_ref().and_then(|l| l.local_addr().ok())
     }
 
     pub fn local_addr(&self) -> SocketAddr {
@@ -81,9 +98,16 @@ impl Server {
     pub async fn run(self, shutdown: impl Future<Output = ()>) {
         let Server {
             listener,
+            admin,
             gateway,
             settings,
         } = self;
+        let admin_task = admin.map(|l| {
+            if let Ok(addr) = l.local_addr() {
+                tracing::info!(%addr, "admin listening (/healthz /readyz /metrics)");
+            }
+            tokio::spawn(crate::admin::serve(l, Arc::clone(&gateway)))
+        });
         tracing::info!(addr = %listener.local_addr().unwrap_or(settings.listen), "idemgate listening");
 
         let graceful = GracefulShutdown::new();
@@ -133,6 +157,8 @@ impl Server {
             });
         }
 
+        // Readiness turns false first, so load balancers stop sending while we drain.
+        gateway.begin_shutdown();
         drop(listener);
         let deadline = Instant::now() + settings.shutdown_grace;
         tracing::info!(grace = ?settings.shutdown_grace, "shutting down: draining connections");
@@ -153,6 +179,9 @@ impl Server {
                 "grace period over with upstream calls still running; their keys stay pending"
             );
         }
+        if let Some(t) = admin_task {
+            t.abort();
+        }
         tracing::info!("shut down");
     }
 }
@@ -160,6 +189,7 @@ impl Server {
 /// A gateway serving in the background: for tests and embedding.
 pub struct Running {
     addr: SocketAddr,
+    admin: Option<SocketAddr>,
     gateway: Arc<Gateway>,
     stop: Option<oneshot::Sender<()>>,
     task: JoinHandle<()>,
@@ -170,6 +200,7 @@ impl Running {
     pub async fn start(config: Config) -> Result<Running, ServerError> {
         let server = Server::bind(config).await?;
         let addr = server.local_addr();
+        let admin = server.admin_addr();
         let gateway = Arc::clone(server.gateway());
         let (stop, stopped) = oneshot::channel::<()>();
         let task = tokio::spawn(server.run(async move {
@@ -177,6 +208,7 @@ impl Running {
         }));
         Ok(Running {
             addr,
+            admin,
             gateway,
             stop: Some(stop),
             task,
@@ -189,6 +221,11 @@ impl Running {
 
     pub fn gateway(&self) -> &Arc<Gateway> {
         &self.gateway
+    }
+
+    /// The admin listener's address, when `[server] admin` is set.
+    pub fn admin_addr(&self) -> Option<SocketAddr> {
+        self.admin
     }
 
     /// Shuts down gracefully and waits until done.
@@ -205,6 +242,46 @@ impl Drop for Running {
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
         }
+    }
+}
+
+/// Reloads routes, defaults and the default upstream from `path` on every SIGHUP. The new file is
+/// validated first; on any error the running config stays and the error is logged. Requests
+/// already running finish with the routing they started with. Store and server settings cannot
+/// change without a restart, and a reload that changes them says so.
+pub async fn reload_on_sighup(path: std::path::PathBuf, gateway: Arc<Gateway>, running: Config) {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut hup = match signal(SignalKind::hangup()) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot listen for SIGHUP; config reload disabled");
+                return;
+            }
+        };
+        while hup.recv().await.is_some() {
+            let new = match Config::load(&path) {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::error!(error = %e, "config reload failed; keeping the running config");
+                    continue;
+                }
+            };
+            if new.store != running.store || new.server != running.server {
+                tracing::warn!("[store] and [server] changes take effect only after a restart; reloading routes, defaults and upstream only");
+            }
+            let routes = new.routes.len();
+            gateway.reload(Routing {
+                router: Router::new(new.routes),
+                default_upstream: new.upstream,
+            });
+            tracing::info!(routes, "config reloaded");
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = (path, gateway, running);
     }
 }
 

@@ -107,7 +107,7 @@ async fn run_serves_then_exits_0_on_sigterm() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let addr = wait_listening(&mut child);
+    let (addr, _logs) = wait_listening(&mut child);
     let http = Http::new(addr);
     assert_eq!(http.post("/payments", "k", "{}").await.status, 201);
     assert!(http.post("/payments", "k", "{}").await.is_replay());

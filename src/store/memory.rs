@@ -77,11 +77,6 @@ impl MemoryStore {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
-
-    /// Records removed by expiry so far.
-    pub fn purged(&self) -> u64 {
-        self.shared.lock().purged
-    }
 }
 
 impl Shared {
@@ -319,6 +314,10 @@ impl Store for MemoryStore {
 
     async fn ping(&self) -> Result<(), StoreError> {
         Ok(())
+    }
+
+    fn purged(&self) -> u64 {
+        self.shared.lock().purged
     }
 }
 

@@ -16,6 +16,7 @@
 //! `tests/store_contract.rs` run against every backend.
 
 pub mod codec;
+pub mod instrumented;
 pub mod memory;
 pub mod redis;
 pub mod wait;
@@ -203,6 +204,11 @@ pub trait Store: Send + Sync + 'static {
 
     /// Whether the backend can serve requests now (for readiness).
     async fn ping(&self) -> Result<(), StoreError>;
+
+    /// Expired records this process removed so far (backends that expire on their own: 0).
+    fn purged(&self) -> u64 {
+        0
+    }
 }
 
 /// A new pending record for a fresh owner.

@@ -4,6 +4,7 @@
 
 pub mod redis;
 
+use std::collections::HashMap;
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -17,7 +18,7 @@ use hyper::service::service_fn;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use idemgate::config::Config;
-use idemgate::server::Running;
+pub use idemgate::server::Running;
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, Semaphore};
 
@@ -195,6 +196,18 @@ impl Upstream {
     }
 }
 
+impl Upstream {
+    /// Waits until a request for `path_and_query` reaches the upstream, skipping other arrivals.
+    pub async fn arrival_at(&self, path_and_query: &str) -> Seen {
+        loop {
+            let seen = self.next_arrival().await;
+            if seen.path_and_query == path_and_query {
+                return seen;
+            }
+        }
+    }
+}
+
 impl Drop for Upstream {
     fn drop(&mut self) {
         self.task.abort();
@@ -270,6 +283,19 @@ pub fn config(upstream: &str, extra: &str) -> Config {
         "[server]\nlisten = \"127.0.0.1:0\"\nshutdown_grace = \"5s\"\n[upstream]\nurl = \"{upstream}\"\n{extra}"
     );
     Config::parse(&text).unwrap_or_else(|e| panic!("test config invalid: {e}\n{text}"))
+}
+
+/// Test-only additions to a parsed config.
+pub trait ConfigExt {
+    /// Serves the admin endpoints on a free loopback port.
+    fn with_admin(self) -> Config;
+}
+
+impl ConfigExt for Config {
+    fn with_admin(mut self) -> Config {
+        self.server.admin = Some("127.0.0.1:0".parse().unwrap());
+        self
+    }
 }
 
 /// Starts the real gateway in-process on loopback port 0.
@@ -437,27 +463,37 @@ pub fn infallible<T>(t: T) -> Result<T, Infallible> {
 /// The real `idemgate` binary running `run --config` on a written config. Killed on drop.
 pub struct GatewayProcess {
     pub addr: SocketAddr,
+    pub config_path: std::path::PathBuf,
     child: std::process::Child,
+    logs: std::sync::mpsc::Receiver<String>,
     _dir: TempDir,
 }
 
 impl GatewayProcess {
     /// Writes `config` and starts the binary; returns once it logged where it listens.
     pub fn start(config: &str) -> GatewayProcess {
+        Self::start_with_args(config, &[])
+    }
+
+    /// The same, with extra command-line arguments (e.g. `--log-format json`).
+    pub fn start_with_args(config: &str, args: &[&str]) -> GatewayProcess {
         let dir = TempDir::new("gw");
-        let path = dir.path.join("proxy.toml");
-        std::fs::write(&path, config).unwrap();
+        let config_path = dir.path.join("proxy.toml");
+        std::fs::write(&config_path, config).unwrap();
         let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_idemgate"))
+            .args(args)
             .args(["run", "--config"])
-            .arg(&path)
+            .arg(&config_path)
             .env("RUST_LOG", "info")
             .stderr(std::process::Stdio::piped())
             .spawn()
             .unwrap();
-        let addr = wait_listening(&mut child);
+        let (addr, logs) = wait_listening(&mut child);
         GatewayProcess {
             addr,
+            config_path,
             child,
+            logs,
             _dir: dir,
         }
     }
@@ -468,12 +504,35 @@ impl GatewayProcess {
 
     /// Sends a signal (e.g. "-TERM", "-KILL") and waits for the exit status.
     pub fn signal_and_wait(mut self, signal: &str) -> std::process::ExitStatus {
+        self.signal(signal);
+        self.child.wait().unwrap()
+    }
+
+    /// Sends a signal without waiting.
+    pub fn signal(&self, signal: &str) {
         let pid = self.child.id().to_string();
         std::process::Command::new("kill")
             .args([signal, &pid])
             .status()
             .unwrap();
-        self.child.wait().unwrap()
+    }
+
+    /// Waits (at most 20 s) for a log line containing `needle` and returns it.
+    pub fn wait_log(&self, needle: &str) -> String {
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match self.logs.recv_timeout(left) {
+                Ok(line) if line.contains(needle) => return line,
+                Ok(_) => {}
+                Err(_) => panic!("no log line containing {needle:?} within 20s"),
+            }
+        }
+    }
+
+    /// Log lines received so far (without waiting).
+    pub fn drain_logs(&self) -> Vec<String> {
+        self.logs.try_iter().collect()
     }
 }
 
@@ -484,9 +543,12 @@ impl Drop for GatewayProcess {
     }
 }
 
-/// Reads the child's stderr until the "listening" line and returns the address it names; the
-/// rest of stderr keeps being drained (and echoed, for failing tests) in the background.
-pub fn wait_listening(child: &mut std::process::Child) -> SocketAddr {
+/// Reads the child's stderr until the "listening" line and returns the address it names (text
+/// or JSON logs), and the channel on which the following lines keep arriving (also echoed, for
+/// failing tests).
+pub fn wait_listening(
+    child: &mut std::process::Child,
+) -> (SocketAddr, std::sync::mpsc::Receiver<String>) {
     use std::io::BufRead;
     let stderr = child.stderr.take().unwrap();
     let (tx, rx) = std::sync::mpsc::channel();
@@ -504,16 +566,40 @@ pub fn wait_listening(child: &mut std::process::Child) -> SocketAddr {
             .recv_timeout(Duration::from_secs(20))
             .expect("the gateway printed no 'listening' line within 20s");
         if line.contains("idemgate listening") {
-            let addr = line
-                .split("addr=")
-                .nth(1)
-                .unwrap()
-                .split_whitespace()
-                .next()
-                .unwrap();
-            return addr.parse().unwrap();
+            let addr = if line.trim_start().starts_with('{') {
+                let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+                v["addr"].as_str().unwrap().to_string()
+            } else {
+                line.split("addr=")
+                    .nth(1)
+                    .unwrap()
+                    .split_whitespace()
+                    .next()
+                    .unwrap()
+                    .to_string()
+            };
+            return (addr.parse().unwrap(), rx);
         }
     }
+}
+
+/// GETs an admin path; returns status and body.
+pub async fn admin_get(addr: SocketAddr, path: &str) -> (u16, String) {
+    let got = Http::new(addr).request("GET", path).send().await;
+    (got.status.as_u16(), got.text())
+}
+
+/// Scrapes `/metrics` into `name{labels}` -> value.
+pub async fn scrape(admin: SocketAddr) -> HashMap<String, f64> {
+    let (status, text) = admin_get(admin, "/metrics").await;
+    assert_eq!(status, 200);
+    text.lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .filter_map(|l| {
+            let (name, value) = l.rsplit_once(' ')?;
+            Some((name.to_string(), value.parse().ok()?))
+        })
+        .collect()
 }
 
 /// A scratch directory removed on drop.

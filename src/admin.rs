@@ -1,0 +1,90 @@
+//! The admin listener (`[server] admin`): `/healthz`, `/readyz` and `/metrics`.
+//!
+//! Kept off the traffic port so probes and scrapes never compete with, or get mistaken for,
+//! client requests.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{header, HeaderValue, Method, Request, Response, StatusCode};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpListener;
+
+use crate::body::{self, Body};
+use crate::gateway::Gateway;
+
+/// A readiness check fails if the store does not answer within this.
+const READY_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Serves admin requests until the task is aborted.
+pub async fn serve(listener: TcpListener, gateway: Arc<Gateway>) {
+    loop {
+        let Ok((stream, _)) = listener.accept().await else {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            continue;
+        };
+        let gw = Arc::clone(&gateway);
+        tokio::spawn(async move {
+            let svc = service_fn(move |req| {
+                let gw = Arc::clone(&gw);
+                async move { Ok::<_, Infallible>(handle(&gw, req).await) }
+            });
+            let _ = hyper::server::conn::http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), svc)
+                .await;
+        });
+    }
+}
+
+async fn handle(gw: &Gateway, req: Request<Incoming>) -> Response<Body> {
+    if req.method() != Method::GET && req.method() != Method::HEAD {
+        return text(StatusCode::METHOD_NOT_ALLOWED, "use GET\n");
+    }
+    match req.uri().path() {
+        // The process is up and serving: nothing else, so a slow store never gets it restarted.
+        "/healthz" => text(StatusCode::OK, "ok\n"),
+        "/readyz" => {
+            if gw.is_shutting_down() {
+                return text(StatusCode::SERVICE_UNAVAILABLE, "shutting down\n");
+            }
+            match tokio::time::timeout(READY_TIMEOUT, gw.store().ping()).await {
+                Ok(Ok(())) => text(StatusCode::OK, "ready\n"),
+                Ok(Err(e)) => {
+                    tracing::debug!(error = %e, "not ready");
+                    text(StatusCode::SERVICE_UNAVAILABLE, "store unreachable\n")
+                }
+                Err(_) => text(StatusCode::SERVICE_UNAVAILABLE, "store not answering\n"),
+            }
+        }
+        "/metrics" => {
+            let metrics = gw.metrics();
+            metrics.set_records_purged(gw.store().purged());
+            let mut resp = Response::new(body::full(Bytes::from(metrics.encode())));
+            resp.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static(
+                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                ),
+            );
+            resp
+        }
+        _ => text(
+            StatusCode::NOT_FOUND,
+            "not found: /healthz, /readyz, /metrics\n",
+        ),
+    }
+}
+
+fn text(status: StatusCode, msg: &'static str) -> Response<Body> {
+    let mut resp = Response::new(body::full(Bytes::from_static(msg.as_bytes())));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    resp
+}

@@ -1,0 +1,168 @@
+//! Prometheus metrics, kept in a `prometheus-client` registry and encoded by it for `/metrics`.
+//!
+//! - `idemgate_requests_total{route, outcome}`: every request; `outcome` is one of the
+//!   [`Outcome`] names (`executed`, `replayed`, `waited`, `mismatch`, ..., `passthrough`); pass-through
+//!   requests outside any route have `route=""`.
+//! - `idemgate_upstream_duration_seconds{route}`: time to the upstream's answer (complete, on
+//!   idempotent routes; the response head, on pass-through).
+//! - `idemgate_store_duration_seconds{op}`, `idemgate_store_errors_total{op}`: per store call.
+//! - `idemgate_requests_in_flight`: requests being handled now.
+//! - `idemgate_records_purged_total`: expired records removed by the embedded store.
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+use crate::gateway::Outcome;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RequestLabels {
+    route: String,
+    outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RouteLabel {
+    route: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OpLabel {
+    op: &'static str,
+}
+
+type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
+
+fn latency_histogram() -> Histogram {
+    // 100 µs .. ~26 s.
+    Histogram::new(exponential_buckets(0.0001, 2.0, 19))
+}
+
+pub struct Metrics {
+    registry: Registry,
+    requests: Family<RequestLabels, Counter>,
+    upstream_seconds: HistogramFamily<RouteLabel>,
+    store_seconds: HistogramFamily<OpLabel>,
+    store_errors: Family<OpLabel, Counter>,
+    in_flight: Gauge,
+    records_purged: Counter,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("idemgate");
+        let requests = Family::<RequestLabels, Counter>::default();
+        let upstream_seconds: HistogramFamily<RouteLabel> =
+            Family::new_with_constructor(latency_histogram);
+        let store_seconds: HistogramFamily<OpLabel> =
+            Family::new_with_constructor(latency_histogram);
+        let store_errors = Family::<OpLabel, Counter>::default();
+        let in_flight = Gauge::default();
+        let records_purged = Counter::default();
+        registry.register(
+            "requests",
+            "Requests by route and outcome",
+            requests.clone(),
+        );
+        registry.register(
+            "upstream_duration_seconds",
+            "Time to the upstream's complete answer",
+            upstream_seconds.clone(),
+        );
+        registry.register(
+            "store_duration_seconds",
+            "Duration of store calls",
+            store_seconds.clone(),
+        );
+        registry.register(
+            "store_errors",
+            "Store calls that failed (unreachable, timed out, full)",
+            store_errors.clone(),
+        );
+        registry.register(
+            "requests_in_flight",
+            "Requests being handled",
+            in_flight.clone(),
+        );
+        registry.register(
+            "records_purged",
+            "Expired records removed by the embedded store",
+            records_purged.clone(),
+        );
+        Metrics {
+            registry,
+            requests,
+            upstream_seconds,
+            store_seconds,
+            store_errors,
+            in_flight,
+            records_purged,
+        }
+    }
+
+    pub fn request(&self, route: &str, outcome: Outcome) {
+        self.requests
+            .get_or_create(&RequestLabels {
+                route: route.to_string(),
+                outcome: outcome.as_str(),
+            })
+            .inc();
+    }
+
+    pub fn upstream(&self, route: &str, took: Duration) {
+        self.upstream_seconds
+            .get_or_create(&RouteLabel {
+                route: route.to_string(),
+            })
+            .observe(took.as_secs_f64());
+    }
+
+    pub fn store_call(&self, op: &'static str, took: Duration, failed: bool) {
+        self.store_seconds
+            .get_or_create(&OpLabel { op })
+            .observe(took.as_secs_f64());
+        if failed {
+            self.store_errors.get_or_create(&OpLabel { op }).inc();
+        }
+    }
+
+    /// Counts a request as in flight until the guard drops.
+    pub fn in_flight(&self) -> InFlight<'_> {
+        self.in_flight.inc();
+        InFlight(&self.in_flight)
+    }
+
+    /// Sets the purge counter from the store's own running total.
+    pub fn set_records_purged(&self, total: u64) {
+        self.records_purged.inner().store(total, Ordering::Relaxed);
+    }
+
+    /// The text exposition (OpenMetrics) of everything.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        if prometheus_client::encoding::text::encode(&mut out, &self.registry).is_err() {
+            out.clear();
+        }
+        out
+    }
+}
+
+pub struct InFlight<'a>(&'a Gauge);
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
