@@ -1,4 +1,5 @@
-//! The command line: `idemgate run`, `idemgate check`, `idemgate keys get|delete`.
+//! The command line: `idemgate run`, `idemgate check`, `idemgate keys get|delete`,
+//! `idemgate probe`.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -43,6 +44,11 @@ pub enum Command {
         /// The TOML config file.
         #[arg(long, env = "IDEMGATE_CONFIG")]
         config: PathBuf,
+    },
+    /// GET a URL and exit 0 on 2xx, 1 otherwise: a health check for images without curl.
+    Probe {
+        /// For example http://127.0.0.1:9090/readyz
+        url: String,
     },
     /// Inspect or release one stored key (shared store only).
     Keys {
@@ -92,6 +98,7 @@ pub fn main() -> ExitCode {
             }
         },
         Command::Keys { action } => keys(action),
+        Command::Probe { url } => probe(&url),
         Command::Run { config: path } => {
             let config = match Config::load(&path) {
                 Ok(c) => c,
@@ -191,5 +198,48 @@ fn keys(action: KeysAction) -> ExitCode {
             }
         }
         ExitCode::SUCCESS
+    })
+}
+
+fn probe(url: &str) -> ExitCode {
+    let uri: http::Uri = match url.parse() {
+        Ok(u) => u,
+        Err(e) => {
+            eprintln!("idemgate probe: invalid URL {url:?}: {e}");
+            return ExitCode::from(EXIT_BAD_CONFIG);
+        }
+    };
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("idemgate probe: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    runtime.block_on(async move {
+        let client =
+            hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+                .build_http::<http_body_util::Empty<bytes::Bytes>>();
+        match tokio::time::timeout(std::time::Duration::from_secs(3), client.get(uri)).await {
+            Ok(Ok(resp)) if resp.status().is_success() => {
+                println!("{}", resp.status());
+                ExitCode::SUCCESS
+            }
+            Ok(Ok(resp)) => {
+                println!("{}", resp.status());
+                ExitCode::from(1)
+            }
+            Ok(Err(e)) => {
+                println!("unreachable: {e}");
+                ExitCode::from(1)
+            }
+            Err(_) => {
+                println!("no answer within 3s");
+                ExitCode::from(1)
+            }
+        }
     })
 }

@@ -125,3 +125,34 @@ async fn run_serves_then_exits_0_on_sigterm() {
         .unwrap();
     assert_eq!(status.code(), Some(0));
 }
+
+#[tokio::test]
+async fn probe_exits_0_on_2xx_and_1_otherwise() {
+    let up = Upstream::start(|seen, _| {
+        if seen.path_and_query == "/ok" {
+            Reply::json(200, "{}")
+        } else {
+            Reply::json(503, "{}")
+        }
+    })
+    .await;
+    let url = up.url();
+    let code = |path: &'static str| {
+        let url = format!("{url}{path}");
+        tokio::task::spawn_blocking(move || {
+            Command::new(BIN)
+                .args(["probe", &url])
+                .status()
+                .unwrap()
+                .code()
+        })
+    };
+    assert_eq!(code("/ok").await.unwrap(), Some(0));
+    assert_eq!(code("/down").await.unwrap(), Some(1));
+    let closed = closed_port().await;
+    let out = Command::new(BIN)
+        .args(["probe", &format!("http://{closed}/readyz")])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+}
