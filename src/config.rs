@@ -12,6 +12,7 @@ use std::time::Duration;
 use http::{HeaderName, Method, StatusCode, Uri};
 use serde::Deserialize;
 
+use crate::key::KeySource;
 use crate::route::{PatternError, RoutePattern};
 
 /// Largest accepted `max_body` / `max_stored_response`: both are buffered in memory per request.
@@ -254,6 +255,11 @@ pub struct RouteConfig {
     pub upstream: UpstreamUrl,
     /// JSON pointers removed from a JSON body before it is fingerprinted.
     pub fingerprint_ignore: Vec<String>,
+    /// Where the key comes from (default: the policy's `key_header`).
+    pub key: KeySource,
+    /// False for deliveries deduplicated by business id: a later, different message with the
+    /// same key gets the stored response instead of a mismatch.
+    pub check_fingerprint: bool,
     pub policy: Policy,
 }
 
@@ -315,12 +321,12 @@ impl Config {
             let p = &r.policy;
             let _ = writeln!(
                 out,
-                "route {:?}: {} {} -> {} (key {}, require_key {}, ttl {}, lock_timeout {}, wait {}, mismatch {}, client scope {}, max_body {}, max_stored_response {}, upstream_timeout {}, store_server_errors {}, on_store_error {:?}, on_unknown {:?})",
+                "route {:?}: {} {} -> {} (key from {}, require_key {}, ttl {}, lock_timeout {}, wait {}, mismatch {}, client scope {}, max_body {}, max_stored_response {}, upstream_timeout {}, store_server_errors {}, on_store_error {:?}, on_unknown {:?})",
                 r.name,
                 methods.join(","),
                 r.pattern,
                 r.upstream,
-                p.key_header,
+                r.key.describe(),
                 p.require_key,
                 humantime::format_duration(p.ttl),
                 humantime::format_duration(p.lock_timeout),
@@ -420,9 +426,43 @@ struct RawRouteOwn {
     upstream: Option<String>,
     #[serde(default)]
     fingerprint_ignore: Vec<String>,
+    key: Option<RawKey>,
+    check_fingerprint: Option<bool>,
 }
 
-const ROUTE_OWN_KEYS: &[&str] = &["name", "path", "methods", "upstream", "fingerprint_ignore"];
+/// `key = { header = "webhook-id" }`, `key = { json = ["/data/object/id", "/type"] }`, or both.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawKey {
+    header: Option<OneOrMany>,
+    json: Option<OneOrMany>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum OneOrMany {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl OneOrMany {
+    fn into_vec(self) -> Vec<String> {
+        match self {
+            OneOrMany::One(s) => vec![s],
+            OneOrMany::Many(v) => v,
+        }
+    }
+}
+
+const ROUTE_OWN_KEYS: &[&str] = &[
+    "name",
+    "path",
+    "methods",
+    "upstream",
+    "fingerprint_ignore",
+    "key",
+    "check_fingerprint",
+];
 
 impl RawConfig {
     fn validate(self) -> Result<Config, ConfigError> {
@@ -666,14 +706,55 @@ fn validate_route(
         None => path.clone(),
     };
     let policy = apply_policy(&format!("routes[{index}]"), defaults, &policy_raw)?;
+    let key = match own.key {
+        None => KeySource::header(policy.key_header.clone()),
+        Some(raw) => validate_key_source(&at("key"), raw)?,
+    };
     Ok(RouteConfig {
         name,
         pattern,
         methods,
         upstream,
         fingerprint_ignore: own.fingerprint_ignore,
+        key,
+        check_fingerprint: own.check_fingerprint.unwrap_or(true),
         policy,
     })
+}
+
+fn validate_key_source(field: &str, raw: RawKey) -> Result<KeySource, ConfigError> {
+    let headers = raw
+        .header
+        .map(OneOrMany::into_vec)
+        .unwrap_or_default()
+        .iter()
+        .map(|h| parse_header_name(&format!("{field}.header"), h))
+        .collect::<Result<Vec<_>, _>>()?;
+    let pointers = raw.json.map(OneOrMany::into_vec).unwrap_or_default();
+    for p in &pointers {
+        if !p.starts_with('/') {
+            return Err(ConfigError::invalid(
+                format!("{field}.json"),
+                p,
+                "JSON pointers (RFC 6901) starting with \"/\", such as \"/id\" or \"/data/object/id\"",
+            ));
+        }
+    }
+    if headers.is_empty() && pointers.is_empty() {
+        return Err(ConfigError::invalid(
+            field,
+            "{}",
+            "a header and/or JSON pointers: { header = \"webhook-id\" }, { json = \"/id\" }, { json = [\"/data/object/id\", \"/type\"] }",
+        ));
+    }
+    if headers.len() + pointers.len() > 8 {
+        return Err(ConfigError::invalid(
+            field,
+            "(more than 8 parts)",
+            "at most 8 headers and pointers",
+        ));
+    }
+    Ok(KeySource { headers, pointers })
 }
 
 fn validate_methods(field: &str, raw: Option<Vec<String>>) -> Result<Vec<Method>, ConfigError> {

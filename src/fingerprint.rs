@@ -182,6 +182,11 @@ fn write_number(raw: &str, out: &mut impl Sink) {
     }
 }
 
+/// A JSON number in the same exact, canonical text the fingerprint uses (`1e1` for `10`).
+pub fn canonical_number(n: &serde_json::Number) -> String {
+    normalize_number(n.as_str()).unwrap_or_else(|| n.as_str().to_string())
+}
+
 fn normalize_number(raw: &str) -> Option<String> {
     let (negative, unsigned) = match raw.strip_prefix('-') {
         Some(rest) => (true, rest),

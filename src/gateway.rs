@@ -32,7 +32,7 @@ use tokio_util::task::TaskTracker;
 use crate::body::{self, Body, BoxError, Captured, ReadError};
 use crate::config::{OnStoreError, OnUnknown, Policy, RouteConfig, UpstreamUrl};
 use crate::fingerprint::{fingerprint, Fingerprint, RequestParts};
-use crate::key::{parse_key, ClientScope, StoreKey};
+use crate::key::{ClientScope, StoreKey};
 use crate::metrics::Metrics;
 use crate::problem::Problem;
 use crate::route::Router;
@@ -213,39 +213,70 @@ impl Gateway {
         peer: SocketAddr,
     ) -> (Response<Body>, Outcome, Option<StoreKey>) {
         let policy = &route.policy;
+        let (parts, incoming) = req.into_parts();
+
+        // Phase `read_body`, first when the key lives in the body (deliveries keyed by message or
+        // business id); otherwise only once the key is known to be valid.
+        let (body, incoming) = if route.key.needs_body() {
+            match read_body(incoming, policy.max_body).await {
+                Ok(b) => (Some(b), None),
+                Err(p) => return problem(p),
+            }
+        } else {
+            (None, Some(incoming))
+        };
 
         // Phase `extract_key`.
-        let key = match parse_key(req.headers(), &policy.key_header) {
+        let key = match route
+            .key
+            .extract(&parts.headers, body.as_deref().unwrap_or_default())
+        {
             Ok(Some(k)) => k,
             Ok(None) if !policy.require_key => {
-                let resp = self
-                    .pass_through(
-                        req,
-                        peer,
-                        &route.upstream,
-                        Some(policy.upstream_timeout),
-                        &route.name,
-                    )
-                    .await;
+                let (timeout, target) = (Some(policy.upstream_timeout), &route.upstream);
+                let resp = match (body, incoming) {
+                    (Some(b), _) => {
+                        let req = Request::from_parts(parts, http_body_util::Full::new(b));
+                        self.pass_through(req, peer, target, timeout, &route.name)
+                            .await
+                    }
+                    (None, Some(stream)) => {
+                        let req = Request::from_parts(parts, stream);
+                        self.pass_through(req, peer, target, timeout, &route.name)
+                            .await
+                    }
+                    (None, None) => Problem::BadRequestBody.into_response(),
+                };
                 return (resp, Outcome::Passthrough, None);
             }
             Ok(None) => {
                 return problem(Problem::MissingKey {
-                    header: header_display(&policy.key_header),
+                    what: route.key.describe(),
                 })
             }
             Err(reason) => {
                 return problem(Problem::InvalidKey {
-                    header: header_display(&policy.key_header),
+                    what: route.key.describe(),
                     reason,
                 })
             }
         };
-        let scope = ClientScope::of(req.headers(), policy.client_header.as_ref());
+        let scope = ClientScope::of(&parts.headers, policy.client_header.as_ref());
         let store_key = StoreKey::new(&scope, &route.name, &key);
         drop(key);
 
-        let (resp, outcome) = match self.run_keyed(&route, req, peer, &store_key).await {
+        let body = match (body, incoming) {
+            (Some(b), _) => b,
+            (None, Some(stream)) => match read_body(stream, policy.max_body).await {
+                Ok(b) => b,
+                Err(p) => {
+                    let outcome = Outcome::of_problem(&p);
+                    return (p.into_response(), outcome, Some(store_key));
+                }
+            },
+            (None, None) => return problem(Problem::BadRequestBody),
+        };
+        let (resp, outcome) = match self.run_keyed(&route, parts, body, peer, &store_key).await {
             Ok(done) => done,
             Err(p) => {
                 let outcome = Outcome::of_problem(&p);
@@ -258,20 +289,12 @@ impl Gateway {
     async fn run_keyed(
         self: &Arc<Self>,
         route: &Arc<RouteConfig>,
-        req: Request<Incoming>,
+        parts: request::Parts,
+        body: Bytes,
         peer: SocketAddr,
         key: &StoreKey,
     ) -> Result<(Response<Body>, Outcome), Problem> {
         let policy = &route.policy;
-
-        // Phase `read_body`.
-        let (parts, body) = req.into_parts();
-        let body = body::read_capped(body, policy.max_body)
-            .await
-            .map_err(|e| match e {
-                ReadError::TooLarge(limit) => Problem::BodyTooLarge { limit },
-                ReadError::Failed(_) => Problem::BadRequestBody,
-            })?;
 
         // Phase `fingerprint`.
         let fp = fingerprint(
@@ -317,7 +340,7 @@ impl Gateway {
                     return Ok(self.execute(route, parts, body, key, token, peer).await);
                 }
                 Reservation::Existing(record) => {
-                    match self.resolve(policy, key, fp, record, wait_until).await? {
+                    match self.resolve(route, key, fp, record, wait_until).await? {
                         Resolved::Respond(resp, outcome) => return Ok((resp, outcome)),
                         Resolved::Released => continue,
                         Resolved::TakeOver(old) => {
@@ -345,13 +368,13 @@ impl Gateway {
     /// Phase `resolve`: answer from an existing record, waiting while it is pending.
     async fn resolve(
         &self,
-        policy: &Policy,
+        route: &RouteConfig,
         key: &StoreKey,
         fp: Fingerprint,
         record: Record,
         wait_until: Instant,
     ) -> Result<Resolved, Problem> {
-        if let Some(done) = settled(policy, fp, &record, false)? {
+        if let Some(done) = settled(route, fp, &record, false)? {
             return Ok(done);
         }
         // Pending: subscribe first, then re-read, so a completion in between is not missed.
@@ -365,7 +388,7 @@ impl Gateway {
             let Some(record) = record else {
                 return Ok(Resolved::Released);
             };
-            if let Some(done) = settled(policy, fp, &record, true)? {
+            if let Some(done) = settled(route, fp, &record, true)? {
                 return Ok(done);
             }
             let now = Instant::now();
@@ -594,6 +617,14 @@ impl Gateway {
     }
 }
 
+/// Phase `read_body`: buffers a request body up to `limit`.
+async fn read_body(body: Incoming, limit: usize) -> Result<Bytes, Problem> {
+    body::read_capped(body, limit).await.map_err(|e| match e {
+        ReadError::TooLarge(limit) => Problem::BodyTooLarge { limit },
+        ReadError::Failed(_) => Problem::BadRequestBody,
+    })
+}
+
 /// Upstream's answer to the owner.
 struct Forwarded {
     head: http::response::Parts,
@@ -632,12 +663,13 @@ async fn forward_and_capture(
 
 /// Decides from an existing record, or returns `None` while it is pending with a live lease.
 fn settled(
-    policy: &Policy,
+    route: &RouteConfig,
     fp: Fingerprint,
     record: &Record,
     waited: bool,
 ) -> Result<Option<Resolved>, Problem> {
-    if record.fingerprint != fp {
+    let policy = &route.policy;
+    if route.check_fingerprint && record.fingerprint != fp {
         return Err(Problem::KeyReused {
             status: policy.mismatch_status,
         });
@@ -716,20 +748,6 @@ fn problem(p: Problem) -> (Response<Body>, Outcome, Option<StoreKey>) {
     (p.into_response(), outcome, None)
 }
 
-/// `idempotency-key` -> `Idempotency-Key`, for messages.
-fn header_display(name: &http::HeaderName) -> String {
-    name.as_str()
-        .split('-')
-        .map(|w| {
-            let mut c = w.chars();
-            c.next()
-                .map(|f| f.to_ascii_uppercase().to_string() + c.as_str())
-                .unwrap_or_default()
-        })
-        .collect::<Vec<_>>()
-        .join("-")
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -742,13 +760,5 @@ mod tests {
         assert!(!not_executed(StatusCode::CREATED, false));
         assert!(!not_executed(StatusCode::BAD_REQUEST, false));
         assert!(!not_executed(StatusCode::CONFLICT, false));
-    }
-
-    #[test]
-    fn header_names_are_shown_in_their_usual_case() {
-        assert_eq!(
-            header_display(&http::HeaderName::from_static("idempotency-key")),
-            "Idempotency-Key"
-        );
     }
 }

@@ -12,7 +12,7 @@ use sha2::{Digest, Sha256};
 /// Longest accepted key, as Stripe and the IETF draft's examples allow.
 pub const MAX_KEY_LEN: usize = 255;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum KeyError {
     #[error("the key is empty")]
     Empty,
@@ -22,6 +22,111 @@ pub enum KeyError {
     Malformed,
     #[error("the key header appears more than once")]
     Repeated,
+    #[error("the body field {0} is not a string, number or boolean")]
+    NotScalar(String),
+    #[error("a key part is longer than 1024 bytes or not printable ASCII")]
+    BadPart,
+}
+
+/// Where a route's key comes from: by default the `key_header`; for deliveries, any headers and
+/// JSON body fields, combined in order into one key (a message id, or a business id such as
+/// object id + event type).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeySource {
+    pub headers: Vec<HeaderName>,
+    /// JSON pointers (RFC 6901) into the request body.
+    pub pointers: Vec<String>,
+}
+
+/// Longest accepted header part of a composite key.
+const MAX_PART_LEN: usize = 1024;
+
+impl KeySource {
+    pub fn header(name: HeaderName) -> Self {
+        KeySource {
+            headers: vec![name],
+            pointers: Vec::new(),
+        }
+    }
+
+    /// Whether the body must be read before the key is known.
+    pub fn needs_body(&self) -> bool {
+        !self.pointers.is_empty()
+    }
+
+    /// What a request must carry, for messages: "an Idempotency-Key header", "the body field /id".
+    pub fn describe(&self) -> String {
+        let mut parts: Vec<String> = self
+            .headers
+            .iter()
+            .map(|h| format!("the {} header", display_header(h)))
+            .collect();
+        parts.extend(self.pointers.iter().map(|p| format!("the body field {p}")));
+        parts.join(" and ")
+    }
+
+    /// The key of a request: `Ok(None)` when a part is absent. One header alone is parsed as an
+    /// `Idempotency-Key` (bare or quoted, 1 to 255 visible characters); several parts are combined
+    /// into one fixed-length key, so no choice of values can make two different combinations
+    /// collide.
+    pub fn extract(&self, headers: &HeaderMap, body: &[u8]) -> Result<Option<String>, KeyError> {
+        if let ([name], []) = (self.headers.as_slice(), self.pointers.as_slice()) {
+            return parse_key(headers, name);
+        }
+        let mut parts: Vec<String> = Vec::with_capacity(self.headers.len() + self.pointers.len());
+        for name in &self.headers {
+            let mut values = headers.get_all(name).iter();
+            let Some(value) = values.next() else {
+                return Ok(None);
+            };
+            if values.next().is_some() {
+                return Err(KeyError::Repeated);
+            }
+            let raw = trim_ows(value.as_bytes());
+            if raw.is_empty() {
+                return Err(KeyError::Empty);
+            }
+            if raw.len() > MAX_PART_LEN || !raw.iter().all(|b| (0x20..=0x7e).contains(b)) {
+                return Err(KeyError::BadPart);
+            }
+            parts.push(String::from_utf8_lossy(raw).into_owned());
+        }
+        if !self.pointers.is_empty() {
+            let Ok(json) = serde_json::from_slice::<serde_json::Value>(body) else {
+                return Ok(None);
+            };
+            for pointer in &self.pointers {
+                let part = match json.pointer(pointer) {
+                    None | Some(serde_json::Value::Null) => return Ok(None),
+                    Some(serde_json::Value::String(s)) if s.is_empty() => {
+                        return Err(KeyError::Empty)
+                    }
+                    Some(serde_json::Value::String(s)) => s.clone(),
+                    Some(serde_json::Value::Number(n)) => crate::fingerprint::canonical_number(n),
+                    Some(serde_json::Value::Bool(b)) => b.to_string(),
+                    Some(_) => return Err(KeyError::NotScalar(pointer.clone())),
+                };
+                parts.push(part);
+            }
+        }
+        // The parts as a JSON array: unambiguous whatever they contain.
+        let joined = serde_json::to_vec(&parts).map_err(|_| KeyError::Malformed)?;
+        Ok(Some(hex::encode(Sha256::digest(&joined))))
+    }
+}
+
+/// `idempotency-key` -> `Idempotency-Key`, for messages.
+pub fn display_header(name: &HeaderName) -> String {
+    name.as_str()
+        .split('-')
+        .map(|w| {
+            let mut c = w.chars();
+            c.next()
+                .map(|f| f.to_ascii_uppercase().to_string() + c.as_str())
+                .unwrap_or_default()
+        })
+        .collect::<Vec<_>>()
+        .join("-")
 }
 
 /// Reads the key from `headers`: `Ok(None)` when the header is absent.
@@ -241,6 +346,109 @@ mod tests {
         );
         assert_eq!(base.as_str().len(), 64);
         assert!(!base.as_str().contains("k1"));
+    }
+
+    fn hm(pairs: &[(&str, &str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (k, v) in pairs {
+            h.append(
+                HeaderName::from_bytes(k.as_bytes()).unwrap(),
+                v.parse().unwrap(),
+            );
+        }
+        h
+    }
+
+    #[test]
+    fn composite_keys_from_headers_and_body_fields() {
+        let ce = KeySource {
+            headers: vec![
+                HeaderName::from_static("ce-id"),
+                HeaderName::from_static("ce-source"),
+            ],
+            pointers: vec![],
+        };
+        let a = ce
+            .extract(&hm(&[("ce-id", "1"), ("ce-source", "/orders")]), b"")
+            .unwrap()
+            .unwrap();
+        let b = ce
+            .extract(&hm(&[("ce-id", "1"), ("ce-source", "/payments")]), b"")
+            .unwrap()
+            .unwrap();
+        assert_ne!(a, b, "same id from another source is another message");
+        assert_eq!(ce.extract(&hm(&[("ce-id", "1")]), b"").unwrap(), None);
+        assert_eq!(a.len(), 64);
+
+        let business = KeySource {
+            headers: vec![],
+            pointers: vec!["/data/object/id".into(), "/type".into()],
+        };
+        let k1 = business
+            .extract(
+                &HeaderMap::new(),
+                br#"{"id":"evt_1","type":"charge.succeeded","data":{"object":{"id":"ch_9"}}}"#,
+            )
+            .unwrap();
+        let k2 = business
+            .extract(
+                &HeaderMap::new(),
+                br#"{"id":"evt_2","type":"charge.succeeded","data":{"object":{"id":"ch_9"}}}"#,
+            )
+            .unwrap();
+        assert!(k1.is_some());
+        assert_eq!(
+            k1, k2,
+            "two events about one operation share the business key"
+        );
+        assert_eq!(
+            business
+                .extract(&HeaderMap::new(), br#"{"type":"x"}"#)
+                .unwrap(),
+            None
+        );
+        assert_eq!(
+            business.extract(&HeaderMap::new(), b"not json").unwrap(),
+            None
+        );
+        assert_eq!(
+            business.extract(
+                &HeaderMap::new(),
+                br#"{"type":"x","data":{"object":{"id":{"nested":1}}}}"#
+            ),
+            Err(KeyError::NotScalar("/data/object/id".into()))
+        );
+        // ("a", "b,c") and ("a,b", "c") stay apart.
+        let two = KeySource {
+            headers: vec![],
+            pointers: vec!["/x".into(), "/y".into()],
+        };
+        assert_ne!(
+            two.extract(&HeaderMap::new(), br#"{"x":"a","y":"b,c"}"#)
+                .unwrap(),
+            two.extract(&HeaderMap::new(), br#"{"x":"a,b","y":"c"}"#)
+                .unwrap()
+        );
+        // Numbers by value.
+        let one = KeySource {
+            headers: vec![],
+            pointers: vec!["/n".into()],
+        };
+        assert_eq!(
+            one.extract(&HeaderMap::new(), br#"{"n":10}"#).unwrap(),
+            one.extract(&HeaderMap::new(), br#"{"n":1e1}"#).unwrap()
+        );
+    }
+
+    #[test]
+    fn a_single_header_source_parses_like_idempotency_key() {
+        let src = KeySource::header(HeaderName::from_static("webhook-id"));
+        assert_eq!(
+            src.extract(&hm(&[("webhook-id", "\"msg_1\"")]), b"")
+                .unwrap(),
+            Some("msg_1".into())
+        );
+        assert_eq!(src.describe(), "the Webhook-Id header");
     }
 
     proptest! {

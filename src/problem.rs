@@ -27,11 +27,12 @@ struct ProblemJson {
 /// Why the gateway answered instead of the upstream.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Problem {
+    /// `what` names the key's source: "the Idempotency-Key header", "the body field /id".
     MissingKey {
-        header: String,
+        what: String,
     },
     InvalidKey {
-        header: String,
+        what: String,
         reason: KeyError,
     },
     /// The key was used before with a different request (method, path, query or body).
@@ -119,11 +120,11 @@ impl Problem {
 
     fn detail(&self) -> String {
         match self {
-            Problem::MissingKey { header } => format!(
-                "This endpoint requires an {header} header, so that retries cannot execute the operation twice. Send a unique value (a UUID) per operation and reuse it on every retry."
+            Problem::MissingKey { what } => format!(
+                "This endpoint requires {what}: it identifies the operation, so that a retry is never executed twice. Send a unique value (a UUID) per operation and reuse it on every retry."
             ),
-            Problem::InvalidKey { header, reason } => format!(
-                "The {header} header is not a valid key: {reason}. Use 1 to 255 visible ASCII characters, such as a UUID."
+            Problem::InvalidKey { what, reason } => format!(
+                "The idempotency key ({what}) is not valid: {reason}. Use 1 to 255 visible ASCII characters, such as a UUID."
             ),
             Problem::KeyReused { .. } => "This idempotency key was already used with a different request (method, path, query or body). The stored result is kept; use a new key for a new operation.".into(),
             Problem::InFlight { retry_after } => format!(

@@ -1,4 +1,5 @@
 use super::*;
+use http::HeaderName;
 
 const MINIMAL: &str = r#"
 [server]
@@ -430,4 +431,45 @@ fn on_unknown_is_reject_or_retry() {
         invalid_field(with("on_unknown = \"again\"")).0,
         "routes[0].on_unknown"
     );
+}
+
+#[test]
+fn key_sources() {
+    let r = &with("").unwrap().routes[0];
+    assert_eq!(
+        r.key,
+        KeySource::header(HeaderName::from_static("idempotency-key"))
+    );
+    assert!(r.check_fingerprint);
+    let r = &with("key = { header = \"webhook-id\" }").unwrap().routes[0];
+    assert_eq!(
+        r.key,
+        KeySource::header(HeaderName::from_static("webhook-id"))
+    );
+    let r = &with("key = { json = [\"/data/object/id\", \"/type\"] }\ncheck_fingerprint = false")
+        .unwrap()
+        .routes[0];
+    assert_eq!(
+        r.key.pointers,
+        vec!["/data/object/id".to_string(), "/type".to_string()]
+    );
+    assert!(r.key.headers.is_empty());
+    assert!(!r.check_fingerprint);
+    let r = &with("key = { header = [\"ce-id\", \"ce-source\"] }")
+        .unwrap()
+        .routes[0];
+    assert_eq!(r.key.headers.len(), 2);
+    assert_eq!(
+        invalid_field(with("key = { json = \"id\" }")).0,
+        "routes[0].key.json"
+    );
+    assert_eq!(invalid_field(with("key = {}")).0, "routes[0].key");
+    assert_eq!(
+        invalid_field(with("key = { header = \"bad header\" }")).0,
+        "routes[0].key.header"
+    );
+    assert!(matches!(
+        with("key = { headers = \"x\" }"),
+        Err(ConfigError::Syntax(_))
+    ));
 }
