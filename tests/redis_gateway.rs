@@ -239,3 +239,106 @@ async fn on_store_error_pass_forwards_without_idempotency() {
     );
     assert_eq!(up.executions(), 2);
 }
+
+/// Watches Redis with `MONITOR` and counts the commands clients send (a script's own commands,
+/// tagged `lua`, are part of its one round trip and not counted).
+struct RoundTrips {
+    lines: std::sync::mpsc::Receiver<String>,
+    child: std::process::Child,
+    port: u16,
+    marks: u32,
+}
+
+impl RoundTrips {
+    fn watch(redis: &RedisServer) -> RoundTrips {
+        use std::io::BufRead;
+        let mut child = std::process::Command::new("redis-cli")
+            .args(["-p", &redis.port.to_string(), "monitor"])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("redis-cli is needed (apt-get install redis-server)");
+        let out = child.stdout.take().unwrap();
+        let (tx, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        let mut rt = RoundTrips {
+            lines,
+            child,
+            port: redis.port,
+            marks: 0,
+        };
+        rt.take(); // the "OK" greeting and anything before
+        rt
+    }
+
+    /// Commands seen since the last call: waits for a marker sent after them, so nothing in
+    /// flight is missed and nothing is guessed.
+    fn take(&mut self) -> Vec<String> {
+        self.marks += 1;
+        let mark = format!("round-trip-mark-{}", self.marks);
+        support::redis::cli(self.port, &["echo", &mark]);
+        let mut seen = Vec::new();
+        loop {
+            let line = self
+                .lines
+                .recv_timeout(Duration::from_secs(10))
+                .expect("MONITOR went quiet");
+            if line.contains(&mark) {
+                return seen;
+            }
+            if line.contains(" lua]") || line == "OK" || line.contains("round-trip-mark-") {
+                continue;
+            }
+            seen.push(line);
+        }
+    }
+}
+
+impl Drop for RoundTrips {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_round_trips_new_key_2_replay_1_passthrough_0() {
+    let redis = RedisServer::start();
+    let up = Upstream::counting().await;
+    let gw = in_process(&up.url(), &redis.url(), PAYMENTS).await;
+    let http = Http::new(gw.addr());
+    // Warm up: connections made, scripts loaded into Redis's script cache.
+    assert_eq!(http.post("/payments", "warm-up", "{}").await.status, 201);
+    let mut monitor = RoundTrips::watch(&redis);
+
+    assert_eq!(http.post("/payments", "new-key", "{}").await.status, 201);
+    let cmds = monitor.take();
+    assert_eq!(
+        cmds.len(),
+        2,
+        "a new key: reserve + complete, got {cmds:#?}"
+    );
+    assert!(
+        cmds[0].contains("\"SET\"") && cmds[0].contains("\"NX\""),
+        "{cmds:#?}"
+    );
+    assert!(cmds[1].contains("\"EVALSHA\""), "{cmds:#?}");
+
+    assert!(http.post("/payments", "new-key", "{}").await.is_replay());
+    let cmds = monitor.take();
+    assert_eq!(
+        cmds.len(),
+        1,
+        "a replay: one reserve that returns the record, got {cmds:#?}"
+    );
+
+    assert_eq!(http.request("GET", "/elsewhere").send().await.status, 201);
+    let cmds = monitor.take();
+    assert!(
+        cmds.is_empty(),
+        "pass-through never touches Redis, got {cmds:#?}"
+    );
+}
