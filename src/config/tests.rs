@@ -473,3 +473,33 @@ fn key_sources() {
         Err(ConfigError::Syntax(_))
     ));
 }
+
+/// The configs shipped for Compose and Kubernetes are valid, as `idemgate check` would say.
+#[test]
+fn the_deployment_configs_are_valid() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let compose = std::fs::read_to_string(format!("{root}/deploy/compose/proxy.toml")).unwrap();
+    let c = Config::parse(&compose).unwrap();
+    assert!(matches!(c.store, StoreConfig::Redis(_)));
+    assert!(c.server.admin.is_some());
+
+    // proxy.toml as embedded in the ConfigMap: the block under `proxy.toml: |`, dedented.
+    let cm = std::fs::read_to_string(format!("{root}/deploy/kubernetes/configmap.yaml")).unwrap();
+    let mut lines = cm
+        .lines()
+        .skip_while(|l| !l.trim_start().starts_with("proxy.toml: |"))
+        .skip(1);
+    let first = lines.next().unwrap();
+    let indent = first.len() - first.trim_start().len();
+    let mut text = format!("{}\n", &first[indent..]);
+    for l in lines {
+        if !l.trim().is_empty() && l.len() - l.trim_start().len() < indent {
+            break;
+        }
+        text.push_str(l.get(indent..).unwrap_or(""));
+        text.push('\n');
+    }
+    let k = Config::parse(&text).unwrap_or_else(|e| panic!("configmap proxy.toml: {e}\n{text}"));
+    assert!(matches!(k.store, StoreConfig::Redis(_)));
+    assert_eq!(k.routes[0].name, "payments");
+}

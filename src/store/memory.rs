@@ -1,7 +1,12 @@
-//! The embedded store: one process, records in a hash map behind one mutex.
+//! The embedded store: one process, records in hash maps split over shards.
 //!
-//! Bounded by `max_keys` and `max_bytes`: at the bound it refuses *new* keys (the gateway answers
-//! 503) rather than evicting live ones, which would let a retry execute again. A completed
+//! 64 shards, each a map behind its own mutex, picked by the (uniformly distributed) hashed key:
+//! requests for different keys rarely wait on each other, and growing a map (a rehash) stalls one
+//! shard's keys instead of every request.
+//!
+//! Bounded by `max_keys` and `max_bytes` (counted across shards): at the bound it refuses *new*
+//! keys (the gateway answers 503) rather than evicting live ones, which would let a retry execute
+//! again. Concurrent reservations may overshoot the bound by at most one record each. A completed
 //! response that no longer fits the byte budget is kept without its body (and replays say so).
 //! Expired records are invisible at once and are purged by a background task once a second; the
 //! task holds only a weak reference and ends with the store. Everything is lost on restart: use the
@@ -9,6 +14,7 @@
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 use std::time::Duration;
 
@@ -27,16 +33,26 @@ use crate::key::StoreKey;
 /// Fixed cost charged per record against `max_bytes`, besides its response.
 const RECORD_OVERHEAD: usize = 256;
 const PURGE_INTERVAL: Duration = Duration::from_secs(1);
+const SHARDS: usize = 64;
 
 pub struct MemoryStore {
     shared: Arc<Shared>,
 }
 
 struct Shared {
-    inner: Mutex<Inner>,
+    shards: Box<[Mutex<Inner>]>,
+    counts: Counts,
     waiters: Waiters,
     max_keys: usize,
     max_bytes: u64,
+}
+
+/// Totals across shards, for the bounds and metrics.
+#[derive(Default)]
+struct Counts {
+    keys: AtomicUsize,
+    bytes: AtomicU64,
+    purged: AtomicU64,
 }
 
 #[derive(Default)]
@@ -44,9 +60,7 @@ struct Inner {
     map: HashMap<StoreKey, Entry>,
     /// Expiry times; an item is stale when its entry is gone or has another `generation`.
     expiry: BinaryHeap<Reverse<(Instant, u64, StoreKey)>>,
-    bytes: u64,
     next_generation: u64,
-    purged: u64,
 }
 
 struct Entry {
@@ -60,7 +74,8 @@ impl MemoryStore {
     /// Creates the store and starts its purge task (so it must be called inside a tokio runtime).
     pub fn new(max_keys: usize, max_bytes: u64) -> Self {
         let shared = Arc::new(Shared {
-            inner: Mutex::new(Inner::default()),
+            shards: (0..SHARDS).map(|_| Mutex::new(Inner::default())).collect(),
+            counts: Counts::default(),
             waiters: Waiters::new(),
             max_keys,
             max_bytes,
@@ -71,7 +86,7 @@ impl MemoryStore {
 
     /// Records currently held (expired ones included until purged).
     pub fn len(&self) -> usize {
-        self.shared.lock().map.len()
+        self.shared.counts.keys.load(Ordering::Relaxed)
     }
 
     pub fn is_empty(&self) -> bool {
@@ -80,45 +95,106 @@ impl MemoryStore {
 }
 
 impl Shared {
-    fn lock(&self) -> MutexGuard<'_, Inner> {
-        // A panic while holding the lock cannot leave a half-written entry (every mutation is a
-        // single insert or remove), so a poisoned lock is still consistent.
-        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    fn shard(&self, key: &StoreKey) -> MutexGuard<'_, Inner> {
+        // The key is hex SHA-256, so its first digits are uniformly distributed.
+        let index = key
+            .as_str()
+            .get(..4)
+            .and_then(|h| usize::from_str_radix(h, 16).ok())
+            .unwrap_or(0)
+            % SHARDS;
+        lock(&self.shards[index])
     }
+
+    fn purge_all(&self, now: Instant) {
+        for shard in self.shards.iter() {
+            lock(shard).purge_expired(now, &self.counts);
+        }
+    }
+
+    /// Which bound one more record of `size` bytes would break, if any.
+    fn over_bound(&self, size: u64) -> Option<&'static str> {
+        if self.counts.keys.load(Ordering::Relaxed) >= self.max_keys {
+            Some("max_keys")
+        } else if self.counts.bytes.load(Ordering::Relaxed) + size > self.max_bytes {
+            Some("max_bytes")
+        } else {
+            None
+        }
+    }
+
+    /// Reserves `key` in its shard unless it exists or a bound is reached.
+    fn try_reserve(
+        &self,
+        key: &StoreKey,
+        fingerprint: Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+        now: Instant,
+    ) -> Result<Reservation, StoreError> {
+        let size = RECORD_OVERHEAD as u64;
+        let mut inner = self.shard(key);
+        if let Some(e) = inner.live(key, now, &self.counts) {
+            return Ok(Reservation::Existing(e.record.clone()));
+        }
+        if let Some(which) = self.over_bound(size) {
+            return Err(StoreError::Full(which));
+        }
+        let (owner, record) = super::pending(fingerprint, lease);
+        inner.insert(key.clone(), record, deadline(ttl), size, &self.counts);
+        Ok(Reservation::Owner(owner))
+    }
+}
+
+fn lock(m: &Mutex<Inner>) -> MutexGuard<'_, Inner> {
+    // A panic while holding the lock cannot leave a half-written entry (every mutation is a
+    // single insert or remove), so a poisoned lock is still consistent.
+    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl Inner {
     /// The live entry for `key`; an expired one is removed on the spot.
-    fn live(&mut self, key: &StoreKey, now: Instant) -> Option<&mut Entry> {
+    fn live(&mut self, key: &StoreKey, now: Instant, counts: &Counts) -> Option<&mut Entry> {
         if self.map.get(key).is_some_and(|e| e.expires_at <= now) {
-            self.remove(key);
-            self.purged += 1;
+            self.remove(key, counts);
+            counts.purged.fetch_add(1, Ordering::Relaxed);
         }
         self.map.get_mut(key)
     }
 
-    fn insert(&mut self, key: StoreKey, record: Record, expires_at: Instant, size: u64) {
+    fn insert(
+        &mut self,
+        key: StoreKey,
+        record: Record,
+        expires_at: Instant,
+        size: u64,
+        counts: &Counts,
+    ) {
         let generation = self.next_generation;
         self.next_generation += 1;
         self.expiry
             .push(Reverse((expires_at, generation, key.clone())));
-        self.bytes += size;
-        if let Some(old) = self.map.insert(
-            key,
-            Entry {
-                record,
-                expires_at,
-                generation,
-                size,
-            },
-        ) {
-            self.bytes -= old.size;
+        counts.bytes.fetch_add(size, Ordering::Relaxed);
+        let entry = Entry {
+            record,
+            expires_at,
+            generation,
+            size,
+        };
+        match self.map.insert(key, entry) {
+            Some(old) => {
+                counts.bytes.fetch_sub(old.size, Ordering::Relaxed);
+            }
+            None => {
+                counts.keys.fetch_add(1, Ordering::Relaxed);
+            }
         }
     }
 
-    fn remove(&mut self, key: &StoreKey) -> Option<Entry> {
+    fn remove(&mut self, key: &StoreKey, counts: &Counts) -> Option<Entry> {
         let e = self.map.remove(key)?;
-        self.bytes -= e.size;
+        counts.bytes.fetch_sub(e.size, Ordering::Relaxed);
+        counts.keys.fetch_sub(1, Ordering::Relaxed);
         Some(e)
     }
 
@@ -128,8 +204,9 @@ impl Inner {
         key: &StoreKey,
         owner: OwnerToken,
         now: Instant,
+        counts: &Counts,
     ) -> Result<&mut Entry, StoreError> {
-        match self.live(key, now) {
+        match self.live(key, now, counts) {
             Some(e) if matches!(e.record.state, RecordState::Pending { owner: o, .. } if o == owner) => {
                 Ok(e)
             }
@@ -137,7 +214,7 @@ impl Inner {
         }
     }
 
-    fn purge_expired(&mut self, now: Instant) {
+    fn purge_expired(&mut self, now: Instant, counts: &Counts) {
         while let Some(Reverse((at, generation, _))) = self.expiry.peek() {
             if *at > now {
                 break;
@@ -149,8 +226,8 @@ impl Inner {
                 .get(&key)
                 .is_some_and(|e| e.generation == generation)
             {
-                self.remove(&key);
-                self.purged += 1;
+                self.remove(&key, counts);
+                counts.purged.fetch_add(1, Ordering::Relaxed);
             }
         }
     }
@@ -164,7 +241,7 @@ async fn purge_loop(shared: Weak<Shared>) {
         let Some(shared) = shared.upgrade() else {
             return;
         };
-        shared.lock().purge_expired(Instant::now());
+        shared.purge_all(Instant::now());
     }
 }
 
@@ -185,26 +262,15 @@ impl Store for MemoryStore {
         ttl: Duration,
     ) -> Result<Reservation, StoreError> {
         let now = Instant::now();
-        let mut inner = self.shared.lock();
-        if let Some(e) = inner.live(key, now) {
-            return Ok(Reservation::Existing(e.record.clone()));
-        }
-        if inner.map.len() >= self.shared.max_keys {
-            inner.purge_expired(now);
-            if inner.map.len() >= self.shared.max_keys {
-                return Err(StoreError::Full("max_keys"));
+        match self.shared.try_reserve(key, fingerprint, lease, ttl, now) {
+            Err(StoreError::Full(_)) => {
+                // At a bound: purge what has expired (no shard lock held, as the purge takes
+                // every shard's), then try once more.
+                self.shared.purge_all(now);
+                self.shared.try_reserve(key, fingerprint, lease, ttl, now)
             }
+            other => other,
         }
-        let size = RECORD_OVERHEAD as u64;
-        if inner.bytes + size > self.shared.max_bytes {
-            inner.purge_expired(now);
-            if inner.bytes + size > self.shared.max_bytes {
-                return Err(StoreError::Full("max_bytes"));
-            }
-        }
-        let (owner, record) = super::pending(fingerprint, lease);
-        inner.insert(key.clone(), record, deadline(ttl), size);
-        Ok(Reservation::Owner(owner))
     }
 
     async fn take_over(
@@ -215,19 +281,28 @@ impl Store for MemoryStore {
         lease: Duration,
         ttl: Duration,
     ) -> Result<Option<OwnerToken>, StoreError> {
-        let mut inner = self.shared.lock();
-        match inner.live(key, Instant::now()) {
+        let counts = &self.shared.counts;
+        let mut inner = self.shared.shard(key);
+        match inner.live(key, Instant::now(), counts) {
             Some(e) if e.record == *expected => {}
             _ => return Ok(None),
         }
         let (owner, record) = super::pending(fingerprint, lease);
-        inner.insert(key.clone(), record, deadline(ttl), RECORD_OVERHEAD as u64);
+        inner.insert(
+            key.clone(),
+            record,
+            deadline(ttl),
+            RECORD_OVERHEAD as u64,
+            counts,
+        );
         Ok(Some(owner))
     }
 
     async fn get(&self, key: &StoreKey) -> Result<Option<Record>, StoreError> {
-        let mut inner = self.shared.lock();
-        Ok(inner.live(key, Instant::now()).map(|e| e.record.clone()))
+        let mut inner = self.shared.shard(key);
+        Ok(inner
+            .live(key, Instant::now(), &self.shared.counts)
+            .map(|e| e.record.clone()))
     }
 
     async fn complete(
@@ -238,20 +313,25 @@ impl Store for MemoryStore {
         ttl: Duration,
     ) -> Result<(), StoreError> {
         {
-            let mut inner = self.shared.lock();
-            let entry = inner.owned(key, owner, Instant::now())?;
+            let counts = &self.shared.counts;
+            let mut inner = self.shared.shard(key);
+            let entry = inner.owned(key, owner, Instant::now(), counts)?;
             let old_size = entry.size;
             let mut record = entry.record.clone();
             // The upstream already executed: the record must be stored whatever the budget says,
             // so at the byte bound only the body is dropped (and the replay says so).
-            let budget = self.shared.max_bytes.saturating_sub(inner.bytes - old_size);
+            let others = counts
+                .bytes
+                .load(Ordering::Relaxed)
+                .saturating_sub(old_size);
+            let budget = self.shared.max_bytes.saturating_sub(others);
             if (RECORD_OVERHEAD + response.size()) as u64 > budget && response.body_kept {
                 response.body = Bytes::new();
                 response.body_kept = false;
             }
             let size = (RECORD_OVERHEAD + response.size()) as u64;
             record.state = RecordState::Completed(Arc::new(response));
-            inner.insert(key.clone(), record, deadline(ttl), size);
+            inner.insert(key.clone(), record, deadline(ttl), size, counts);
         }
         self.shared.waiters.notify(key);
         Ok(())
@@ -264,8 +344,8 @@ impl Store for MemoryStore {
         reason: UnknownReason,
     ) -> Result<(), StoreError> {
         {
-            let mut inner = self.shared.lock();
-            let entry = inner.owned(key, owner, Instant::now())?;
+            let mut inner = self.shared.shard(key);
+            let entry = inner.owned(key, owner, Instant::now(), &self.shared.counts)?;
             entry.record.state = RecordState::Unknown {
                 since_ms: now_ms(),
                 reason,
@@ -277,9 +357,10 @@ impl Store for MemoryStore {
 
     async fn release(&self, key: &StoreKey, owner: OwnerToken) -> Result<(), StoreError> {
         {
-            let mut inner = self.shared.lock();
-            inner.owned(key, owner, Instant::now())?;
-            inner.remove(key);
+            let counts = &self.shared.counts;
+            let mut inner = self.shared.shard(key);
+            inner.owned(key, owner, Instant::now(), counts)?;
+            inner.remove(key, counts);
         }
         self.shared.waiters.notify(key);
         Ok(())
@@ -291,8 +372,8 @@ impl Store for MemoryStore {
         owner: OwnerToken,
         lease: Duration,
     ) -> Result<(), StoreError> {
-        let mut inner = self.shared.lock();
-        let entry = inner.owned(key, owner, Instant::now())?;
+        let mut inner = self.shared.shard(key);
+        let entry = inner.owned(key, owner, Instant::now(), &self.shared.counts)?;
         entry.record.state = RecordState::Pending {
             owner,
             lease_until_ms: ms_after(lease),
@@ -301,7 +382,11 @@ impl Store for MemoryStore {
     }
 
     async fn delete(&self, key: &StoreKey) -> Result<bool, StoreError> {
-        let removed = self.shared.lock().remove(key).is_some();
+        let removed = self
+            .shared
+            .shard(key)
+            .remove(key, &self.shared.counts)
+            .is_some();
         if removed {
             self.shared.waiters.notify(key);
         }
@@ -317,7 +402,7 @@ impl Store for MemoryStore {
     }
 
     fn purged(&self) -> u64 {
-        self.shared.lock().purged
+        self.shared.counts.purged.load(Ordering::Relaxed)
     }
 }
 
