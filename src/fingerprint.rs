@@ -110,11 +110,22 @@ fn remove_pointer(value: &mut Value, pointer: &str) {
 }
 
 /// Where canonical JSON goes: straight into the hash, or into a buffer in tests.
-pub trait Sink {
+pub trait Sink: std::io::Write {
     fn put(&mut self, bytes: &[u8]);
 }
 
 struct HashSink<'a>(&'a mut Sha256);
+
+impl std::io::Write for HashSink<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.update(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
 
 impl Sink for HashSink<'_> {
     fn put(&mut self, bytes: &[u8]) {
@@ -163,10 +174,10 @@ pub fn write_canonical(value: &Value, out: &mut impl Sink) {
 }
 
 fn write_string(s: &str, out: &mut impl Sink) {
-    // Serialising a str cannot fail; on the impossible error the raw text still goes in.
-    match serde_json::to_vec(s) {
-        Ok(v) => out.put(&v),
-        Err(_) => out.put(s.as_bytes()),
+    // Escapes straight into the sink, no intermediate buffer; writing to a hash or a Vec cannot
+    // fail, and on the impossible error the raw text still goes in.
+    if serde_json::to_writer(&mut *out, s).is_err() {
+        out.put(s.as_bytes());
     }
 }
 

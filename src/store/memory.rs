@@ -330,7 +330,7 @@ impl Store for MemoryStore {
                 response.body_kept = false;
             }
             let size = (RECORD_OVERHEAD + response.size()) as u64;
-            record.state = RecordState::Completed(Arc::new(response));
+            record.state = RecordState::Completed(Arc::new(response.compacted()));
             inner.insert(key.clone(), record, deadline(ttl), size, counts);
         }
         self.shared.waiters.notify(key);
@@ -491,6 +491,28 @@ mod tests {
         assert_eq!(err, StoreError::Full("max_keys"));
         assert!(s.get(&key("a")).await.unwrap().is_some());
         assert!(s.get(&key("b")).await.unwrap().is_some());
+    }
+
+    #[tokio::test]
+    async fn stored_bodies_do_not_pin_larger_buffers() {
+        let s = MemoryStore::new(10, 1 << 20);
+        let t = own(&s, "a", Duration::from_secs(60)).await;
+        let big = Bytes::from(vec![7u8; 64 * 1024]);
+        let mut r = response(b"");
+        r.body = big.slice(0..10);
+        s.complete(&key("a"), t, r, Duration::from_secs(60))
+            .await
+            .unwrap();
+        let RecordState::Completed(stored) = s.get(&key("a")).await.unwrap().unwrap().state else {
+            panic!()
+        };
+        assert_eq!(stored.body, Bytes::from(vec![7u8; 10]));
+        // `big` is still alive: had the store kept the slice, the two would share one buffer.
+        assert!(
+            stored.body.is_unique(),
+            "the stored body shares the 64 KiB buffer"
+        );
+        drop(big);
     }
 
     #[tokio::test]

@@ -102,6 +102,23 @@ pub struct StoredResponse {
 }
 
 impl StoredResponse {
+    /// A copy that owns exactly its bytes. Bodies and header values read by hyper are slices of
+    /// its (much larger) read buffers; a store that keeps them in memory must not pin those.
+    pub fn compacted(self) -> Self {
+        StoredResponse {
+            headers: self
+                .headers
+                .into_iter()
+                .map(|(n, v)| {
+                    let owned = HeaderValue::from_bytes(v.as_bytes()).unwrap_or(v);
+                    (n, owned)
+                })
+                .collect(),
+            body: Bytes::copy_from_slice(&self.body),
+            ..self
+        }
+    }
+
     /// Approximate bytes this response occupies, for the memory bound.
     pub fn size(&self) -> usize {
         self.body.len()
