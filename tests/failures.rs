@@ -441,3 +441,42 @@ async fn chaos() {
         );
     }
 }
+
+#[tokio::test]
+async fn a_response_body_cut_off_mid_way_is_an_unknown_outcome() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    // An upstream that promises 100 bytes, sends 5 and hangs up.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let served = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counter = Arc::clone(&served);
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            let mut buf = vec![0u8; 4096];
+            let mut seen = Vec::new();
+            while !String::from_utf8_lossy(&seen).contains("\r\n\r\n{}") {
+                let n = s.read(&mut buf).await.unwrap_or(0);
+                if n == 0 {
+                    break;
+                }
+                seen.extend_from_slice(&buf[..n]);
+            }
+            counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let _ = s
+                .write_all(b"HTTP/1.1 201 Created\r\ncontent-length: 100\r\n\r\nshort")
+                .await;
+        }
+    });
+    let gw = gateway(&format!("http://{addr}"), PAYMENTS).await;
+    let http = Http::new(gw.addr());
+    let first = http.post("/payments", "k", "{}").await;
+    assert_eq!(first.status, 502);
+    assert_eq!(first.problem_type(), "outcome-unknown");
+    let retry = http.post("/payments", "k", "{}").await;
+    assert_eq!(retry.problem_type(), "outcome-unknown");
+    assert_eq!(
+        served.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "the retry was not executed"
+    );
+}
