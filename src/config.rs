@@ -96,6 +96,9 @@ pub struct RedisSettings {
     pub key_prefix: String,
     /// Upper bound for one Redis command, so a slow Redis cannot stall requests.
     pub command_timeout: Duration,
+    /// PEM file of the CA that signed Redis's certificate (rediss:// with a private CA); `None`
+    /// trusts the system's roots.
+    pub tls_ca_file: Option<std::path::PathBuf>,
 }
 
 #[derive(Clone, PartialEq, Eq)]
@@ -381,6 +384,7 @@ struct RawStore {
     cluster: Option<Vec<String>>,
     key_prefix: Option<String>,
     command_timeout: Option<String>,
+    tls_ca_file: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -552,6 +556,7 @@ fn validate_store(raw: RawStore) -> Result<StoreConfig, ConfigError> {
             only("cluster", raw.cluster.is_some(), "redis")?;
             only("key_prefix", raw.key_prefix.is_some(), "redis")?;
             only("command_timeout", raw.command_timeout.is_some(), "redis")?;
+            only("tls_ca_file", raw.tls_ca_file.is_some(), "redis")?;
             let max_keys = match raw.max_keys {
                 None => 1_000_000,
                 Some(n) if (1..=100_000_000).contains(&n) => n as usize,
@@ -622,10 +627,31 @@ fn validate_store(raw: RawStore) -> Result<StoreConfig, ConfigError> {
                     "more than 0s and at most 60s",
                 ));
             }
+            let tls_ca_file = match raw.tls_ca_file {
+                None => None,
+                Some(path) => {
+                    let pem = std::fs::read_to_string(&path).map_err(|e| {
+                        ConfigError::invalid(
+                            "store.tls_ca_file",
+                            &path,
+                            format!("a readable PEM file ({e})"),
+                        )
+                    })?;
+                    if !pem.contains("-----BEGIN CERTIFICATE-----") {
+                        return Err(ConfigError::invalid(
+                            "store.tls_ca_file",
+                            &path,
+                            "a PEM file with at least one CERTIFICATE block",
+                        ));
+                    }
+                    Some(std::path::PathBuf::from(path))
+                }
+            };
             Ok(StoreConfig::Redis(RedisSettings {
                 target,
                 key_prefix,
                 command_timeout,
+                tls_ca_file,
             }))
         }
         other => Err(ConfigError::invalid(
@@ -638,16 +664,8 @@ fn validate_store(raw: RawStore) -> Result<StoreConfig, ConfigError> {
 
 /// Checks a Redis URL without connecting; errors show it with the password masked.
 fn validate_redis_url(field: &str, url: String) -> Result<String, ConfigError> {
-    let allowed =
-        "a URL such as \"redis://127.0.0.1:6379/0\" or \"redis://user:password@host:6379\"";
-    if url.starts_with("rediss://") {
-        return Err(ConfigError::invalid(
-            field,
-            redact_url(&url),
-            "a redis:// URL; TLS (rediss://) is not supported yet: reach Redis over a private network or a TLS tunnel",
-        ));
-    }
-    if !url.starts_with("redis://") {
+    let allowed = "a URL such as \"redis://127.0.0.1:6379/0\", \"redis://user:password@host:6379\" or, for TLS, \"rediss://host:6380\"";
+    if !url.starts_with("redis://") && !url.starts_with("rediss://") {
         return Err(ConfigError::invalid(field, redact_url(&url), allowed));
     }
     redis::Client::open(url.as_str())

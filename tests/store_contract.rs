@@ -325,6 +325,7 @@ fn settings(target: RedisTarget) -> RedisSettings {
         target,
         key_prefix: "contract:".into(),
         command_timeout: Duration::from_secs(2),
+        tls_ca_file: None,
     }
 }
 
@@ -343,6 +344,31 @@ mod redis_single {
         )*};
     }
     all_checks!(each);
+}
+
+/// `rediss://` with a private CA: the whole contract over TLS, and no connection without the CA.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_over_tls_passes_every_check() {
+    let server = RedisServer::start_tls();
+    let mut tls = settings(RedisTarget::Single(server.url()));
+    tls.tls_ca_file = server.tls_ca.clone();
+    let store = redis_store(tls).await;
+    macro_rules! each {
+        ($($name:ident),* $(,)?) => {$(
+            $name(Arc::clone(&store)).await;
+        )*};
+    }
+    all_checks!(each);
+
+    // Without the CA the server's certificate is not trusted: the store never becomes usable.
+    let untrusted = RedisStore::new(&settings(RedisTarget::Single(server.url()))).unwrap();
+    for _ in 0..3 {
+        assert!(
+            untrusted.ping().await.is_err(),
+            "connected without trusting the server"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// A 3-master Redis Cluster formed by the test; every check runs against it in turn.

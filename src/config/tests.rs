@@ -315,6 +315,7 @@ fn redis_store_settings() {
             target: RedisTarget::Single("redis://user:s3cret@10.0.0.5:6380/2".into()),
             key_prefix: "idemgate:".into(),
             command_timeout: Duration::from_millis(500),
+            tls_ca_file: None,
         })
     );
     let shown = c.describe();
@@ -355,9 +356,17 @@ fn bad_redis_settings_are_refused() {
         invalid_field(store("backend = \"redis\"\ncluster = []")).0,
         "store.cluster"
     );
+    assert!(store("backend = \"redis\"\nurl = \"rediss://u:pw@a:1\"").is_ok());
     assert_eq!(
-        invalid_field(store("backend = \"redis\"\nurl = \"rediss://u:pw@a:1\"")),
-        ("store.url".into(), "rediss://u:***@a:1".into())
+        invalid_field(store("backend = \"redis\"\nurl = \"rediz://u:pw@a:1\"")),
+        ("store.url".into(), "rediz://u:***@a:1".into())
+    );
+    assert_eq!(
+        invalid_field(store(
+            "backend = \"redis\"\nurl = \"rediss://a:1\"\ntls_ca_file = \"/nonexistent/ca.pem\""
+        ))
+        .0,
+        "store.tls_ca_file"
     );
     assert_eq!(
         invalid_field(store("backend = \"redis\"\nurl = \"http://a:1\"")).0,

@@ -158,10 +158,25 @@ impl RedisStore {
         let channel = format!("{}done", settings.key_prefix);
         let mut tasks = Vec::new();
         let timeout = settings.command_timeout;
+        let certs = match &settings.tls_ca_file {
+            None => None,
+            Some(path) => Some(redis::TlsCertificates {
+                client_tls: None,
+                root_cert: Some(std::fs::read(path).map_err(|e| {
+                    RedisUrlError(format!("cannot read tls_ca_file {}: {e}", path.display()))
+                })?),
+            }),
+        };
+        let open = |url: &str| -> Result<redis::Client, RedisUrlError> {
+            match &certs {
+                None => redis::Client::open(url),
+                Some(c) => redis::Client::build_with_tls(url, c.clone()),
+            }
+            .map_err(|e| RedisUrlError(e.to_string()))
+        };
         let subscriber_client = match &settings.target {
             RedisTarget::Single(url) => {
-                let client =
-                    redis::Client::open(url.as_str()).map_err(|e| RedisUrlError(e.to_string()))?;
+                let client = open(url)?;
                 let config = ConnectionManagerConfig::new()
                     .set_connection_timeout(Some(timeout.max(Duration::from_secs(1))))
                     .set_response_timeout(Some(timeout))
@@ -173,16 +188,17 @@ impl RedisStore {
                 client
             }
             RedisTarget::Cluster(nodes) => {
-                let cluster =
+                let mut builder =
                     redis::cluster::ClusterClientBuilder::new(nodes.iter().map(String::as_str))
                         .connection_timeout(timeout.max(Duration::from_secs(1)))
-                        .response_timeout(timeout)
-                        .build()
-                        .map_err(|e| RedisUrlError(e.to_string()))?;
+                        .response_timeout(timeout);
+                if let Some(c) = &certs {
+                    builder = builder.certs(c.clone());
+                }
+                let cluster = builder.build().map_err(|e| RedisUrlError(e.to_string()))?;
                 tasks
                     .push(tokio::spawn(connect_cluster(cluster, Arc::clone(&conn))).abort_handle());
-                let first = nodes.first().map(String::as_str).unwrap_or_default();
-                redis::Client::open(first).map_err(|e| RedisUrlError(e.to_string()))?
+                open(nodes.first().map(String::as_str).unwrap_or_default())?
             }
         };
         tasks.push(

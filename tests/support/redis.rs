@@ -59,6 +59,8 @@ fn scratch_dir(tag: &str) -> PathBuf {
 /// One `redis-server` on a free port. Killed on drop.
 pub struct RedisServer {
     pub port: u16,
+    /// The CA certificate when the server speaks TLS only (`start_tls`).
+    pub tls_ca: Option<PathBuf>,
     dir: PathBuf,
     extra: Vec<String>,
     child: Option<Child>,
@@ -83,6 +85,7 @@ impl RedisServer {
     pub fn start_on(port: u16, extra: &[&str]) -> RedisServer {
         let mut s = RedisServer {
             port,
+            tls_ca: None,
             dir: scratch_dir("single"),
             extra: extra.iter().map(|s| s.to_string()).collect(),
             child: None,
@@ -91,15 +94,119 @@ impl RedisServer {
         s
     }
 
+    /// A server that speaks TLS only, with a certificate for 127.0.0.1 signed by a test CA
+    /// (made with `openssl`); its CA is in `tls_ca`.
+    pub fn start_tls() -> RedisServer {
+        let dir = scratch_dir("tls");
+        let run = |args: &[&str]| {
+            let out = Command::new("openssl")
+                .args(args)
+                .current_dir(&dir)
+                .output()
+                .unwrap_or_else(|e| {
+                    panic!("openssl is needed for the TLS tests (apt-get install openssl): {e}")
+                });
+            assert!(
+                out.status.success(),
+                "openssl {args:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        };
+        run(&[
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.crt",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=idemgate-test-ca",
+        ]);
+        run(&[
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            "server.key",
+            "-out",
+            "server.csr",
+            "-subj",
+            "/CN=127.0.0.1",
+        ]);
+        std::fs::write(
+            dir.join("ext.cnf"),
+            "subjectAltName=IP:127.0.0.1,DNS:localhost\n",
+        )
+        .unwrap();
+        run(&[
+            "x509",
+            "-req",
+            "-in",
+            "server.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            "server.crt",
+            "-days",
+            "2",
+            "-extfile",
+            "ext.cnf",
+        ]);
+        let port = free_port(false);
+        let d = |f: &str| dir.join(f).display().to_string();
+        let extra = [
+            "--port".to_string(),
+            "0".into(),
+            "--tls-port".into(),
+            port.to_string(),
+            "--tls-cert-file".into(),
+            d("server.crt"),
+            "--tls-key-file".into(),
+            d("server.key"),
+            "--tls-ca-cert-file".into(),
+            d("ca.crt"),
+            "--tls-auth-clients".into(),
+            "no".into(),
+        ];
+        let mut s = RedisServer {
+            port,
+            tls_ca: Some(dir.join("ca.crt")),
+            // Certificates and data share the directory, removed on drop.
+            dir: dir.clone(),
+            extra: extra.to_vec(),
+            child: None,
+        };
+        s.spawn();
+        s
+    }
+
     pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
+        let scheme = if self.tls_ca.is_some() {
+            "rediss"
+        } else {
+            "redis"
+        };
+        format!("{scheme}://127.0.0.1:{}", self.port)
     }
 
     fn spawn(&mut self) {
-        let mut args: Vec<String> = vec![
-            "--port".into(),
-            self.port.to_string(),
-            "--bind".into(),
+        let port_args: Vec<String> = if self.tls_ca.is_some() {
+            Vec::new() // `extra` carries --port 0 and --tls-port
+        } else {
+            vec!["--port".into(), self.port.to_string()]
+        };
+        let mut args: Vec<String> = port_args;
+        args.extend([
+            "--bind".to_string(),
             "127.0.0.1".into(),
             "--save".into(),
             "".into(),
@@ -109,7 +216,7 @@ impl RedisServer {
             "no".into(),
             "--logfile".into(),
             "".into(),
-        ];
+        ]);
         args.extend(self.extra.iter().cloned());
         self.child = Some(start_and_wait_ready(&binary("redis-server"), &args));
     }
