@@ -112,16 +112,18 @@ pub fn main() -> ExitCode {
     }
 }
 
+/// Builds a runtime, or the exit status that says it could not be built.
+fn runtime(mut builder: tokio::runtime::Builder) -> Result<tokio::runtime::Runtime, ExitCode> {
+    builder.enable_all().build().map_err(|e| {
+        eprintln!("idemgate: cannot start the async runtime: {e}");
+        ExitCode::from(EXIT_CANNOT_START)
+    })
+}
+
 fn run(path: PathBuf, config: Config) -> ExitCode {
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let runtime = match runtime(tokio::runtime::Builder::new_multi_thread()) {
         Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("idemgate: cannot start the async runtime: {e}");
-            return ExitCode::from(EXIT_CANNOT_START);
-        }
+        Err(code) => return code,
     };
     runtime.block_on(async move {
         let server = match Server::bind(config.clone()).await {
@@ -150,15 +152,9 @@ fn keys(action: KeysAction) -> ExitCode {
             return ExitCode::from(EXIT_BAD_CONFIG);
         }
     };
-    let runtime = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    {
+    let runtime = match runtime(tokio::runtime::Builder::new_current_thread()) {
         Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("idemgate: cannot start the async runtime: {e}");
-            return ExitCode::from(EXIT_CANNOT_START);
-        }
+        Err(code) => return code,
     };
     runtime.block_on(async move {
         let key = match operator::locate(&config, &args.route, &args.key, args.client.as_deref()) {
@@ -209,15 +205,9 @@ fn probe(url: &str) -> ExitCode {
             return ExitCode::from(EXIT_BAD_CONFIG);
         }
     };
-    let runtime = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    {
+    let runtime = match runtime(tokio::runtime::Builder::new_current_thread()) {
         Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("idemgate probe: {e}");
-            return ExitCode::from(1);
-        }
+        Err(code) => return code,
     };
     runtime.block_on(async move {
         let client =

@@ -38,10 +38,7 @@ async fn retry_while_in_flight(http: &Http, key: &str) -> Got {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gateway_killed_mid_request_never_leads_to_a_second_execution() {
     let redis = RedisServer::start();
-    let gate = Arc::new(Semaphore::new(0));
-    let g = Arc::clone(&gate);
-    let up =
-        Upstream::start(move |_, n| Reply::json(201, &format!("{{\"n\":{n}}}")).gated(&g)).await;
+    let (up, gate) = Upstream::gated().await;
     let config = redis_config(
         &up.url(),
         &redis.url(),
@@ -201,10 +198,7 @@ async fn with_on_unknown_retry_a_reset_or_timeout_releases_the_key() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lease_renewal_keeps_a_slow_upstream_call_from_being_taken_over() {
     let redis = RedisServer::start();
-    let gate = Arc::new(Semaphore::new(0));
-    let g = Arc::clone(&gate);
-    let up =
-        Upstream::start(move |_, n| Reply::json(201, &format!("{{\"n\":{n}}}")).gated(&g)).await;
+    let (up, gate) = Upstream::gated().await;
     let config = redis_config(
         &up.url(),
         &redis.url(),
@@ -235,10 +229,7 @@ async fn lease_renewal_keeps_a_slow_upstream_call_from_being_taken_over() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_lets_in_flight_requests_finish_and_their_results_replay_after_restart() {
     let redis = RedisServer::start();
-    let gate = Arc::new(Semaphore::new(0));
-    let g = Arc::clone(&gate);
-    let up =
-        Upstream::start(move |_, n| Reply::json(201, &format!("{{\"n\":{n}}}")).gated(&g)).await;
+    let (up, gate) = Upstream::gated().await;
     let config = redis_config(&up.url(), &redis.url(), "127.0.0.1:0", PAYMENTS);
     let gw = GatewayProcess::start(&config);
     let addr = gw.addr;

@@ -299,10 +299,7 @@ async fn forty_concurrent_duplicates_execute_once_and_all_get_the_same_body() {
 
 #[tokio::test]
 async fn a_waiting_duplicate_gets_the_originals_result_when_it_lands() {
-    let gate = Arc::new(Semaphore::new(0));
-    let g = Arc::clone(&gate);
-    let up =
-        Upstream::start(move |_, n| Reply::json(201, &format!("{{\"n\":{n}}}")).gated(&g)).await;
+    let (up, gate) = Upstream::gated().await;
     let gw = gateway(&up.url(), PAYMENTS).await;
     let http = Http::new(gw.addr());
     let h1 = http.clone();
@@ -795,10 +792,7 @@ async fn an_upstream_timeout_is_an_unknown_outcome() {
 
 #[tokio::test]
 async fn a_client_that_hangs_up_mid_flight_still_gets_its_result_on_retry() {
-    let gate = Arc::new(Semaphore::new(0));
-    let g = Arc::clone(&gate);
-    let up =
-        Upstream::start(move |_, n| Reply::json(201, &format!("{{\"n\":{n}}}")).gated(&g)).await;
+    let (up, gate) = Upstream::gated().await;
     let gw = gateway(&up.url(), PAYMENTS).await;
     let http = Http::new(gw.addr());
     let h1 = http.clone();

@@ -20,7 +20,8 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use idemgate::config::Config;
 pub use idemgate::server::Running;
 use tokio::net::TcpListener;
-use tokio::sync::{mpsc, Semaphore};
+use tokio::sync::mpsc;
+pub use tokio::sync::Semaphore;
 
 /// A request the upstream received (its body read in full).
 #[derive(Debug, Clone)]
@@ -95,6 +96,16 @@ impl Upstream {
     ) -> Upstream {
         let listener = TcpListener::bind(addr).await.unwrap();
         Self::serve(listener, Arc::new(handler))
+    }
+
+    /// An upstream that answers 201 `{"n":N}` (N the execution number) only once the returned
+    /// gate gives it a permit: how tests hold a request in flight.
+    pub async fn gated() -> (Upstream, Arc<Semaphore>) {
+        let gate = Arc::new(Semaphore::new(0));
+        let g = Arc::clone(&gate);
+        let up =
+            Self::start(move |_, n| Reply::json(201, &format!("{{\"n\":{n}}}")).gated(&g)).await;
+        (up, gate)
     }
 
     /// An upstream answering 201 with a JSON body numbering the execution.
