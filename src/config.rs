@@ -19,6 +19,8 @@ use crate::route::{PatternError, RoutePattern};
 const MAX_BUFFER_LIMIT: u64 = 1 << 30;
 /// A key must be kept at least this long, or a quick retry could execute again.
 const MIN_TTL: Duration = Duration::from_secs(1);
+/// Longer would overflow store expiry arithmetic, and no retry comes back after a year.
+const MAX_TTL: Duration = Duration::from_secs(365 * 24 * 3600);
 
 /// Why a configuration was refused. Each message names the field, the value and what is allowed.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -68,7 +70,19 @@ pub struct Config {
     pub server: ServerConfig,
     pub store: StoreConfig,
     pub upstream: UpstreamUrl,
+    /// `[defaults]` over the built-ins: what pass-through traffic outside any route uses.
+    pub defaults: Policy,
     pub routes: Vec<RouteConfig>,
+}
+
+impl Config {
+    /// The shortest `upstream_timeout` of any route or the defaults.
+    pub fn shortest_upstream_timeout(&self) -> Duration {
+        self.routes
+            .iter()
+            .map(|r| r.policy.upstream_timeout)
+            .fold(self.defaults.upstream_timeout, Duration::min)
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -140,24 +154,19 @@ pub enum OnUnknown {
     Retry,
 }
 
-/// `redis://user:secret@host` -> `redis://user:***@host`, for messages and logs.
+/// `redis://user:secret@host` -> `redis://user:***@host`, for messages and logs. Everything
+/// between `://` and the last `@` is user info, whatever characters a password holds.
 pub fn redact_url(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else {
         return url.to_string();
     };
-    let (authority, path) = match rest.find('/') {
-        Some(i) => rest.split_at(i),
-        None => (rest, ""),
-    };
-    match authority.rsplit_once('@') {
+    match rest.rsplit_once('@') {
         Some((userinfo, host)) => {
-            let user = userinfo.split(':').next().unwrap_or("");
-            let masked = if userinfo.contains(':') {
-                format!("{user}:***")
-            } else {
-                "***".to_string()
+            let masked = match userinfo.split_once(':') {
+                Some((user, _)) => format!("{user}:***"),
+                None => "***".to_string(),
             };
-            format!("{scheme}://{masked}@{host}{path}")
+            format!("{scheme}://{masked}@{host}")
         }
         None => url.to_string(),
     }
@@ -278,8 +287,7 @@ impl Config {
 
     /// Parses and validates config text.
     pub fn parse(text: &str) -> Result<Config, ConfigError> {
-        let raw: RawConfig =
-            toml::from_str(text).map_err(|e| ConfigError::Syntax(e.to_string()))?;
+        let raw: RawConfig = toml::from_str(text).map_err(|e| syntax_error(text, &e))?;
         raw.validate()
     }
 
@@ -491,9 +499,25 @@ impl RawConfig {
             server,
             store,
             upstream,
+            defaults,
             routes,
         })
     }
+}
+
+/// The parser's message and where, without the quoted source line: that line may hold a
+/// password (`url = "redis://:secret@..."`), and these errors are printed and logged.
+fn syntax_error(text: &str, e: &toml::de::Error) -> ConfigError {
+    let at = e
+        .span()
+        .map(|span| {
+            let before = &text[..span.start.min(text.len())];
+            let line = before.matches('\n').count() + 1;
+            let column = before.len() - before.rfind('\n').map_or(0, |i| i + 1) + 1;
+            format!(" (line {line}, column {column})")
+        })
+        .unwrap_or_default();
+    ConfigError::Syntax(format!("{}{at}", e.message().trim_end()))
 }
 
 fn validate_server(raw: Option<RawServer>) -> Result<ServerConfig, ConfigError> {
@@ -518,6 +542,13 @@ fn validate_server(raw: Option<RawServer>) -> Result<ServerConfig, ConfigError> 
         None => Duration::from_secs(30),
         Some(s) => parse_duration("server.shutdown_grace", &s)?,
     };
+    if shutdown_grace > Duration::from_secs(3600) {
+        return Err(ConfigError::invalid(
+            "server.shutdown_grace",
+            humantime::format_duration(shutdown_grace).to_string(),
+            "at most \"1h\"",
+        ));
+    }
     let max_connections = match raw.max_connections {
         None => 4096,
         Some(n) if (1..=1_000_000).contains(&n) => n as usize,
@@ -892,6 +923,20 @@ fn apply_policy(scope: &str, base: &Policy, raw: &RawPolicy) -> Result<Policy, C
             "at least 1s; keep it longer than your clients retry (24h is the default)",
         ));
     }
+    if p.ttl > MAX_TTL {
+        return Err(ConfigError::invalid(
+            f("ttl"),
+            humantime::format_duration(p.ttl).to_string(),
+            "at most \"365days\"",
+        ));
+    }
+    if p.upstream_timeout > Duration::from_secs(3600) {
+        return Err(ConfigError::invalid(
+            f("upstream_timeout"),
+            humantime::format_duration(p.upstream_timeout).to_string(),
+            "at most \"1h\"",
+        ));
+    }
     if p.lock_timeout.is_zero() || p.lock_timeout > p.ttl {
         return Err(ConfigError::invalid(
             f("lock_timeout"),
@@ -899,6 +944,18 @@ fn apply_policy(scope: &str, base: &Policy, raw: &RawPolicy) -> Result<Policy, C
             format!(
                 "more than 0s and at most ttl ({})",
                 humantime::format_duration(p.ttl)
+            ),
+        ));
+    }
+    // A pending record must outlive the whole upstream call plus one lease, or it could expire
+    // mid-flight and let a retry execute while the original still runs.
+    if p.ttl < p.upstream_timeout + p.lock_timeout {
+        return Err(ConfigError::invalid(
+            f("ttl"),
+            humantime::format_duration(p.ttl).to_string(),
+            format!(
+                "at least upstream_timeout + lock_timeout ({})",
+                humantime::format_duration(p.upstream_timeout + p.lock_timeout)
             ),
         ));
     }

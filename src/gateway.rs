@@ -104,10 +104,12 @@ impl Outcome {
     }
 }
 
-/// What a config reload replaces: the routes and the default upstream.
+/// What a config reload replaces: the routes, the default upstream and its timeout.
 pub struct Routing {
     pub router: Router,
     pub default_upstream: UpstreamUrl,
+    /// `[defaults] upstream_timeout`, for pass-through traffic outside any route.
+    pub default_timeout: Duration,
 }
 
 /// Everything a request needs; shared by all connections.
@@ -134,11 +136,18 @@ enum Resolved {
 
 impl Gateway {
     /// `store` should already be wrapped for metrics ([`crate::store::instrumented`]).
-    pub fn new(routing: Routing, store: Arc<dyn Store>, metrics: Arc<Metrics>) -> Self {
+    /// `connect_timeout` should be below every route's `upstream_timeout`, so that a connection
+    /// that could not be made is reported as such (the key released), not as a timeout (unknown).
+    pub fn new(
+        routing: Routing,
+        store: Arc<dyn Store>,
+        metrics: Arc<Metrics>,
+        connect_timeout: Duration,
+    ) -> Self {
         Gateway {
             routing: ArcSwap::from_pointee(routing),
             store,
-            upstream: UpstreamClient::new(),
+            upstream: UpstreamClient::new(connect_timeout),
             metrics,
             shutting_down: AtomicBool::new(false),
             tasks: TaskTracker::new(),
@@ -186,7 +195,13 @@ impl Gateway {
         let routing = self.routing.load_full();
         let Some(route) = routing.router.find(req.method(), req.uri().path()).cloned() else {
             let resp = self
-                .pass_through(req, peer, &routing.default_upstream, None, "")
+                .pass_through(
+                    req,
+                    peer,
+                    &routing.default_upstream,
+                    routing.default_timeout,
+                    "",
+                )
                 .await;
             self.metrics.request("", Outcome::Passthrough);
             return resp;
@@ -233,7 +248,7 @@ impl Gateway {
         {
             Ok(Some(k)) => k,
             Ok(None) if !policy.require_key => {
-                let (timeout, target) = (Some(policy.upstream_timeout), &route.upstream);
+                let (timeout, target) = (policy.upstream_timeout, &route.upstream);
                 let resp = match (body, incoming) {
                     (Some(b), _) => {
                         let req = Request::from_parts(parts, http_body_util::Full::new(b));
@@ -318,6 +333,15 @@ impl Gateway {
                 .await
             {
                 Ok(r) => r,
+                // A record that exists but cannot be read: its outcome is unknown, and it must
+                // never be forwarded, whatever on_store_error says.
+                Err(StoreError::Corrupt(e)) => {
+                    tracing::error!(key = key.short(), error = %e, "unreadable record");
+                    return Err(Problem::OutcomeUnknown {
+                        reason: UnknownReason::Interrupted,
+                        retryable: false,
+                    });
+                }
                 Err(e) if policy.on_store_error == OnStoreError::Pass => {
                     // The operator chose availability over duplicates for this route.
                     tracing::warn!(key = key.short(), error = %e, "store unavailable; forwarding without idempotency (on_store_error = \"pass\")");
@@ -327,7 +351,7 @@ impl Gateway {
                             req,
                             peer,
                             &route.upstream,
-                            Some(policy.upstream_timeout),
+                            policy.upstream_timeout,
                             &route.name,
                         )
                         .await;
@@ -582,7 +606,7 @@ impl Gateway {
         req: Request<B>,
         peer: SocketAddr,
         target: &UpstreamUrl,
-        timeout: Option<Duration>,
+        timeout: Duration,
         route: &str,
     ) -> Response<Body>
     where
@@ -594,7 +618,6 @@ impl Gateway {
             return Problem::UpstreamUnreachable.into_response();
         }
         let req = Request::from_parts(parts, body::boxed(body));
-        let timeout = timeout.unwrap_or(Policy::builtin().upstream_timeout);
         let started = Instant::now();
         let sent = self.upstream.send(req, timeout).await;
         self.metrics.upstream(route, started.elapsed());

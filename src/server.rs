@@ -67,11 +67,15 @@ impl Server {
             store::open(&config.store)?,
             Arc::clone(&metrics),
         ));
+        // Half the shortest upstream_timeout: a connect attempt always fails before the request
+        // could time out, so "not sent" is never mistaken for "unknown".
+        let connect_timeout = config.shortest_upstream_timeout() / 2;
         let routing = Routing {
             router: Router::new(config.routes),
             default_upstream: config.upstream,
+            default_timeout: config.defaults.upstream_timeout,
         };
-        let gateway = Arc::new(Gateway::new(routing, store, metrics));
+        let gateway = Arc::new(Gateway::new(routing, store, metrics, connect_timeout));
         Ok(Server {
             listener,
             admin,
@@ -275,6 +279,7 @@ pub async fn reload_on_sighup(path: std::path::PathBuf, gateway: Arc<Gateway>, r
             gateway.reload(Routing {
                 router: Router::new(new.routes),
                 default_upstream: new.upstream,
+                default_timeout: new.defaults.upstream_timeout,
             });
             tracing::info!(routes, "config reloaded");
         }

@@ -18,8 +18,8 @@ use hyper_util::rt::TokioExecutor;
 use crate::body::{Body, BoxError};
 use crate::config::UpstreamUrl;
 
-/// How long establishing a TCP connection to the upstream may take.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long establishing a TCP connection to the upstream may take at most.
+pub const MAX_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 #[derive(Debug, thiserror::Error)]
 pub enum UpstreamError {
@@ -40,17 +40,12 @@ pub struct UpstreamClient {
     client: Client<HttpConnector, Body>,
 }
 
-impl Default for UpstreamClient {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
 impl UpstreamClient {
-    pub fn new() -> Self {
+    /// `connect_timeout` is capped at [`MAX_CONNECT_TIMEOUT`].
+    pub fn new(connect_timeout: Duration) -> Self {
         let mut http = HttpConnector::new();
         http.set_nodelay(true);
-        http.set_connect_timeout(Some(CONNECT_TIMEOUT));
+        http.set_connect_timeout(Some(connect_timeout.min(MAX_CONNECT_TIMEOUT)));
         http.enforce_http(true);
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(60))

@@ -177,6 +177,22 @@ fn bad_values_name_field_and_value() {
 }
 
 #[test]
+fn durations_are_bounded_and_a_pending_record_outlives_the_call() {
+    // Shorter than upstream_timeout + lock_timeout (30s + 30s): could expire mid-flight.
+    assert_eq!(invalid_field(with("ttl = \"40s\"")).0, "routes[0].ttl");
+    assert!(with("ttl = \"40s\"\nupstream_timeout = \"10s\"\nlock_timeout = \"10s\"").is_ok());
+    assert_eq!(invalid_field(with("ttl = \"400days\"")).0, "routes[0].ttl");
+    assert_eq!(
+        invalid_field(with("upstream_timeout = \"2h\"\nttl = \"3h\"")).0,
+        "routes[0].upstream_timeout"
+    );
+    assert_eq!(
+        invalid_field(Config::parse("[server]\nlisten = \"127.0.0.1:1\"\nshutdown_grace = \"300000000000y\"\n[upstream]\nurl = \"http://a:1\"\n")).0,
+        "server.shutdown_grace"
+    );
+}
+
+#[test]
 fn error_messages_say_what_is_allowed() {
     let msg = with("ttl = \"soon\"").unwrap_err().to_string();
     assert!(
@@ -422,6 +438,17 @@ fn urls_are_redacted() {
     assert_eq!(redact_url("redis://:pw@h:1/0"), "redis://:***@h:1/0");
     assert_eq!(redact_url("redis://user@h:1"), "redis://***@h:1");
     assert_eq!(redact_url("redis://h:1"), "redis://h:1");
+    assert_eq!(redact_url("redis://:pa/ss@h:1/0"), "redis://:***@h:1/0");
+    assert_eq!(redact_url("redis://u:p@ss#?@h:1"), "redis://u:***@h:1");
+}
+
+#[test]
+fn syntax_errors_never_quote_the_offending_line() {
+    let err = Config::parse("[server]\nlisten = \"127.0.0.1:1\"\n[store]\nbackend = \"redis\"\nurl = \"redis://:s3cret@h:1\" junk\n")
+        .unwrap_err()
+        .to_string();
+    assert!(!err.contains("s3cret"), "{err}");
+    assert!(err.contains("line 5"), "{err}");
 }
 
 #[test]

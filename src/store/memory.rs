@@ -174,6 +174,15 @@ impl Inner {
         self.next_generation += 1;
         self.expiry
             .push(Reverse((expires_at, generation, key.clone())));
+        // Released and replaced records leave stale heap items until their old expiry: rebuild
+        // once they outnumber the live ones, so the heap stays proportional to the map.
+        if self.expiry.len() > 2 * self.map.len() + 64 {
+            self.expiry = self
+                .map
+                .iter()
+                .map(|(k, e)| Reverse((e.expires_at, e.generation, k.clone())))
+                .collect();
+        }
         counts.bytes.fetch_add(size, Ordering::Relaxed);
         let entry = Entry {
             record,
@@ -491,6 +500,18 @@ mod tests {
         assert_eq!(err, StoreError::Full("max_keys"));
         assert!(s.get(&key("a")).await.unwrap().is_some());
         assert!(s.get(&key("b")).await.unwrap().is_some());
+    }
+
+    #[tokio::test]
+    async fn released_keys_do_not_accumulate_in_the_expiry_heap() {
+        let s = MemoryStore::new(100_000, 1 << 30);
+        for i in 0..20_000 {
+            let t = own(&s, &format!("k{i}"), Duration::from_secs(3600)).await;
+            s.release(&key(&format!("k{i}")), t).await.unwrap();
+        }
+        let heap_items: usize = s.shared.shards.iter().map(|m| lock(m).expiry.len()).sum();
+        assert!(heap_items < 20_000, "{heap_items} stale expiry items kept");
+        assert!(s.is_empty());
     }
 
     #[tokio::test]

@@ -273,6 +273,55 @@ impl Drop for RedisStore {
     }
 }
 
+/// Releases a reservation whose answer was lost, unless disarmed: see [`RedisStore::reserve`].
+struct ReleaseOnDrop {
+    armed: Option<(Script, Conn, String, [u8; 16], String, String)>,
+}
+
+impl ReleaseOnDrop {
+    fn new(store: &RedisStore, key: &StoreKey, owner: OwnerToken, conn: Conn) -> Self {
+        ReleaseOnDrop {
+            armed: Some((
+                store.scripts.release.clone(),
+                conn,
+                store.redis_key(key),
+                codec::owner_bytes(owner),
+                store.channel.clone(),
+                key.as_str().to_string(),
+            )),
+        }
+    }
+
+    fn disarm(mut self) {
+        self.armed = None;
+    }
+}
+
+impl Drop for ReleaseOnDrop {
+    fn drop(&mut self) {
+        let Some((script, mut conn, redis_key, owner, channel, message)) = self.armed.take() else {
+            return;
+        };
+        // Best effort, in the background: if Redis is unreachable the record keeps its lease
+        // and then reads as an unknown outcome, which is the safe side.
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(async move {
+                let mut inv = script.key(redis_key);
+                inv.arg(&owner[..]).arg(channel).arg(message);
+                let released: redis::RedisResult<i64> =
+                    tokio::time::timeout(Duration::from_secs(5), inv.invoke_async(&mut conn))
+                        .await
+                        .unwrap_or_else(
+                            |_| Err((redis::ErrorKind::Io, "release timed out").into()),
+                        );
+                if let Ok(1) = released {
+                    tracing::info!("released a reservation whose answer was lost");
+                }
+            });
+        }
+    }
+}
+
 /// Keeps trying to reach the cluster until it answers once; the connection then reconnects by
 /// itself.
 async fn connect_cluster(client: redis::cluster::ClusterClient, cell: Arc<OnceCell<Conn>>) {
@@ -348,7 +397,13 @@ impl Store for RedisStore {
             .arg("GET")
             .arg("PX")
             .arg(ms_arg(ttl));
+        // If the SET reached Redis but its answer did not reach us (timeout, or this future
+        // dropped because the client hung up), a pending record would be left that nobody owns:
+        // retries would see it as in flight, then as an unknown outcome, though nothing was sent
+        // upstream. The guard releases it (the script only deletes our own token's record).
+        let guard = ReleaseOnDrop::new(self, key, owner, conn.clone());
         let existing: Option<Vec<u8>> = self.call("reserve", cmd.query_async(&mut conn)).await?;
+        guard.disarm();
         match existing {
             None => Ok(Reservation::Owner(owner)),
             Some(raw) => Ok(Reservation::Existing(codec::decode(&Bytes::from(raw))?)),
@@ -456,7 +511,9 @@ impl Store for RedisStore {
         let mut conn = self.conn()?;
         let mut inv = self.scripts.take_over.key(self.redis_key(key));
         inv.arg(&expected[..]).arg(&record[..]).arg(ms_arg(ttl));
+        let guard = ReleaseOnDrop::new(self, key, owner, conn.clone());
         let done: i64 = self.call("take_over", inv.invoke_async(&mut conn)).await?;
+        guard.disarm();
         Ok((done == 1).then_some(owner))
     }
 
