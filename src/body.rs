@@ -6,7 +6,7 @@
 use bytes::{Bytes, BytesMut};
 use futures_util::StreamExt;
 use http_body::{Body as HttpBody, Frame};
-use http_body_util::{BodyExt, BodyStream, Empty, Full, StreamBody};
+use http_body_util::{BodyExt, BodyStream, Full, StreamBody};
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -17,10 +17,6 @@ pub fn full(bytes: Bytes) -> Body {
     Full::new(bytes)
         .map_err(|never| match never {})
         .boxed_unsync()
-}
-
-pub fn empty() -> Body {
-    Empty::new().map_err(|never| match never {}).boxed_unsync()
 }
 
 /// Boxes any body whose errors convert into [`BoxError`].

@@ -73,9 +73,10 @@ pub struct KeyArgs {
     /// The route's `name`.
     #[arg(long)]
     pub route: String,
-    /// The idempotency key, as the client sent it.
-    #[arg(long)]
-    pub key: String,
+    /// The idempotency key, as the client sent it. Routes keyed by several headers or body
+    /// fields take one --key per part, in the order the route lists them (headers first).
+    #[arg(long, required = true)]
+    pub key: Vec<String>,
     /// The client header's value (e.g. "Bearer ..."), for routes that scope keys per client.
     #[arg(long)]
     pub client: Option<String>,

@@ -70,7 +70,7 @@ impl KeySource {
     /// into one fixed-length key, so no choice of values can make two different combinations
     /// collide.
     pub fn extract(&self, headers: &HeaderMap, body: &[u8]) -> Result<Option<String>, KeyError> {
-        if let ([name], []) = (self.headers.as_slice(), self.pointers.as_slice()) {
+        if let ([name], true) = (self.headers.as_slice(), self.is_single_header()) {
             return parse_key(headers, name);
         }
         let mut parts: Vec<String> = Vec::with_capacity(self.headers.len() + self.pointers.len());
@@ -109,9 +109,20 @@ impl KeySource {
                 parts.push(part);
             }
         }
-        // The parts as a JSON array: unambiguous whatever they contain.
-        let joined = serde_json::to_vec(&parts).map_err(|_| KeyError::Malformed)?;
-        Ok(Some(hex::encode(Sha256::digest(&joined))))
+        Ok(Some(Self::combine(&parts)))
+    }
+
+    /// Whether the key is one header's value as sent (else parts combined by [`Self::combine`]).
+    pub fn is_single_header(&self) -> bool {
+        self.headers.len() == 1 && self.pointers.is_empty()
+    }
+
+    /// The key made of several parts: a hash of them as a JSON array, unambiguous whatever they
+    /// contain, and of fixed length.
+    pub fn combine(parts: &[String]) -> String {
+        // Serialising strings cannot fail; an empty array on the impossible error still hashes.
+        let joined = serde_json::to_vec(parts).unwrap_or_default();
+        hex::encode(Sha256::digest(&joined))
     }
 }
 

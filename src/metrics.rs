@@ -144,6 +144,11 @@ impl Metrics {
         InFlight(&self.in_flight)
     }
 
+    /// Requests being handled right now.
+    pub fn in_flight_now(&self) -> i64 {
+        self.in_flight.get()
+    }
+
     /// Sets the purge counter from the store's own running total.
     pub fn set_records_purged(&self, total: u64) {
         self.records_purged.inner().store(total, Ordering::Relaxed);

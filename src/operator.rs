@@ -9,7 +9,7 @@ use std::fmt::Write;
 use std::time::{Duration, UNIX_EPOCH};
 
 use crate::config::{Config, StoreConfig};
-use crate::key::{parse_key_value, ClientScope, StoreKey};
+use crate::key::{parse_key_value, ClientScope, KeySource, StoreKey};
 use crate::store::{self, now_ms, Record, RecordState, Store};
 
 /// How long a command waits for the store to answer its first command.
@@ -21,17 +21,21 @@ pub enum OperatorError {
     NoRoute(String, String),
     #[error("invalid key: {0}")]
     BadKey(crate::key::KeyError),
+    #[error("this route's key has {0} part(s), {1}: give one --key per part, in that order")]
+    Parts(usize, String),
     #[error("backend = \"memory\" keeps records inside the running gateway process; `idemgate keys` needs a shared store (backend = \"redis\")")]
     MemoryStore,
     #[error("{0}")]
     Store(String),
 }
 
-/// The stored key for (route, key, client), as the gateway derives it.
+/// The stored key for (route, key parts, client), as the gateway derives it. A route keyed by
+/// one header takes one part, its value as sent; a route keyed by several headers or body fields
+/// takes one part per header and field, in the order the route lists them (headers first).
 pub fn locate(
     config: &Config,
     route: &str,
-    key: &str,
+    parts: &[String],
     client: Option<&str>,
 ) -> Result<StoreKey, OperatorError> {
     let r = config
@@ -42,7 +46,14 @@ pub fn locate(
             let names: Vec<&str> = config.routes.iter().map(|r| r.name.as_str()).collect();
             OperatorError::NoRoute(route.to_string(), names.join(", "))
         })?;
-    let key = parse_key_value(key.as_bytes()).map_err(OperatorError::BadKey)?;
+    let expected = r.key.headers.len() + r.key.pointers.len();
+    let key = match parts {
+        [one] if r.key.is_single_header() => {
+            parse_key_value(one.as_bytes()).map_err(OperatorError::BadKey)?
+        }
+        parts if !r.key.is_single_header() && parts.len() == expected => KeySource::combine(parts),
+        _ => return Err(OperatorError::Parts(expected, r.key.describe())),
+    };
     let scope = match (&r.policy.client_header, client) {
         (None, _) => ClientScope::of(&http::HeaderMap::new(), None),
         (Some(_), Some(value)) => ClientScope::from_value(value.as_bytes()),

@@ -1,8 +1,9 @@
 //! Route matching: which configured route, if any, a request belongs to. Pure code, no I/O.
 //!
 //! A pattern is a `/`-separated list of segments: a literal, `*` (exactly one segment) or a
-//! trailing `**` (one or more segments). Segments are compared after percent-decoding, so
-//! `/pay%6Dents` cannot slip past the `/payments` route, and one trailing slash is ignored.
+//! trailing `**` (one or more segments). Request paths are normalised before matching (segments
+//! percent-decoded, empty and `.` segments dropped, `..` resolved), so `/pay%6Dents`,
+//! `//payments` or `/x/../payments` cannot slip past the `/payments` route.
 //! Config validation refuses two routes that could match the same request, so at most one route
 //! matches and the order of routes in the file never matters.
 
@@ -63,12 +64,25 @@ impl RoutePattern {
         })
     }
 
-    /// Whether the request path (without query) matches.
+    /// Whether the request path (without query) matches. The path is normalised first: segments
+    /// percent-decoded, empty and `.` segments dropped, `..` resolved, as most upstream servers
+    /// do; otherwise `//payments` or `/x/../payments` would reach `/payments` unprotected.
     pub fn matches(&self, path: &str) -> bool {
         let Some(rest) = path.strip_prefix('/') else {
             return false;
         };
-        let mut parts = split_segments(rest);
+        let mut parts: Vec<Cow<'_, str>> = Vec::with_capacity(8);
+        for raw in rest.split('/') {
+            let seg = decode(raw);
+            match seg.as_ref() {
+                "" | "." => {}
+                ".." => {
+                    parts.pop();
+                }
+                _ => parts.push(seg),
+            }
+        }
+        let mut parts = parts.iter();
         for seg in &self.segments {
             match seg {
                 Segment::Rest => return parts.next().is_some(),
@@ -78,7 +92,7 @@ impl RoutePattern {
                     }
                 }
                 Segment::Literal(lit) => match parts.next() {
-                    Some(p) if decode(p) == lit.as_str() => {}
+                    Some(p) if p.as_ref() == lit.as_str() => {}
                     _ => return false,
                 },
             }
@@ -169,14 +183,6 @@ impl Router {
             .iter()
             .find(|r| r.methods.contains(method) && r.pattern.matches(path))
     }
-
-    pub fn by_name(&self, name: &str) -> Option<&Arc<RouteConfig>> {
-        self.routes.iter().find(|r| r.name == name)
-    }
-
-    pub fn routes(&self) -> &[Arc<RouteConfig>] {
-        &self.routes
-    }
 }
 
 #[cfg(test)]
@@ -194,6 +200,12 @@ mod tests {
         assert!(pat.matches("/payments"));
         assert!(pat.matches("/payments/"));
         assert!(pat.matches("/pay%6Dents"));
+        assert!(pat.matches("//payments"));
+        assert!(pat.matches("/./payments"));
+        assert!(pat.matches("/x/../payments"));
+        assert!(pat.matches("/x/%2e%2e/payments"));
+        assert!(pat.matches("/payments/x/.."));
+        assert!(!pat.matches("/payments/../refunds"));
         assert!(!pat.matches("/payments/1"));
         assert!(!pat.matches("/payment"));
         assert!(!pat.matches("/"));

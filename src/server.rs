@@ -121,6 +121,8 @@ impl Server {
             .http1()
             .timer(TokioTimer::new())
             .header_read_timeout(HEADER_READ_TIMEOUT);
+        // Each stream may buffer a body: cap them per connection (see server.max_connections).
+        builder.http2().max_concurrent_streams(100);
         tokio::pin!(shutdown);
 
         loop {

@@ -271,8 +271,20 @@ async fn forty_concurrent_duplicates_execute_once_and_all_get_the_same_body() {
                 .await
         }));
     }
-    // The first request is held at the upstream; the other 39 wait on its key meanwhile.
+    // The first request is held at the upstream; open the gate only once all 40 are inside the
+    // gateway, so the other 39 really are concurrent duplicates waiting on the held key.
     up.next_arrival().await;
+    for _ in 0..1000 {
+        if gw.gateway().metrics().in_flight_now() >= 40 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        gw.gateway().metrics().in_flight_now(),
+        40,
+        "all 40 are in flight together"
+    );
     gate.add_permits(100);
 
     let mut bodies = Vec::new();

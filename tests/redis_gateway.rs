@@ -342,3 +342,50 @@ async fn redis_round_trips_new_key_2_replay_1_passthrough_0() {
         "pass-through never touches Redis, got {cmds:#?}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_get_finds_records_of_routes_keyed_by_body_fields() {
+    let redis = RedisServer::start();
+    let up = Upstream::counting().await;
+    let routes = "[defaults]\nclient_header = \"\"\n[[routes]]\nname = \"biz\"\npath = \"/events\"\nkey = { json = [\"/data/object/id\", \"/type\"] }\ncheck_fingerprint = false\n";
+    let text = redis_config(&up.url(), &redis.url(), routes);
+    let gw = in_process(&up.url(), &redis.url(), routes).await;
+    let got = Http::new(gw.addr())
+        .request("POST", "/events")
+        .json(r#"{"id":"evt_1","type":"payment_intent.succeeded","data":{"object":{"id":"pi_1"}}}"#)
+        .send()
+        .await;
+    assert_eq!(got.status, 201);
+
+    let dir = TempDir::new("keys-parts");
+    let path = dir.path.join("proxy.toml");
+    std::fs::write(&path, text).unwrap();
+    let keys = |parts: &[&str]| {
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_idemgate"));
+        cmd.args(["keys", "get", "--route", "biz", "--config"])
+            .arg(&path);
+        for p in parts {
+            cmd.args(["--key", p]);
+        }
+        cmd.output().unwrap()
+    };
+    let found = keys(&["pi_1", "payment_intent.succeeded"]);
+    let shown = String::from_utf8_lossy(&found.stdout);
+    assert!(
+        found.status.success(),
+        "{shown}{}",
+        String::from_utf8_lossy(&found.stderr)
+    );
+    assert!(
+        shown.contains("state        completed") && shown.contains("status       201"),
+        "{shown}"
+    );
+    assert_eq!(
+        keys(&["pi_2", "payment_intent.succeeded"]).status.code(),
+        Some(1),
+        "another operation"
+    );
+    let wrong = keys(&["pi_1"]);
+    assert_eq!(wrong.status.code(), Some(64));
+    assert!(String::from_utf8_lossy(&wrong.stderr).contains("2 part(s)"));
+}
