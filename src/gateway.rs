@@ -212,7 +212,7 @@ impl Gateway {
         self.metrics.request(&route.name, outcome);
         tracing::info!(
             route = %route.name,
-            key = %key.as_ref().map(StoreKey::short).unwrap_or("-"),
+            key = %key.as_ref().map(StoreKey::short).unwrap_or_else(|| "-".into()),
             outcome = %outcome.as_str(),
             status = resp.status().as_u16(),
             elapsed_ms = started.elapsed().as_millis() as u64,
@@ -441,7 +441,7 @@ impl Gateway {
     ) -> (Response<Body>, Outcome) {
         let this = Arc::clone(self);
         let route = Arc::clone(route);
-        let key = key.clone();
+        let key = *key;
         let task = self.tasks.spawn(async move {
             this.execute_detached(&route, parts, body, &key, token, peer)
                 .await

@@ -245,9 +245,21 @@ impl fmt::Debug for ClientScope {
     }
 }
 
-/// The key under which one operation is stored: hex SHA-256 of (scope, route, key).
-#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct StoreKey(String);
+/// The key under which one operation is stored: SHA-256 of (scope, route, key). Kept as the
+/// 32 bytes (no allocation, cheap to copy and hash); hex only where text is needed (Redis keys,
+/// pub/sub messages, logs).
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct StoreKey([u8; 32]);
+
+impl std::hash::Hash for StoreKey {
+    // Already a uniformly distributed hash: 8 of its bytes are as good as all 32 to the map,
+    // and a quarter of the work for its hasher.
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        let mut word = [0u8; 8];
+        word.copy_from_slice(&self.0[..8]);
+        state.write_u64(u64::from_le_bytes(word));
+    }
+}
 
 impl StoreKey {
     pub fn new(scope: &ClientScope, route: &str, key: &str) -> Self {
@@ -259,23 +271,32 @@ impl StoreKey {
         h.update(route.as_bytes());
         h.update((key.len() as u64).to_be_bytes());
         h.update(key.as_bytes());
-        StoreKey(hex::encode(h.finalize()))
+        StoreKey(h.finalize().into())
     }
 
-    pub fn as_str(&self) -> &str {
-        &self.0
+    /// The 64 lowercase hex digits, as Redis keys and pub/sub messages carry it.
+    pub fn hex(&self) -> String {
+        hex::encode(self.0)
     }
 
-    /// A key as [`StoreKey::as_str`] printed it (64 lowercase hex digits), e.g. from a pub/sub
-    /// message or an operator.
+    /// A key as [`StoreKey::hex`] printed it, e.g. from a pub/sub message.
     pub fn from_hex(s: &str) -> Option<Self> {
-        (s.len() == 64 && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')))
-            .then(|| StoreKey(s.to_string()))
+        if s.len() != 64 || !s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
+            return None;
+        }
+        let mut bytes = [0u8; 32];
+        hex::decode_to_slice(s, &mut bytes).ok()?;
+        Some(StoreKey(bytes))
+    }
+
+    /// Which of `n` shards the key belongs to.
+    pub fn shard(&self, n: usize) -> usize {
+        usize::from(u16::from_be_bytes([self.0[0], self.0[1]])) % n.max(1)
     }
 
     /// A short prefix that identifies the key in logs without revealing it.
-    pub fn short(&self) -> &str {
-        &self.0[..16]
+    pub fn short(&self) -> String {
+        hex::encode(&self.0[..8])
     }
 }
 
@@ -287,7 +308,7 @@ impl fmt::Debug for StoreKey {
 
 impl fmt::Display for StoreKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
+        f.write_str(&self.hex())
     }
 }
 
@@ -355,8 +376,10 @@ mod tests {
             StoreKey::new(&a, "a", "bc"),
             "route/key boundary must be unambiguous"
         );
-        assert_eq!(base.as_str().len(), 64);
-        assert!(!base.as_str().contains("k1"));
+        assert_eq!(base.hex().len(), 64);
+        assert!(!base.hex().contains("k1"));
+        assert_eq!(StoreKey::from_hex(&base.hex()), Some(base));
+        assert_eq!(StoreKey::from_hex("zz"), None);
     }
 
     fn hm(pairs: &[(&str, &str)]) -> HeaderMap {

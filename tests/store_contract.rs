@@ -65,7 +65,7 @@ async fn exactly_one_of_many_concurrent_reservations_owns_a_key(store: Arc<dyn S
     let k = key("race");
     let mut tasks = Vec::new();
     for _ in 0..50 {
-        let (store, k) = (Arc::clone(&store), k.clone());
+        let (store, k) = (Arc::clone(&store), k);
         tasks.push(tokio::spawn(async move {
             store.reserve(&k, FP, LEASE, TTL).await.unwrap()
         }));
@@ -192,7 +192,7 @@ async fn waiters_are_woken_by_completion(store: Arc<dyn Store>) {
     let k = key("wake");
     let t = own(&*store, &k).await;
     let mut sub = store.subscribe(&k);
-    let (s2, k2) = (Arc::clone(&store), k.clone());
+    let (s2, k2) = (Arc::clone(&store), k);
     let completer =
         tokio::spawn(async move { s2.complete(&k2, t, response(), TTL).await.unwrap() });
     tokio::time::timeout(Duration::from_secs(5), sub.changed())

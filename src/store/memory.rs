@@ -96,14 +96,7 @@ impl MemoryStore {
 
 impl Shared {
     fn shard(&self, key: &StoreKey) -> MutexGuard<'_, Inner> {
-        // The key is hex SHA-256, so its first digits are uniformly distributed.
-        let index = key
-            .as_str()
-            .get(..4)
-            .and_then(|h| usize::from_str_radix(h, 16).ok())
-            .unwrap_or(0)
-            % SHARDS;
-        lock(&self.shards[index])
+        lock(&self.shards[key.shard(SHARDS)])
     }
 
     fn purge_all(&self, now: Instant) {
@@ -141,7 +134,7 @@ impl Shared {
             return Err(StoreError::Full(which));
         }
         let (owner, record) = super::pending(fingerprint, lease);
-        inner.insert(key.clone(), record, deadline(ttl), size, &self.counts);
+        inner.insert(*key, record, deadline(ttl), size, &self.counts);
         Ok(Reservation::Owner(owner))
     }
 }
@@ -172,15 +165,14 @@ impl Inner {
     ) {
         let generation = self.next_generation;
         self.next_generation += 1;
-        self.expiry
-            .push(Reverse((expires_at, generation, key.clone())));
+        self.expiry.push(Reverse((expires_at, generation, key)));
         // Released and replaced records leave stale heap items until their old expiry: rebuild
         // once they outnumber the live ones, so the heap stays proportional to the map.
         if self.expiry.len() > 2 * self.map.len() + 64 {
             self.expiry = self
                 .map
                 .iter()
-                .map(|(k, e)| Reverse((e.expires_at, e.generation, k.clone())))
+                .map(|(k, e)| Reverse((e.expires_at, e.generation, *k)))
                 .collect();
         }
         counts.bytes.fetch_add(size, Ordering::Relaxed);
@@ -297,13 +289,7 @@ impl Store for MemoryStore {
             _ => return Ok(None),
         }
         let (owner, record) = super::pending(fingerprint, lease);
-        inner.insert(
-            key.clone(),
-            record,
-            deadline(ttl),
-            RECORD_OVERHEAD as u64,
-            counts,
-        );
+        inner.insert(*key, record, deadline(ttl), RECORD_OVERHEAD as u64, counts);
         Ok(Some(owner))
     }
 
@@ -340,7 +326,7 @@ impl Store for MemoryStore {
             }
             let size = (RECORD_OVERHEAD + response.size()) as u64;
             record.state = RecordState::Completed(Arc::new(response.compacted()));
-            inner.insert(key.clone(), record, deadline(ttl), size, counts);
+            inner.insert(*key, record, deadline(ttl), size, counts);
         }
         self.shared.waiters.notify(key);
         Ok(())

@@ -217,7 +217,7 @@ impl RedisStore {
     }
 
     fn redis_key(&self, key: &StoreKey) -> String {
-        format!("{}{{{}}}", self.prefix, key.as_str())
+        format!("{}{{{}}}", self.prefix, key.hex())
     }
 
     fn conn(&self) -> Result<Conn, StoreError> {
@@ -287,7 +287,7 @@ impl ReleaseOnDrop {
                 store.redis_key(key),
                 codec::owner_bytes(owner),
                 store.channel.clone(),
-                key.as_str().to_string(),
+                key.hex(),
             )),
         }
     }
@@ -436,7 +436,7 @@ impl Store for RedisStore {
                 &tail,
                 ttl.as_bytes(),
                 self.channel.as_bytes(),
-                key.as_str().as_bytes(),
+                key.hex().as_bytes(),
             ],
         )
         .await
@@ -460,7 +460,7 @@ impl Store for RedisStore {
                 &codec::owner_bytes(owner),
                 &tail,
                 self.channel.as_bytes(),
-                key.as_str().as_bytes(),
+                key.hex().as_bytes(),
             ],
         )
         .await
@@ -474,7 +474,7 @@ impl Store for RedisStore {
             &[
                 &codec::owner_bytes(owner),
                 self.channel.as_bytes(),
-                key.as_str().as_bytes(),
+                key.hex().as_bytes(),
             ],
         )
         .await
@@ -520,8 +520,7 @@ impl Store for RedisStore {
     async fn delete(&self, key: &StoreKey) -> Result<bool, StoreError> {
         let mut conn = self.conn()?;
         let mut inv = self.scripts.delete.key(self.redis_key(key));
-        inv.arg(self.channel.as_bytes())
-            .arg(key.as_str().as_bytes());
+        inv.arg(self.channel.as_bytes()).arg(key.hex().as_bytes());
         let n: i64 = self.call("delete", inv.invoke_async(&mut conn)).await?;
         Ok(n == 1)
     }

@@ -28,13 +28,13 @@ impl Waiters {
             Some(tx) => tx.subscribe(),
             None => {
                 let (tx, rx) = watch::channel(());
-                map.insert(key.clone(), tx);
+                map.insert(*key, tx);
                 rx
             }
         };
         Subscription {
             rx: Some(rx),
-            key: key.clone(),
+            key: *key,
             waiters: self.clone(),
         }
     }
