@@ -64,24 +64,13 @@ impl RoutePattern {
         })
     }
 
-    /// Whether the request path (without query) matches. The path is normalised first: segments
-    /// percent-decoded, empty and `.` segments dropped, `..` resolved, as most upstream servers
-    /// do; otherwise `//payments` or `/x/../payments` would reach `/payments` unprotected.
+    /// Whether the request path (without query) matches; see [`normalize`].
     pub fn matches(&self, path: &str) -> bool {
-        let Some(rest) = path.strip_prefix('/') else {
-            return false;
-        };
-        let mut parts: Vec<Cow<'_, str>> = Vec::with_capacity(8);
-        for raw in rest.split('/') {
-            let seg = decode(raw);
-            match seg.as_ref() {
-                "" | "." => {}
-                ".." => {
-                    parts.pop();
-                }
-                _ => parts.push(seg),
-            }
-        }
+        normalize(path).is_some_and(|parts| self.matches_segments(&parts))
+    }
+
+    /// Whether already normalised segments match.
+    fn matches_segments(&self, parts: &[Cow<'_, str>]) -> bool {
         let mut parts = parts.iter();
         for seg in &self.segments {
             match seg {
@@ -153,6 +142,25 @@ impl fmt::Display for RoutePattern {
     }
 }
 
+/// A request path as segments, normalised as most upstream servers do: percent-decoded, empty
+/// and `.` segments dropped, `..` resolved. Otherwise `//payments` or `/x/../payments` would
+/// reach `/payments` unprotected. `None` for a path that does not start with `/`.
+fn normalize(path: &str) -> Option<Vec<Cow<'_, str>>> {
+    let rest = path.strip_prefix('/')?;
+    let mut parts: Vec<Cow<'_, str>> = Vec::with_capacity(8);
+    for raw in rest.split('/') {
+        let seg = decode(raw);
+        match seg.as_ref() {
+            "" | "." => {}
+            ".." => {
+                parts.pop();
+            }
+            _ => parts.push(seg),
+        }
+    }
+    Some(parts)
+}
+
 /// Splits `a/b/` into `a`, `b`: one trailing slash does not make an extra (empty) segment.
 fn split_segments(rest: &str) -> impl Iterator<Item = &str> {
     let trimmed = rest.strip_suffix('/').unwrap_or(rest);
@@ -177,11 +185,17 @@ impl Router {
         }
     }
 
-    /// The route that makes this request idempotent, or `None` for pass-through.
+    /// The route that makes this request idempotent, or `None` for pass-through. The path is
+    /// normalised once, and only when some route takes this method.
     pub fn find(&self, method: &Method, path: &str) -> Option<&Arc<RouteConfig>> {
-        self.routes
+        let mut candidates = self
+            .routes
             .iter()
-            .find(|r| r.methods.contains(method) && r.pattern.matches(path))
+            .filter(|r| r.methods.contains(method))
+            .peekable();
+        candidates.peek()?;
+        let parts = normalize(path)?;
+        candidates.find(|r| r.pattern.matches_segments(&parts))
     }
 }
 

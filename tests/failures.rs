@@ -25,14 +25,14 @@ fn redis_config(upstream: &str, redis_url: &str, listen: &str, extra: &str) -> S
 /// Retries until the answer is no longer `409 in-flight` (bounded): waits on what the gateway
 /// says, not on a guessed sleep.
 async fn retry_while_in_flight(http: &Http, key: &str) -> Got {
-    for _ in 0..200 {
+    for _ in 0..400 {
         let got = http.post("/payments", key, "{}").await;
         if got.status != 409 {
             return got;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    panic!("{key} stayed in flight for 10s");
+    panic!("{key} stayed in flight for 20s");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -43,7 +43,8 @@ async fn a_gateway_killed_mid_request_never_leads_to_a_second_execution() {
         &up.url(),
         &redis.url(),
         "127.0.0.1:0",
-        "[[routes]]\nname = \"payments\"\npath = \"/payments\"\nlock_timeout = \"1s\"\nwait = \"0s\"\n",
+        // Long enough that the restarted gateway is up well within the dead owner's lease.
+        "[[routes]]\nname = \"payments\"\npath = \"/payments\"\nlock_timeout = \"4s\"\nwait = \"0s\"\n",
     );
     let gw = GatewayProcess::start(&config);
     let http = Http::new(gw.addr);
@@ -203,7 +204,7 @@ async fn lease_renewal_keeps_a_slow_upstream_call_from_being_taken_over() {
         &up.url(),
         &redis.url(),
         "127.0.0.1:0",
-        "[[routes]]\npath = \"/payments\"\nlock_timeout = \"300ms\"\nwait = \"0s\"\non_unknown = \"retry\"\n",
+        "[[routes]]\npath = \"/payments\"\nlock_timeout = \"900ms\"\nwait = \"0s\"\non_unknown = \"retry\"\n",
     );
     let gw = GatewayProcess::start(&config);
     let http = Http::new(gw.addr);
@@ -214,8 +215,8 @@ async fn lease_renewal_keeps_a_slow_upstream_call_from_being_taken_over() {
     up.next_arrival().await;
     // Well past several leases, the live owner still holds the key (even with on_unknown =
     // "retry", which would take over an expired lease).
-    for _ in 0..5 {
-        tokio::time::sleep(Duration::from_millis(300)).await;
+    for _ in 0..4 {
+        tokio::time::sleep(Duration::from_millis(900)).await;
         let dup = http.post("/payments", "slow", "{}").await;
         assert_eq!(dup.problem_type(), "in-flight");
     }

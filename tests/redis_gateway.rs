@@ -264,13 +264,22 @@ impl RoundTrips {
                 let _ = tx.send(line);
             }
         });
+        // MONITOR answers "OK" once the server streams commands to it: only then is it watching.
+        loop {
+            let line = lines
+                .recv_timeout(Duration::from_secs(10))
+                .expect("redis-cli monitor did not start");
+            if line == "OK" {
+                break;
+            }
+        }
         let mut rt = RoundTrips {
             lines,
             child,
             port: redis.port,
             marks: 0,
         };
-        rt.take(); // the "OK" greeting and anything before
+        rt.take(); // anything already in flight
         rt
     }
 
