@@ -216,6 +216,7 @@ impl Gateway {
             outcome = %outcome.as_str(),
             status = resp.status().as_u16(),
             elapsed_ms = started.elapsed().as_millis() as u64,
+            upstream_ms = resp.extensions().get::<UpstreamTime>().map(|t| t.0.as_millis() as u64),
             "idempotent request"
         );
         resp
@@ -487,8 +488,12 @@ impl Gateway {
             r = &mut forward => r,
             () = self.renew_lease(key, token, policy.lock_timeout) => forward.await,
         };
-        self.metrics.upstream(&route.name, started.elapsed());
-        self.settle(policy, key, token, result).await
+        let upstream_time = started.elapsed();
+        self.metrics.upstream(&route.name, upstream_time);
+        let (mut resp, outcome) = self.settle(policy, key, token, result).await;
+        // For the request's log line; extensions never go on the wire.
+        resp.extensions_mut().insert(UpstreamTime(upstream_time));
+        (resp, outcome)
     }
 
     /// Keeps the lease alive while the upstream works; returns only if ownership was lost.
@@ -647,6 +652,10 @@ async fn read_body(body: Incoming, limit: usize) -> Result<Bytes, Problem> {
         ReadError::Failed(_) => Problem::BadRequestBody,
     })
 }
+
+/// How long the upstream took, on responses to requests this gateway executed.
+#[derive(Clone, Copy)]
+struct UpstreamTime(Duration);
 
 /// Upstream's answer to the owner.
 struct Forwarded {

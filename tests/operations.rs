@@ -344,6 +344,12 @@ async fn json_logs_parse_and_never_carry_keys_or_credentials() {
         if v["message"] == "idempotent request" {
             assert_eq!(v["route"], "payments");
             assert!(v["status"].is_number() && v["elapsed_ms"].is_number());
+            // Only the request that went upstream has an upstream duration.
+            assert_eq!(
+                v["upstream_ms"].is_number(),
+                v["outcome"] == "executed",
+                "{line}"
+            );
             outcomes.push(v["outcome"].as_str().unwrap().to_string());
         }
     }
