@@ -233,36 +233,28 @@ impl Gateway {
 
         // Phase `read_body`, first when the key lives in the body (deliveries keyed by message or
         // business id); otherwise only once the key is known to be valid.
-        let (body, incoming) = if route.key.needs_body() {
-            match read_body(incoming, policy.max_body).await {
-                Ok(b) => (Some(b), None),
+        let mut body = ReqBody::Unread(incoming);
+        if route.key.needs_body() {
+            body = match body.read(policy.max_body).await {
+                Ok(b) => ReqBody::Read(b),
                 Err(p) => return problem(p),
-            }
-        } else {
-            (None, Some(incoming))
-        };
+            };
+        }
 
         // Phase `extract_key`.
-        let key = match route
-            .key
-            .extract(&parts.headers, body.as_deref().unwrap_or_default())
-        {
+        let key = match route.key.extract(&parts.headers, body.bytes()) {
             Ok(Some(k)) => k,
             Ok(None) if !policy.require_key => {
-                let (timeout, target) = (policy.upstream_timeout, &route.upstream);
-                let resp = match (body, incoming) {
-                    (Some(b), _) => {
-                        let req = Request::from_parts(parts, http_body_util::Full::new(b));
-                        self.pass_through(req, peer, target, timeout, &route.name)
-                            .await
-                    }
-                    (None, Some(stream)) => {
-                        let req = Request::from_parts(parts, stream);
-                        self.pass_through(req, peer, target, timeout, &route.name)
-                            .await
-                    }
-                    (None, None) => Problem::BadRequestBody.into_response(),
-                };
+                let req = Request::from_parts(parts, body.into_body());
+                let resp = self
+                    .pass_through(
+                        req,
+                        peer,
+                        &route.upstream,
+                        policy.upstream_timeout,
+                        &route.name,
+                    )
+                    .await;
                 return (resp, Outcome::Passthrough, None);
             }
             Ok(None) => {
@@ -281,16 +273,12 @@ impl Gateway {
         let store_key = StoreKey::new(&scope, &route.name, &key);
         drop(key);
 
-        let body = match (body, incoming) {
-            (Some(b), _) => b,
-            (None, Some(stream)) => match read_body(stream, policy.max_body).await {
-                Ok(b) => b,
-                Err(p) => {
-                    let outcome = Outcome::of_problem(&p);
-                    return (p.into_response(), outcome, Some(store_key));
-                }
-            },
-            (None, None) => return problem(Problem::BadRequestBody),
+        let body = match body.read(policy.max_body).await {
+            Ok(b) => b,
+            Err(p) => {
+                let outcome = Outcome::of_problem(&p);
+                return (p.into_response(), outcome, Some(store_key));
+            }
         };
         let (resp, outcome) = match self.run_keyed(&route, parts, body, peer, &store_key).await {
             Ok(done) => done,
@@ -645,12 +633,43 @@ impl Gateway {
     }
 }
 
-/// Phase `read_body`: buffers a request body up to `limit`.
-async fn read_body(body: Incoming, limit: usize) -> Result<Bytes, Problem> {
-    body::read_capped(body, limit).await.map_err(|e| match e {
-        ReadError::TooLarge(limit) => Problem::BodyTooLarge { limit },
-        ReadError::Failed(_) => Problem::BadRequestBody,
-    })
+/// A request body on an idempotent route: still on the wire, or buffered (phase `read_body`).
+enum ReqBody {
+    Unread(Incoming),
+    Read(Bytes),
+}
+
+impl ReqBody {
+    /// What was buffered so far (nothing while unread).
+    fn bytes(&self) -> &[u8] {
+        match self {
+            ReqBody::Unread(_) => &[],
+            ReqBody::Read(b) => b,
+        }
+    }
+
+    /// The whole body, reading it (up to `limit`) unless already read.
+    async fn read(self, limit: usize) -> Result<Bytes, Problem> {
+        match self {
+            ReqBody::Read(b) => Ok(b),
+            ReqBody::Unread(incoming) => {
+                body::read_capped(incoming, limit)
+                    .await
+                    .map_err(|e| match e {
+                        ReadError::TooLarge(limit) => Problem::BodyTooLarge { limit },
+                        ReadError::Failed(_) => Problem::BadRequestBody,
+                    })
+            }
+        }
+    }
+
+    /// For forwarding as is: streaming if unread.
+    fn into_body(self) -> Body {
+        match self {
+            ReqBody::Unread(incoming) => body::boxed(incoming),
+            ReqBody::Read(b) => body::full(b),
+        }
+    }
 }
 
 /// How long the upstream took, on responses to requests this gateway executed.

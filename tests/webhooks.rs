@@ -159,31 +159,17 @@ fn stripe(path: &'static str, body: String) -> Delivery {
 
 #[tokio::test]
 async fn stripe_events_by_event_id_in_the_body() {
+    let event = |id: &str, created| {
+        stripe(
+            "/webhooks/stripe",
+            stripe_event(id, created, "pi_3NG8Dt2eZvKYlo2C0fYLc8Ok"),
+        )
+    };
+    // Stripe redelivers the identical event.
     check_sender(
-        stripe(
-            "/webhooks/stripe",
-            stripe_event(
-                "evt_1NG8Du2eZvKYlo2CUI79vXWy",
-                1686089970,
-                "pi_3NG8Dt2eZvKYlo2C0fYLc8Ok",
-            ),
-        ),
-        stripe(
-            "/webhooks/stripe",
-            stripe_event(
-                "evt_1NG8Du2eZvKYlo2CUI79vXWy",
-                1686089970,
-                "pi_3NG8Dt2eZvKYlo2C0fYLc8Ok",
-            ),
-        ),
-        stripe(
-            "/webhooks/stripe",
-            stripe_event(
-                "evt_1NG8Du2eZvKYlo2CYyyyyyyy",
-                1686089999,
-                "pi_3NG8Dt2eZvKYlo2C0fYLc8Ok",
-            ),
-        ),
+        event("evt_1NG8Du2eZvKYlo2CUI79vXWy", 1686089970),
+        event("evt_1NG8Du2eZvKYlo2CUI79vXWy", 1686089970),
+        event("evt_1NG8Du2eZvKYlo2CYyyyyyyy", 1686089999),
     )
     .await;
 }
