@@ -122,7 +122,9 @@ fn runtime(mut builder: tokio::runtime::Builder) -> Result<tokio::runtime::Runti
 }
 
 fn run(path: PathBuf, config: Config) -> ExitCode {
-    let runtime = match runtime(tokio::runtime::Builder::new_multi_thread()) {
+    // Requests are served by the server's worker threads, each with its own runtime; this one
+    // only runs signals, the admin listener and the store's background connections.
+    let runtime = match runtime(tokio::runtime::Builder::new_current_thread()) {
         Ok(rt) => rt,
         Err(code) => return code,
     };
@@ -135,9 +137,15 @@ fn run(path: PathBuf, config: Config) -> ExitCode {
             }
         };
         let reloader = tokio::spawn(reload_on_sighup(path, Arc::clone(server.gateway()), config));
-        server.run(shutdown_signal()).await;
+        let served = server.run(shutdown_signal()).await;
         reloader.abort();
-        ExitCode::SUCCESS
+        match served {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot start");
+                ExitCode::from(EXIT_CANNOT_START)
+            }
+        }
     })
 }
 

@@ -93,7 +93,12 @@ pub struct ServerConfig {
     pub shutdown_grace: Duration,
     /// Connections beyond this wait in the accept queue: with `max_body` this bounds buffered memory.
     pub max_connections: usize,
+    /// Threads serving requests, each with its own runtime and upstream pool.
+    pub workers: usize,
 }
+
+/// More worker threads than this would only add switching.
+const MAX_WORKERS: usize = 256;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StoreConfig {
@@ -380,6 +385,7 @@ struct RawServer {
     admin: Option<String>,
     shutdown_grace: Option<String>,
     max_connections: Option<i64>,
+    workers: Option<i64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -560,11 +566,24 @@ fn validate_server(raw: Option<RawServer>) -> Result<ServerConfig, ConfigError> 
             ))
         }
     };
+    let workers = match raw.workers {
+        // What the process may use, cgroup CPU limits included (a Kubernetes `limits.cpu`).
+        None => std::thread::available_parallelism().map_or(1, |n| n.get().min(MAX_WORKERS)),
+        Some(n) if (1..=MAX_WORKERS as i64).contains(&n) => n as usize,
+        Some(n) => {
+            return Err(ConfigError::invalid(
+                "server.workers",
+                n.to_string(),
+                format!("a whole number from 1 to {MAX_WORKERS}"),
+            ))
+        }
+    };
     Ok(ServerConfig {
         listen,
         admin,
         shutdown_grace,
         max_connections,
+        workers,
     })
 }
 

@@ -16,7 +16,6 @@
 //! The owner's work runs in its own task: if the client disconnects, the upstream call still
 //! finishes and its result is stored for the retry that is surely coming.
 
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -40,7 +39,7 @@ use crate::store::{
     now_ms, OwnerToken, Record, RecordState, Reservation, Store, StoreError, StoredResponse,
     UnknownReason,
 };
-use crate::upstream::{prepare_request, strip_hop_by_hop, UpstreamClient, UpstreamError};
+use crate::upstream::{prepare_request, strip_hop_by_hop, Peer, UpstreamClient, UpstreamError};
 
 /// How often a waiting duplicate re-reads the record even without a signal: catches an owner
 /// whose lease ran out (it sends no signal when it dies).
@@ -112,12 +111,20 @@ pub struct Routing {
     pub default_timeout: Duration,
 }
 
+/// One client connection as the gateway sees it: who is asking, and the upstream pool of the
+/// worker thread that serves the connection.
+pub struct Conn {
+    pub peer: Peer,
+    pub upstream: UpstreamClient,
+}
+
 /// Everything a request needs; shared by all connections.
 pub struct Gateway {
     /// Swapped whole on SIGHUP; each request works on the snapshot it started with.
     routing: ArcSwap<Routing>,
     store: Arc<dyn Store>,
-    upstream: UpstreamClient,
+    /// For the upstream pools the workers create ([`Gateway::upstream_pool`]).
+    connect_timeout: Duration,
     metrics: Arc<Metrics>,
     /// Set when shutdown begins, so readiness turns false before the listener closes.
     shutting_down: AtomicBool,
@@ -147,11 +154,18 @@ impl Gateway {
         Gateway {
             routing: ArcSwap::from_pointee(routing),
             store,
-            upstream: UpstreamClient::new(connect_timeout),
+            connect_timeout,
             metrics,
             shutting_down: AtomicBool::new(false),
             tasks: TaskTracker::new(),
         }
+    }
+
+    /// A new upstream connection pool. Each worker thread makes its own, so a request and the
+    /// upstream connection that carries it are served by the same thread (no hand-off between
+    /// threads on the hot path); the cost is one idle pool per worker.
+    pub fn upstream_pool(&self) -> UpstreamClient {
+        UpstreamClient::new(self.connect_timeout)
     }
 
     pub fn store(&self) -> &Arc<dyn Store> {
@@ -189,7 +203,7 @@ impl Gateway {
     pub async fn handle(
         self: &Arc<Self>,
         req: Request<Incoming>,
-        peer: SocketAddr,
+        conn: &Arc<Conn>,
     ) -> Response<Body> {
         let _in_flight = self.metrics.in_flight();
         let routing = self.routing.load_full();
@@ -197,7 +211,7 @@ impl Gateway {
             let resp = self
                 .pass_through(
                     req,
-                    peer,
+                    conn,
                     &routing.default_upstream,
                     routing.default_timeout,
                     "",
@@ -208,7 +222,7 @@ impl Gateway {
         };
         drop(routing);
         let started = Instant::now();
-        let (resp, outcome, key) = self.idempotent(route.clone(), req, peer).await;
+        let (resp, outcome, key) = self.idempotent(route.clone(), req, conn).await;
         self.metrics.request(&route.name, outcome);
         tracing::info!(
             route = %route.name,
@@ -226,7 +240,7 @@ impl Gateway {
         self: &Arc<Self>,
         route: Arc<RouteConfig>,
         req: Request<Incoming>,
-        peer: SocketAddr,
+        conn: &Arc<Conn>,
     ) -> (Response<Body>, Outcome, Option<StoreKey>) {
         let policy = &route.policy;
         let (parts, incoming) = req.into_parts();
@@ -249,7 +263,7 @@ impl Gateway {
                 let resp = self
                     .pass_through(
                         req,
-                        peer,
+                        conn,
                         &route.upstream,
                         policy.upstream_timeout,
                         &route.name,
@@ -280,7 +294,7 @@ impl Gateway {
                 return (p.into_response(), outcome, Some(store_key));
             }
         };
-        let (resp, outcome) = match self.run_keyed(&route, parts, body, peer, &store_key).await {
+        let (resp, outcome) = match self.run_keyed(&route, parts, body, conn, &store_key).await {
             Ok(done) => done,
             Err(p) => {
                 let outcome = Outcome::of_problem(&p);
@@ -295,7 +309,7 @@ impl Gateway {
         route: &Arc<RouteConfig>,
         parts: request::Parts,
         body: Bytes,
-        peer: SocketAddr,
+        conn: &Arc<Conn>,
         key: &StoreKey,
     ) -> Result<(Response<Body>, Outcome), Problem> {
         let policy = &route.policy;
@@ -338,7 +352,7 @@ impl Gateway {
                     let resp = self
                         .pass_through(
                             req,
-                            peer,
+                            conn,
                             &route.upstream,
                             policy.upstream_timeout,
                             &route.name,
@@ -350,7 +364,7 @@ impl Gateway {
             };
             match reservation {
                 Reservation::Owner(token) => {
-                    return Ok(self.execute(route, parts, body, key, token, peer).await);
+                    return Ok(self.execute(route, parts, body, key, token, conn).await);
                 }
                 Reservation::Existing(record) => {
                     match self.resolve(route, key, fp, record, wait_until).await? {
@@ -365,7 +379,7 @@ impl Gateway {
                             if let Some(token) = taken {
                                 tracing::warn!(key = key.short(), "taking over an abandoned or unknown key (on_unknown = \"retry\")");
                                 return Ok(self
-                                    .execute(route, parts, body, key, token, peer)
+                                    .execute(route, parts, body, key, token, conn)
                                     .await);
                             }
                         }
@@ -426,13 +440,14 @@ impl Gateway {
         body: Bytes,
         key: &StoreKey,
         token: OwnerToken,
-        peer: SocketAddr,
+        conn: &Arc<Conn>,
     ) -> (Response<Body>, Outcome) {
         let this = Arc::clone(self);
         let route = Arc::clone(route);
         let key = *key;
+        let conn = Arc::clone(conn);
         let task = self.tasks.spawn(async move {
-            this.execute_detached(&route, parts, body, &key, token, peer)
+            this.execute_detached(&route, parts, body, &key, token, &conn)
                 .await
         });
         match task.await {
@@ -457,10 +472,10 @@ impl Gateway {
         body: Bytes,
         key: &StoreKey,
         token: OwnerToken,
-        peer: SocketAddr,
+        conn: &Arc<Conn>,
     ) -> (Response<Body>, Outcome) {
         let policy = &route.policy;
-        if let Err(e) = prepare_request(&mut parts, &route.upstream, peer) {
+        if let Err(e) = prepare_request(&mut parts, &route.upstream, &conn.peer) {
             tracing::error!(key = key.short(), error = %e, "cannot build upstream request");
             self.settle_release(key, token).await;
             return (
@@ -470,7 +485,7 @@ impl Gateway {
         }
         let req = Request::from_parts(parts, body::full(body));
         let started = Instant::now();
-        let forward = forward_and_capture(&self.upstream, req, policy);
+        let forward = forward_and_capture(&conn.upstream, req, policy);
         tokio::pin!(forward);
         let result = tokio::select! {
             r = &mut forward => r,
@@ -597,7 +612,7 @@ impl Gateway {
     async fn pass_through<B>(
         &self,
         req: Request<B>,
-        peer: SocketAddr,
+        conn: &Arc<Conn>,
         target: &UpstreamUrl,
         timeout: Duration,
         route: &str,
@@ -607,12 +622,12 @@ impl Gateway {
         B::Error: Into<BoxError>,
     {
         let (mut parts, body) = req.into_parts();
-        if prepare_request(&mut parts, target, peer).is_err() {
+        if prepare_request(&mut parts, target, &conn.peer).is_err() {
             return Problem::UpstreamUnreachable.into_response();
         }
         let req = Request::from_parts(parts, body::boxed(body));
         let started = Instant::now();
-        let sent = self.upstream.send(req, timeout).await;
+        let sent = conn.upstream.send(req, timeout).await;
         self.metrics.upstream(route, started.elapsed());
         match sent {
             Ok(resp) => {

@@ -1,13 +1,18 @@
 //! The listener: accepts connections (HTTP/1.1 and h2c), hands requests to the gateway, and shuts
 //! down gracefully.
 //!
-//! Shutdown order: stop accepting, let open connections finish their requests (up to
-//! `shutdown_grace`), then wait for detached owner executions to store their results, so nothing
-//! a client was promised is lost.
+//! The runtime that calls [`Server::run`] accepts connections and hands each to the least busy of
+//! `server.workers` threads, each running a single-threaded runtime (see [`Worker`]); it also
+//! keeps the admin listener and signals.
+//!
+//! Shutdown order: readiness turns false, every worker stops accepting, lets its open connections
+//! finish their requests (up to `shutdown_grace`), then waits for detached owner executions to
+//! store their results, so nothing a client was promised is lost.
 
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -15,17 +20,18 @@ use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
-use tokio::net::TcpListener;
-use tokio::sync::{oneshot, Semaphore};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use crate::config::{Config, ServerConfig};
-use crate::gateway::{Gateway, Routing};
+use crate::gateway::{Conn, Gateway, Routing};
 use crate::metrics::Metrics;
 use crate::route::Router;
 use crate::store;
 use crate::store::instrumented::Instrumented;
+use crate::upstream::Peer;
 
 /// A client gets this long to send its request headers (slow-loris protection).
 const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
@@ -39,6 +45,8 @@ pub enum ServerError {
     },
     #[error("cannot open the store: {0}")]
     Store(#[from] store::redis::RedisUrlError),
+    #[error("cannot start the worker threads: {0}")]
+    Workers(std::io::Error),
 }
 
 /// A bound, not yet serving gateway.
@@ -98,90 +106,73 @@ impl Server {
     }
 
     /// Serves until `shutdown` resolves, then drains. Returns once everything has finished or the
-    /// grace period is over.
-    pub async fn run(self, shutdown: impl Future<Output = ()>) {
+    /// grace period is over, or at once if the worker threads cannot start.
+    pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<(), ServerError> {
         let Server {
             listener,
             admin,
             gateway,
             settings,
         } = self;
+        // Dropped when this future ends (or is dropped): the workers then drain and stop.
+        let (done, mut all_done) = mpsc::channel::<()>(1);
+        let mut workers = Vec::with_capacity(settings.workers);
+        let mut started = Vec::with_capacity(settings.workers);
+        for index in 0..settings.workers {
+            let (handoff, incoming) = mpsc::unbounded_channel();
+            let load = Arc::new(AtomicUsize::new(0));
+            let worker = Worker {
+                incoming,
+                gateway: Arc::clone(&gateway),
+                grace: settings.shutdown_grace,
+                _done: done.clone(),
+            };
+            let (ready, is_ready) = oneshot::channel();
+            std::thread::Builder::new()
+                .name(format!("idemgate-worker-{index}"))
+                .spawn(move || worker.run(ready))
+                .map_err(ServerError::Workers)?;
+            started.push(is_ready);
+            workers.push(WorkerHandle { handoff, load });
+        }
+        drop(done);
+        for is_ready in started {
+            match is_ready.await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => return Err(ServerError::Workers(e)),
+                Err(_) => {
+                    return Err(ServerError::Workers(std::io::Error::other(
+                        "a worker thread ended while starting",
+                    )))
+                }
+            }
+        }
+
         let admin_task = admin.map(|l| {
             if let Ok(addr) = l.local_addr() {
                 tracing::info!(%addr, "admin listening (/healthz /readyz /metrics)");
             }
             tokio::spawn(crate::admin::serve(l, Arc::clone(&gateway)))
         });
-        tracing::info!(addr = %listener.local_addr().unwrap_or(settings.listen), "idemgate listening");
-
-        let graceful = GracefulShutdown::new();
-        let connections = Arc::new(Semaphore::new(settings.max_connections));
-        let mut builder = auto::Builder::new(TokioExecutor::new());
-        builder
-            .http1()
-            .timer(TokioTimer::new())
-            .header_read_timeout(HEADER_READ_TIMEOUT);
-        // Each stream may buffer a body: cap them per connection (see server.max_connections).
-        builder.http2().max_concurrent_streams(100);
-        tokio::pin!(shutdown);
-
-        loop {
-            let permit = tokio::select! {
-                p = Arc::clone(&connections).acquire_owned() => match p {
-                    Ok(p) => p,
-                    Err(_) => break,
-                },
-                () = &mut shutdown => break,
-            };
-            let (stream, peer) = tokio::select! {
-                r = listener.accept() => match r {
-                    Ok(conn) => conn,
-                    Err(e) => {
-                        // Typically EMFILE: back off instead of spinning.
-                        tracing::warn!(error = %e, "accept failed");
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        continue;
-                    }
-                },
-                () = &mut shutdown => break,
-            };
-            let _ = stream.set_nodelay(true);
-            let gw = Arc::clone(&gateway);
-            let svc = service_fn(move |req| {
-                let gw = Arc::clone(&gw);
-                async move { Ok::<_, Infallible>(gw.handle(req, peer).await) }
-            });
-            let conn = builder
-                .serve_connection(TokioIo::new(stream), svc)
-                .into_owned();
-            let conn = graceful.watch(conn);
-            tokio::spawn(async move {
-                if let Err(e) = conn.await {
-                    tracing::debug!(error = %e, %peer, "connection ended with an error");
-                }
-                drop(permit);
-            });
-        }
+        tracing::info!(
+            addr = %listener.local_addr().unwrap_or(settings.listen),
+            workers = settings.workers,
+            "idemgate listening"
+        );
+        accept(listener, &workers, settings.max_connections, shutdown).await;
 
         // Readiness turns false first, so load balancers stop sending while we drain.
         gateway.begin_shutdown();
-        drop(listener);
-        let deadline = Instant::now() + settings.shutdown_grace;
         tracing::info!(grace = ?settings.shutdown_grace, "shutting down: draining connections");
-        if tokio::time::timeout_at(deadline, graceful.shutdown())
-            .await
-            .is_err()
-        {
-            tracing::warn!("grace period over with connections still open");
-        }
-        let tasks = gateway.tasks();
-        tasks.close();
-        if tokio::time::timeout_at(deadline, tasks.wait())
-            .await
-            .is_err()
-        {
+        // Closing the hand-off channels tells each worker to drain.
+        drop(workers);
+        // Owner executions may still start while connections drain; closing the tracker only
+        // lets `wait` finish once none is left.
+        gateway.tasks().close();
+        let _ = all_done.recv().await;
+        if !gateway.tasks().is_empty() {
             tracing::warn!(
-                running = tasks.len(),
+                running = gateway.tasks().len(),
                 "grace period over with upstream calls still running; their keys stay pending"
             );
         }
@@ -189,6 +180,189 @@ impl Server {
             t.abort();
         }
         tracing::info!("shut down");
+        Ok(())
+    }
+}
+
+/// Accepts until `shutdown` resolves, handing each connection to the least busy worker.
+///
+/// One acceptor rather than every worker accepting from the socket: whichever thread happened to
+/// be awake would win most connections, and a keep-alive connection stays where it lands.
+async fn accept(
+    listener: TcpListener,
+    workers: &[WorkerHandle],
+    max_connections: usize,
+    shutdown: impl Future<Output = ()>,
+) {
+    let connections = Arc::new(Semaphore::new(max_connections));
+    tokio::pin!(shutdown);
+    loop {
+        let permit = tokio::select! {
+            p = Arc::clone(&connections).acquire_owned() => match p {
+                Ok(p) => p,
+                Err(_) => return,
+            },
+            () = &mut shutdown => return,
+        };
+        let (stream, peer) = tokio::select! {
+            r = listener.accept() => match r {
+                Ok(conn) => conn,
+                Err(e) => {
+                    // Typically EMFILE: back off instead of spinning.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            () = &mut shutdown => return,
+        };
+        let _ = stream.set_nodelay(true);
+        // Moves to the worker's event loop; a failure here only loses this one connection.
+        let stream = match stream.into_std() {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, %peer, "cannot hand the connection to a worker");
+                continue;
+            }
+        };
+        let Some(worker) = workers
+            .iter()
+            .min_by_key(|w| w.load.load(Ordering::Relaxed))
+        else {
+            return;
+        };
+        worker.load.fetch_add(1, Ordering::Relaxed);
+        let accepted = Accepted {
+            stream,
+            peer,
+            _slot: Slot {
+                _permit: permit,
+                load: Arc::clone(&worker.load),
+            },
+        };
+        if worker.handoff.send(accepted).is_err() {
+            tracing::error!("a worker thread is gone; connection dropped");
+        }
+    }
+}
+
+/// The acceptor's side of a worker.
+struct WorkerHandle {
+    handoff: mpsc::UnboundedSender<Accepted>,
+    /// Connections the worker is serving now.
+    load: Arc<AtomicUsize>,
+}
+
+/// A connection on its way to, then served by, a worker.
+struct Accepted {
+    stream: std::net::TcpStream,
+    peer: SocketAddr,
+    _slot: Slot,
+}
+
+/// Held while a connection is open: its `max_connections` permit and its place in the worker's
+/// load.
+struct Slot {
+    _permit: OwnedSemaphorePermit,
+    load: Arc<AtomicUsize>,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.load.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// One worker thread: its own single-threaded runtime, serving the connections handed to it.
+///
+/// Like nginx's worker processes, each worker serves its connections start to finish, with its
+/// own upstream pool: a request, its upstream connection and its detached owner task all run on
+/// one thread, so the hot path needs no wake-ups across threads.
+struct Worker {
+    incoming: mpsc::UnboundedReceiver<Accepted>,
+    gateway: Arc<Gateway>,
+    grace: Duration,
+    /// Dropped when the thread ends; the server waits for all of them.
+    _done: mpsc::Sender<()>,
+}
+
+impl Worker {
+    fn run(self, ready: oneshot::Sender<std::io::Result<()>>) {
+        let runtime = match tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+        {
+            Ok(rt) => rt,
+            Err(e) => {
+                let _ = ready.send(Err(e));
+                return;
+            }
+        };
+        let _ = ready.send(Ok(()));
+        let Worker {
+            mut incoming,
+            gateway,
+            grace,
+            _done,
+        } = self;
+        runtime.block_on(async move {
+            let graceful = GracefulShutdown::new();
+            let upstream = gateway.upstream_pool();
+            let mut builder = auto::Builder::new(TokioExecutor::new());
+            builder
+                .http1()
+                .timer(TokioTimer::new())
+                .header_read_timeout(HEADER_READ_TIMEOUT);
+            // Each stream may buffer a body: cap them per connection (see server.max_connections).
+            builder.http2().max_concurrent_streams(100);
+
+            // Until the acceptor closes the channel, which is the signal to drain.
+            while let Some(Accepted {
+                stream,
+                peer,
+                _slot,
+            }) = incoming.recv().await
+            {
+                let stream = match TcpStream::from_std(stream) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        tracing::warn!(error = %e, %peer, "cannot serve the connection");
+                        continue;
+                    }
+                };
+                let gw = Arc::clone(&gateway);
+                let conn = Arc::new(Conn {
+                    peer: Peer::new(peer),
+                    upstream: upstream.clone(),
+                });
+                let svc = service_fn(move |req| {
+                    let gw = Arc::clone(&gw);
+                    let conn = Arc::clone(&conn);
+                    async move { Ok::<_, Infallible>(gw.handle(req, &conn).await) }
+                });
+                let served = builder
+                    .serve_connection(TokioIo::new(stream), svc)
+                    .into_owned();
+                let served = graceful.watch(served);
+                tokio::spawn(async move {
+                    if let Err(e) = served.await {
+                        tracing::debug!(error = %e, %peer, "connection ended with an error");
+                    }
+                    drop(_slot);
+                });
+            }
+
+            let deadline = Instant::now() + grace;
+            if tokio::time::timeout_at(deadline, graceful.shutdown())
+                .await
+                .is_err()
+            {
+                tracing::warn!("grace period over with connections still open");
+            }
+            // Owner tasks this worker spawned run on this runtime: keep it turning until they
+            // have stored their results.
+            let _ = tokio::time::timeout_at(deadline, gateway.tasks().wait()).await;
+        });
     }
 }
 
@@ -198,7 +372,7 @@ pub struct Running {
     admin: Option<SocketAddr>,
     gateway: Arc<Gateway>,
     stop: Option<oneshot::Sender<()>>,
-    task: JoinHandle<()>,
+    task: JoinHandle<Result<(), ServerError>>,
 }
 
 impl Running {
