@@ -7,6 +7,8 @@
 //!   idempotent routes; the response head, on pass-through).
 //! - `idemgate_store_duration_seconds{op}`, `idemgate_store_errors_total{op}`: per store call.
 //! - `idemgate_requests_in_flight`: requests being handled now.
+//! - `idemgate_worker_connections{worker}`: client connections each worker thread serves now (the
+//!   acceptor gives a new connection to the worker with the fewest).
 //! - `idemgate_records_purged_total`: expired records removed by the embedded store.
 
 use std::sync::atomic::Ordering;
@@ -33,6 +35,11 @@ struct RouteLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct WorkerLabel {
+    worker: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct OpLabel {
     op: &'static str,
 }
@@ -51,6 +58,7 @@ pub struct Metrics {
     store_seconds: HistogramFamily<OpLabel>,
     store_errors: Family<OpLabel, Counter>,
     in_flight: Gauge,
+    worker_connections: Family<WorkerLabel, Gauge>,
     records_purged: Counter,
 }
 
@@ -70,6 +78,7 @@ impl Metrics {
             Family::new_with_constructor(latency_histogram);
         let store_errors = Family::<OpLabel, Counter>::default();
         let in_flight = Gauge::default();
+        let worker_connections = Family::<WorkerLabel, Gauge>::default();
         let records_purged = Counter::default();
         registry.register(
             "requests",
@@ -97,6 +106,11 @@ impl Metrics {
             in_flight.clone(),
         );
         registry.register(
+            "worker_connections",
+            "Client connections each worker thread is serving",
+            worker_connections.clone(),
+        );
+        registry.register(
             "records_purged",
             "Expired records removed by the embedded store",
             records_purged.clone(),
@@ -108,6 +122,7 @@ impl Metrics {
             store_seconds,
             store_errors,
             in_flight,
+            worker_connections,
             records_purged,
         }
     }
@@ -142,6 +157,15 @@ impl Metrics {
     pub fn in_flight(&self) -> InFlight<'_> {
         self.in_flight.inc();
         InFlight(&self.in_flight)
+    }
+
+    /// The connection count of worker `index`; the acceptor balances on it.
+    pub fn worker_connections(&self, index: usize) -> Gauge {
+        self.worker_connections
+            .get_or_create(&WorkerLabel {
+                worker: index.to_string(),
+            })
+            .clone()
     }
 
     /// Requests being handled right now.

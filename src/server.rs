@@ -12,7 +12,6 @@
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -20,6 +19,7 @@ use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
+use prometheus_client::metrics::gauge::Gauge;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinHandle;
@@ -120,7 +120,7 @@ impl Server {
         let mut started = Vec::with_capacity(settings.workers);
         for index in 0..settings.workers {
             let (handoff, incoming) = mpsc::unbounded_channel();
-            let load = Arc::new(AtomicUsize::new(0));
+            let load = gateway.metrics().worker_connections(index);
             let worker = Worker {
                 incoming,
                 gateway: Arc::clone(&gateway),
@@ -225,19 +225,16 @@ async fn accept(
                 continue;
             }
         };
-        let Some(worker) = workers
-            .iter()
-            .min_by_key(|w| w.load.load(Ordering::Relaxed))
-        else {
+        let Some(worker) = workers.iter().min_by_key(|w| w.load.get()) else {
             return;
         };
-        worker.load.fetch_add(1, Ordering::Relaxed);
+        worker.load.inc();
         let accepted = Accepted {
             stream,
             peer,
             _slot: Slot {
                 _permit: permit,
-                load: Arc::clone(&worker.load),
+                load: worker.load.clone(),
             },
         };
         if worker.handoff.send(accepted).is_err() {
@@ -249,8 +246,8 @@ async fn accept(
 /// The acceptor's side of a worker.
 struct WorkerHandle {
     handoff: mpsc::UnboundedSender<Accepted>,
-    /// Connections the worker is serving now.
-    load: Arc<AtomicUsize>,
+    /// Connections the worker is serving now (also exported as a metric).
+    load: Gauge,
 }
 
 /// A connection on its way to, then served by, a worker.
@@ -264,12 +261,12 @@ struct Accepted {
 /// load.
 struct Slot {
     _permit: OwnedSemaphorePermit,
-    load: Arc<AtomicUsize>,
+    load: Gauge,
 }
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        self.load.fetch_sub(1, Ordering::Relaxed);
+        self.load.dec();
     }
 }
 

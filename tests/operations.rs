@@ -358,3 +358,53 @@ async fn json_logs_parse_and_never_carry_keys_or_credentials() {
         vec!["executed", "replayed", "mismatch", "invalid_key"]
     );
 }
+
+/// The acceptor gives each new connection to the worker with the fewest: four keep-alive
+/// connections on two workers end up two and two, and closing them brings both back to zero.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_are_spread_over_the_workers() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let up = Upstream::start(|_, _| Reply::json(200, "{}")).await;
+    let mut cfg = config(&up.url(), PAYMENTS).with_admin();
+    cfg.server.workers = 2;
+    let gw = Running::start(cfg).await.unwrap();
+    let admin = gw.admin_addr().unwrap();
+    let mut open = Vec::new();
+    for _ in 0..4 {
+        let mut s = tokio::net::TcpStream::connect(gw.addr()).await.unwrap();
+        // One full exchange: the connection has been accepted and handed over by then.
+        s.write_all(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let mut buf = [0u8; 1024];
+        let n = s.read(&mut buf).await.unwrap();
+        assert!(
+            buf[..n].starts_with(b"HTTP/1.1 200"),
+            "{:?}",
+            String::from_utf8_lossy(&buf[..n])
+        );
+        open.push(s);
+    }
+    let m = scrape(admin).await;
+    for w in ["0", "1"] {
+        let name = format!("idemgate_worker_connections{{worker=\"{w}\"}}");
+        assert_eq!(m.get(&name), Some(&2.0), "{name} in {m:?}");
+    }
+    drop(open);
+    // Closing is seen by the workers asynchronously: wait for the gauges to drop.
+    let mut last = HashMap::new();
+    for _ in 0..200 {
+        last = scrape(admin).await;
+        let total: f64 = last
+            .iter()
+            .filter(|(k, _)| k.starts_with("idemgate_worker_connections"))
+            .map(|(_, v)| v)
+            .sum();
+        if total == 0.0 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("worker connections never went back to 0: {last:?}");
+}

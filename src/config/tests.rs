@@ -45,6 +45,24 @@ fn minimal_config_gets_the_documented_defaults() {
         }
     );
     assert_eq!(c.server.shutdown_grace, Duration::from_secs(30));
+    assert!(c.server.workers >= 1);
+}
+
+#[test]
+fn workers_are_bounded() {
+    let server = |workers: &str| {
+        Config::parse(&format!(
+            "[server]\nlisten = \"127.0.0.1:1\"\nworkers = {workers}\n[upstream]\nurl = \"http://a:1\"\n"
+        ))
+    };
+    assert_eq!(server("3").unwrap().server.workers, 3);
+    for bad in ["0", "-1", "257"] {
+        assert_eq!(
+            invalid_field(server(bad)).0,
+            "server.workers",
+            "workers = {bad}"
+        );
+    }
 }
 
 #[test]
