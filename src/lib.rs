@@ -15,7 +15,7 @@
 //! - [`body`] - the body type, capped reading, streaming what is too large to keep.
 //! - [`gateway`] - the idempotency state machine, phase by phase (start here).
 //! - [`problem`] - every response the gateway makes itself (RFC 9457), in one place.
-//! - [`server`] - listener, connections, graceful shutdown.
+//! - [`server`] - the acceptor, worker threads (one runtime each), graceful shutdown.
 //! - [`admin`] - the admin listener: `/healthz`, `/readyz`, `/metrics`.
 //! - [`metrics`] - the Prometheus metrics.
 //! - [`telemetry`] - logging.
