@@ -10,14 +10,16 @@
 //! - Waiters are woken through one pub/sub subscriber connection per instance, fanned out in
 //!   process; after every (re)subscription all local waiters re-read, since messages sent while
 //!   disconnected are lost. The gateway also re-reads on a timer, as a last resort.
-//! - Commands go over one multiplexed, auto-reconnecting connection (redis-rs
-//!   `ConnectionManager`, or the cluster connection), each bounded by `command_timeout`. Waiting
-//!   never holds a connection.
+//! - Commands go over multiplexed, auto-reconnecting connections (redis-rs `ConnectionManager`,
+//!   one per thread that uses the store; or the shared cluster connection), each bounded by
+//!   `command_timeout`. Waiting never holds a connection.
 //! - Every record of one operation is one key, `<prefix>{<hash>}`: one slot in a cluster.
 //! - Redis down at startup is not fatal: commands fail with `Unavailable` (and readiness says
 //!   so) until it is reachable; no restart is needed when it comes back.
 
-use std::sync::Arc;
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -135,7 +137,50 @@ impl ConnectionLike for Conn {
     }
 }
 
+/// Connections to a single Redis, one per thread that uses the store.
+///
+/// A multiplexed connection is driven by a task on the runtime that first used it. Shared by the
+/// gateway's worker threads, every command would hop to that one thread and back, and that thread
+/// would carry all the Redis traffic; per thread, each worker talks to Redis on its own event
+/// loop, and a worker that stops at shutdown takes no one else's connection with it. Redis sees
+/// one connection per worker (plus one for readiness and one for pub/sub).
+struct PerThread {
+    client: redis::Client,
+    config: ConnectionManagerConfig,
+    /// Which store a thread's cached connection belongs to (a process may open several).
+    id: u64,
+    /// Cached connections of stores that were dropped are pruned when they are seen dead.
+    alive: Arc<()>,
+}
+
+static NEXT_STORE_ID: AtomicU64 = AtomicU64::new(0);
+
+thread_local! {
+    static THREAD_CONNECTIONS: RefCell<Vec<(u64, Weak<()>, ConnectionManager)>> =
+        const { RefCell::new(Vec::new()) };
+}
+
+impl PerThread {
+    fn connection(&self) -> Result<ConnectionManager, StoreError> {
+        THREAD_CONNECTIONS.with(|cell| {
+            let mut cached = cell.borrow_mut();
+            if let Some((_, _, c)) = cached.iter().find(|(id, _, _)| *id == self.id) {
+                return Ok(c.clone());
+            }
+            cached.retain(|(_, alive, _)| alive.strong_count() > 0);
+            let c =
+                ConnectionManager::new_lazy_with_config(self.client.clone(), self.config.clone())
+                    .map_err(|e| StoreError::Unavailable(format!("connect: {e}")))?;
+            cached.push((self.id, Arc::downgrade(&self.alive), c.clone()));
+            Ok(c)
+        })
+    }
+}
+
 pub struct RedisStore {
+    /// A single Redis: one connection per thread (see [`PerThread`]).
+    single: Option<PerThread>,
+    /// A cluster: one shared connection, set once the cluster answers.
     conn: Arc<OnceCell<Conn>>,
     prefix: String,
     channel: String,
@@ -157,6 +202,7 @@ impl RedisStore {
         let waiters = Waiters::new();
         let channel = format!("{}done", settings.key_prefix);
         let mut tasks = Vec::new();
+        let mut single = None;
         let timeout = settings.command_timeout;
         let certs = match &settings.tls_ca_file {
             None => None,
@@ -182,9 +228,15 @@ impl RedisStore {
                     .set_response_timeout(Some(timeout))
                     .set_number_of_retries(2)
                     .set_max_delay(Duration::from_secs(1));
-                let manager = ConnectionManager::new_lazy_with_config(client.clone(), config)
+                // Fails here, not per thread later, if the settings are unusable.
+                ConnectionManager::new_lazy_with_config(client.clone(), config.clone())
                     .map_err(|e| RedisUrlError(e.to_string()))?;
-                let _ = conn.set(Conn::Single(manager));
+                single = Some(PerThread {
+                    client: client.clone(),
+                    config,
+                    id: NEXT_STORE_ID.fetch_add(1, Ordering::Relaxed),
+                    alive: Arc::new(()),
+                });
                 client
             }
             RedisTarget::Cluster(nodes) => {
@@ -206,6 +258,7 @@ impl RedisStore {
                 .abort_handle(),
         );
         Ok(RedisStore {
+            single,
             conn,
             prefix: settings.key_prefix.clone(),
             channel,
@@ -221,6 +274,9 @@ impl RedisStore {
     }
 
     fn conn(&self) -> Result<Conn, StoreError> {
+        if let Some(single) = &self.single {
+            return single.connection().map(Conn::Single);
+        }
         self.conn
             .get()
             .cloned()
