@@ -29,14 +29,14 @@ pub const STATE_UNKNOWN: u8 = 3;
 /// Length of the part every state shares: version, state, fingerprint, created_ms.
 pub const HEADER_LEN: usize = 42;
 
-/// Encodes a whole record.
+/// Encodes a whole record, into a buffer of exactly its size (the embedded store keeps these).
 pub fn encode(record: &Record) -> Bytes {
-    let mut out = BytesMut::with_capacity(HEADER_LEN + 64);
+    let mut out = BytesMut::with_capacity(HEADER_LEN + state_len(&record.state));
     out.put_u8(VERSION);
     out.put_u8(state_byte(&record.state));
     out.put_slice(&record.fingerprint.0);
     out.put_u64(record.created_ms);
-    out.put_slice(&encode_state(&record.state));
+    put_state(&record.state, &mut out);
     out.freeze()
 }
 
@@ -50,7 +50,36 @@ fn state_byte(state: &RecordState) -> u8 {
 
 /// The state-specific part after byte 42 (what the scripts splice in).
 pub fn encode_state(state: &RecordState) -> Bytes {
-    let mut out = BytesMut::new();
+    let mut out = BytesMut::with_capacity(state_len(state));
+    put_state(state, &mut out);
+    out.freeze()
+}
+
+/// A response has far fewer than 65536 headers (hyper caps them at 100); the cap only keeps the
+/// count field honest.
+fn encoded_headers(r: &StoredResponse) -> &[(HeaderName, HeaderValue)] {
+    &r.headers[..r.headers.len().min(u16::MAX as usize)]
+}
+
+/// Exactly what [`put_state`] writes.
+fn state_len(state: &RecordState) -> usize {
+    match state {
+        RecordState::Pending { .. } => 16 + 8,
+        RecordState::Completed(r) => {
+            2 + 8
+                + 1
+                + 2
+                + encoded_headers(r)
+                    .iter()
+                    .map(|(n, v)| 2 + n.as_str().len() + 4 + v.len())
+                    .sum::<usize>()
+                + r.body.len()
+        }
+        RecordState::Unknown { .. } => 8 + 1,
+    }
+}
+
+fn put_state(state: &RecordState, out: &mut BytesMut) {
     match state {
         RecordState::Pending {
             owner,
@@ -60,13 +89,10 @@ pub fn encode_state(state: &RecordState) -> Bytes {
             out.put_u64(*lease_until_ms);
         }
         RecordState::Completed(r) => {
-            out.reserve(r.size());
             out.put_u16(r.status.as_u16());
             out.put_u64(r.completed_ms);
             out.put_u8(u8::from(r.body_kept));
-            // A response has far fewer than 65536 headers (hyper caps them at 100); the cap
-            // here only keeps the count field honest.
-            let headers = &r.headers[..r.headers.len().min(u16::MAX as usize)];
+            let headers = encoded_headers(r);
             out.put_u16(headers.len() as u16);
             for (name, value) in headers {
                 out.put_u16(name.as_str().len() as u16);
@@ -85,7 +111,6 @@ pub fn encode_state(state: &RecordState) -> Bytes {
             });
         }
     }
-    out.freeze()
 }
 
 /// The owner token as the scripts compare it (16 bytes, big endian).
@@ -120,7 +145,10 @@ pub fn decode(raw: &Bytes) -> Result<Record, StoreError> {
                 let name = HeaderName::from_bytes(r.take(name_len)?)
                     .map_err(|_| corrupt("bad header name"))?;
                 let value_len = r.u32()? as usize;
-                let value = HeaderValue::from_bytes(r.take(value_len)?)
+                let start = r.pos;
+                r.take(value_len)?;
+                // A slice of the record, not a copy.
+                let value = HeaderValue::from_maybe_shared(raw.slice(start..r.pos))
                     .map_err(|_| corrupt("bad header value"))?;
                 headers.push((name, value));
             }

@@ -25,7 +25,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use http::{HeaderName, HeaderValue, StatusCode};
 
 use crate::fingerprint::Fingerprint;
@@ -102,34 +102,6 @@ pub struct StoredResponse {
 }
 
 impl StoredResponse {
-    /// A copy that owns exactly its bytes. Bodies and header values read by hyper are slices of
-    /// its (much larger) read buffers; a store that keeps them in memory must not pin those.
-    ///
-    /// Every header value and the body are copied into one buffer and sliced from it: one
-    /// allocation instead of one per value, which for a small response halves what a record
-    /// costs the embedded store (and its first-touch page faults under load).
-    pub fn compacted(self) -> Self {
-        let len = self.body.len() + self.headers.iter().map(|(_, v)| v.len()).sum::<usize>();
-        let mut buf = BytesMut::with_capacity(len);
-        for (_, v) in &self.headers {
-            buf.extend_from_slice(v.as_bytes());
-        }
-        buf.extend_from_slice(&self.body);
-        let mut all = buf.freeze();
-        let mut headers = Vec::with_capacity(self.headers.len());
-        for (n, v) in self.headers {
-            let own = all.split_to(v.len());
-            // The bytes were a valid value a moment ago; keep the original on the impossible error.
-            let v = HeaderValue::from_maybe_shared(own).unwrap_or(v);
-            headers.push((n, v));
-        }
-        StoredResponse {
-            headers,
-            body: all,
-            ..self
-        }
-    }
-
     /// Approximate bytes this response occupies, for the memory bound.
     pub fn size(&self) -> usize {
         self.body.len()
@@ -275,40 +247,4 @@ pub fn open(config: &crate::config::StoreConfig) -> Result<Arc<dyn Store>, redis
         } => Arc::new(memory::MemoryStore::new(*max_keys, *max_bytes)),
         crate::config::StoreConfig::Redis(settings) => Arc::new(redis::RedisStore::new(settings)?),
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_compacted_response_is_equal_and_owns_one_small_buffer() {
-        // A body and values that are slices of a much larger (read) buffer.
-        let big = Bytes::from(vec![b'x'; 64 * 1024]);
-        let original = StoredResponse {
-            status: StatusCode::CREATED,
-            headers: vec![
-                (
-                    HeaderName::from_static("content-type"),
-                    HeaderValue::from_maybe_shared(big.slice(0..16)).unwrap(),
-                ),
-                (
-                    HeaderName::from_static("x-empty"),
-                    HeaderValue::from_static(""),
-                ),
-                (
-                    HeaderName::from_static("content-type"),
-                    HeaderValue::from_static("second value of a repeated header"),
-                ),
-            ],
-            body: big.slice(100..140),
-            body_kept: true,
-            completed_ms: 7,
-        };
-        let compacted = original.clone().compacted();
-        assert_eq!(compacted, original);
-        drop(original);
-        // The big buffer is no longer shared by anything the compacted copy holds.
-        assert!(big.is_unique());
-    }
 }
