@@ -404,12 +404,13 @@ impl Gateway {
         if let Some(done) = settled(route, fp, &record, false)? {
             return Ok(done);
         }
-        // Pending: subscribe first, then re-read, so a completion in between is not missed.
+        // Pending: subscribe first, then re-read (saying we wait), so a completion in between is
+        // not missed.
         let mut sub = self.store.subscribe(key);
         loop {
             let record = self
                 .store
-                .get(key)
+                .get_watched(key)
                 .await
                 .map_err(|e| store_problem(key, e))?;
             let Some(record) = record else {

@@ -241,12 +241,13 @@ async fn on_store_error_pass_forwards_without_idempotency() {
 }
 
 /// Watches Redis with `MONITOR` and counts the commands clients send (a script's own commands,
-/// tagged `lua`, are part of its one round trip and not counted).
+/// tagged `lua`, are part of its one round trip and not counted; they are kept in `in_scripts`).
 struct RoundTrips {
     lines: std::sync::mpsc::Receiver<String>,
     child: std::process::Child,
     port: u16,
     marks: u32,
+    in_scripts: Vec<String>,
 }
 
 impl RoundTrips {
@@ -278,6 +279,7 @@ impl RoundTrips {
             child,
             port: redis.port,
             marks: 0,
+            in_scripts: Vec::new(),
         };
         rt.take(); // anything already in flight
         rt
@@ -290,6 +292,7 @@ impl RoundTrips {
         let mark = format!("round-trip-mark-{}", self.marks);
         support::redis::cli(self.port, &["echo", &mark]);
         let mut seen = Vec::new();
+        self.in_scripts.clear();
         loop {
             let line = self
                 .lines
@@ -298,7 +301,11 @@ impl RoundTrips {
             if line.contains(&mark) {
                 return seen;
             }
-            if line.contains(" lua]") || line == "OK" || line.contains("round-trip-mark-") {
+            if line.contains(" lua]") {
+                self.in_scripts.push(line);
+                continue;
+            }
+            if line == "OK" || line.contains("round-trip-mark-") {
                 continue;
             }
             seen.push(line);
@@ -335,6 +342,13 @@ async fn redis_round_trips_new_key_2_replay_1_passthrough_0() {
         "{cmds:#?}"
     );
     assert!(cmds[1].contains("\"EVALSHA\""), "{cmds:#?}");
+    // Nobody waited on it, so nothing was published (pub/sub costs Redis a message per waiter).
+    assert!(
+        !monitor.in_scripts.is_empty()
+            && !monitor.in_scripts.iter().any(|l| l.contains("\"PUBLISH\"")),
+        "{:#?}",
+        monitor.in_scripts
+    );
 
     assert!(http.post("/payments", "new-key", "{}").await.is_replay());
     let cmds = monitor.take();

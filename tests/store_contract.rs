@@ -192,6 +192,11 @@ async fn waiters_are_woken_by_completion(store: Arc<dyn Store>) {
     let k = key("wake");
     let t = own(&*store, &k).await;
     let mut sub = store.subscribe(&k);
+    // As a waiting request does: subscribe, then read saying it waits.
+    assert!(matches!(
+        store.get_watched(&k).await.unwrap().unwrap().state,
+        RecordState::Pending { .. }
+    ));
     let (s2, k2) = (Arc::clone(&store), k);
     let completer =
         tokio::spawn(async move { s2.complete(&k2, t, response(), TTL).await.unwrap() });
@@ -209,6 +214,7 @@ async fn waiters_are_woken_by_release(store: Arc<dyn Store>) {
     let k = key("wake-release");
     let t = own(&*store, &k).await;
     let mut sub = store.subscribe(&k);
+    store.get_watched(&k).await.unwrap();
     store.release(&k, t).await.unwrap();
     tokio::time::timeout(Duration::from_secs(5), sub.changed())
         .await

@@ -56,6 +56,10 @@ impl Store for Instrumented {
         self.timed("get", self.inner.get(key)).await
     }
 
+    async fn get_watched(&self, key: &StoreKey) -> Result<Option<Record>, StoreError> {
+        self.timed("get", self.inner.get_watched(key)).await
+    }
+
     async fn complete(
         &self,
         key: &StoreKey,

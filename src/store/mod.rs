@@ -155,6 +155,14 @@ pub trait Store: Send + Sync + 'static {
     /// The current record, if any.
     async fn get(&self, key: &StoreKey) -> Result<Option<Record>, StoreError>;
 
+    /// [`Store::get`] for a caller that holds a [`Store::subscribe`] subscription and will wait:
+    /// if the record is pending, the store is told someone waits, so the end of the pending
+    /// state is announced. A shared store announces only then, which spares a message per
+    /// request when, as usual, nobody waits. The embedded store always wakes its waiters.
+    async fn get_watched(&self, key: &StoreKey) -> Result<Option<Record>, StoreError> {
+        self.get(key).await
+    }
+
     /// Stores the response and keeps it for `ttl` from now. Owner only.
     async fn complete(
         &self,

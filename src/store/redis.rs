@@ -6,7 +6,8 @@
 //! - `complete`, `mark_unknown`, `renew` and `release` are Lua scripts that check the state byte
 //!   and owner token in place (see [`super::codec`]) before writing, so a stale owner can never
 //!   overwrite or delete another's record; the ones that end a pending state also `PUBLISH` the
-//!   key in the same round trip.
+//!   key in the same round trip, but only if a waiter flagged the record (`<key>:w`, set by
+//!   `get_watched` while it is pending): most keys are never waited on, and then nothing is sent.
 //! - Waiters are woken through one pub/sub subscriber connection per instance, fanned out in
 //!   process; after every (re)subscription all local waiters re-read, since messages sent while
 //!   disconnected are lost. The gateway also re-reads on a timer, as a last resort.
@@ -48,9 +49,15 @@ if (not v) or string.byte(v, 2) ~= 1 or string.sub(v, 43, 58) ~= ARGV[1] then re
 ";
 
 fn owner_script(body: &str) -> Script {
-    Script::new(&format!("{OWNED}{body}"))
+    Script::new(&format!("{OWNED}{}", body.replace("{ANNOUNCE}", ANNOUNCE)))
 }
 
+/// Announces the end of a pending state, only if a waiter said it waits (KEYS[2], set by
+/// `get_watched`): with no one waiting, as for almost every request, nothing is published.
+const ANNOUNCE: &str = "if redis.call('DEL', KEYS[2]) == 1 then redis.call('PUBLISH', ARGV[#ARGV - 1], ARGV[#ARGV]) end\n";
+
+/// Every script takes KEYS[1] the record and KEYS[2] its waiters' flag (same hash tag, same
+/// cluster slot).
 struct Scripts {
     /// ARGV: owner, completed tail, ttl ms, channel, message.
     complete: Script,
@@ -64,6 +71,9 @@ struct Scripts {
     delete: Script,
     /// ARGV: expected record, new record, ttl ms.
     take_over: Script,
+    /// No ARGV. The record; if it is pending, also sets the waiters' flag for as long as the
+    /// record lives.
+    get_watched: Script,
 }
 
 impl Scripts {
@@ -71,13 +81,11 @@ impl Scripts {
         Scripts {
             complete: owner_script(
                 r"redis.call('SET', KEYS[1], string.sub(v, 1, 1) .. '\2' .. string.sub(v, 3, 42) .. ARGV[2], 'PX', ARGV[3])
-redis.call('PUBLISH', ARGV[4], ARGV[5])
-return 1",
+{ANNOUNCE}return 1",
             ),
             mark_unknown: owner_script(
                 r"redis.call('SET', KEYS[1], string.sub(v, 1, 1) .. '\3' .. string.sub(v, 3, 42) .. ARGV[2], 'KEEPTTL')
-redis.call('PUBLISH', ARGV[3], ARGV[4])
-return 1",
+{ANNOUNCE}return 1",
             ),
             renew: owner_script(
                 r"redis.call('SET', KEYS[1], string.sub(v, 1, 58) .. ARGV[2], 'KEEPTTL')
@@ -85,18 +93,25 @@ return 1",
             ),
             release: owner_script(
                 r"redis.call('DEL', KEYS[1])
-redis.call('PUBLISH', ARGV[2], ARGV[3])
-return 1",
+{ANNOUNCE}return 1",
             ),
             delete: Script::new(
-                r"local n = redis.call('DEL', KEYS[1])
-if n == 1 then redis.call('PUBLISH', ARGV[1], ARGV[2]) end
-return n",
+                &r"local n = redis.call('DEL', KEYS[1])
+{ANNOUNCE}return n"
+                    .replace("{ANNOUNCE}", ANNOUNCE),
             ),
             take_over: Script::new(
                 r"if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
 return 1",
+            ),
+            get_watched: Script::new(
+                r"local v = redis.call('GET', KEYS[1])
+if v and string.byte(v, 2) == 1 then
+  local ttl = redis.call('PTTL', KEYS[1])
+  if ttl > 0 then redis.call('SET', KEYS[2], '1', 'PX', ttl) end
+end
+return v",
             ),
         }
     }
@@ -273,6 +288,11 @@ impl RedisStore {
         format!("{}{{{}}}", self.prefix, key.hex())
     }
 
+    /// Set while someone waits on the record (same hash tag: same cluster slot).
+    fn waiters_key(&self, key: &StoreKey) -> String {
+        format!("{}{{{}}}:w", self.prefix, key.hex())
+    }
+
     fn conn(&self) -> Result<Conn, StoreError> {
         if let Some(single) = &self.single {
             return single.connection().map(Conn::Single);
@@ -309,6 +329,7 @@ impl RedisStore {
     ) -> Result<(), StoreError> {
         let mut conn = self.conn()?;
         let mut inv = script.key(self.redis_key(key));
+        inv.key(self.waiters_key(key));
         for a in args {
             inv.arg(*a);
         }
@@ -331,20 +352,32 @@ impl Drop for RedisStore {
 
 /// Releases a reservation whose answer was lost, unless disarmed: see [`RedisStore::reserve`].
 struct ReleaseOnDrop {
-    armed: Option<(Script, Conn, String, [u8; 16], String, String)>,
+    armed: Option<Armed>,
+}
+
+/// Everything the release needs, owned, as it may run after the store call is gone.
+struct Armed {
+    script: Script,
+    conn: Conn,
+    key: String,
+    waiters_key: String,
+    owner: [u8; 16],
+    channel: String,
+    message: String,
 }
 
 impl ReleaseOnDrop {
     fn new(store: &RedisStore, key: &StoreKey, owner: OwnerToken, conn: Conn) -> Self {
         ReleaseOnDrop {
-            armed: Some((
-                store.scripts.release.clone(),
+            armed: Some(Armed {
+                script: store.scripts.release.clone(),
                 conn,
-                store.redis_key(key),
-                codec::owner_bytes(owner),
-                store.channel.clone(),
-                key.hex(),
-            )),
+                key: store.redis_key(key),
+                waiters_key: store.waiters_key(key),
+                owner: codec::owner_bytes(owner),
+                channel: store.channel.clone(),
+                message: key.hex(),
+            }),
         }
     }
 
@@ -355,15 +388,27 @@ impl ReleaseOnDrop {
 
 impl Drop for ReleaseOnDrop {
     fn drop(&mut self) {
-        let Some((script, mut conn, redis_key, owner, channel, message)) = self.armed.take() else {
+        let Some(Armed {
+            script,
+            mut conn,
+            key,
+            waiters_key,
+            owner,
+            channel,
+            message,
+        }) = self.armed.take()
+        else {
             return;
         };
         // Best effort, in the background: if Redis is unreachable the record keeps its lease
         // and then reads as an unknown outcome, which is the safe side.
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             rt.spawn(async move {
-                let mut inv = script.key(redis_key);
-                inv.arg(&owner[..]).arg(channel).arg(message);
+                let mut inv = script.key(key);
+                inv.key(waiters_key)
+                    .arg(&owner[..])
+                    .arg(channel)
+                    .arg(message);
                 let released: redis::RedisResult<i64> =
                     tokio::time::timeout(Duration::from_secs(5), inv.invoke_async(&mut conn))
                         .await
@@ -474,6 +519,14 @@ impl Store for RedisStore {
         raw.map(|r| codec::decode(&Bytes::from(r))).transpose()
     }
 
+    async fn get_watched(&self, key: &StoreKey) -> Result<Option<Record>, StoreError> {
+        let mut conn = self.conn()?;
+        let mut inv = self.scripts.get_watched.key(self.redis_key(key));
+        inv.key(self.waiters_key(key));
+        let raw: Option<Vec<u8>> = self.call("get", inv.invoke_async(&mut conn)).await?;
+        raw.map(|r| codec::decode(&Bytes::from(r))).transpose()
+    }
+
     async fn complete(
         &self,
         key: &StoreKey,
@@ -576,7 +629,9 @@ impl Store for RedisStore {
     async fn delete(&self, key: &StoreKey) -> Result<bool, StoreError> {
         let mut conn = self.conn()?;
         let mut inv = self.scripts.delete.key(self.redis_key(key));
-        inv.arg(self.channel.as_bytes()).arg(key.hex().as_bytes());
+        inv.key(self.waiters_key(key))
+            .arg(self.channel.as_bytes())
+            .arg(key.hex().as_bytes());
         let n: i64 = self.call("delete", inv.invoke_async(&mut conn)).await?;
         Ok(n == 1)
     }
