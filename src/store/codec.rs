@@ -1,4 +1,5 @@
-//! The compact, versioned binary form of a [`Record`], as shared stores keep it.
+//! The compact, versioned binary form of a [`Record`], as the Redis store keeps every record and
+//! the embedded store a completed one.
 //!
 //! ```text
 //! byte 0        version (1)
