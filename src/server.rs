@@ -114,8 +114,10 @@ impl Server {
             gateway,
             settings,
         } = self;
-        // Dropped when this future ends (or is dropped): the workers then drain and stop.
+        // Every worker thread holds a `done` sender: `all_done` ends when the last one has stopped.
         let (done, mut all_done) = mpsc::channel::<()>(1);
+        // The hand-off senders: dropping them (below, or with this future) makes the workers
+        // drain and stop.
         let mut workers = Vec::with_capacity(settings.workers);
         let mut started = Vec::with_capacity(settings.workers);
         for index in 0..settings.workers {
