@@ -23,12 +23,11 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use bytes::Bytes;
 use http::{header, request, HeaderValue, Request, Response, StatusCode};
-use http_body::Body as HttpBody;
 use hyper::body::Incoming;
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 
-use crate::body::{self, Body, BoxError, Captured, ReadError};
+use crate::body::{self, Body, Captured, ReadError};
 use crate::config::{OnStoreError, OnUnknown, Policy, RouteConfig, UpstreamUrl};
 use crate::fingerprint::{fingerprint, Fingerprint, RequestParts};
 use crate::key::{ClientScope, StoreKey};
@@ -39,7 +38,7 @@ use crate::store::{
     now_ms, OwnerToken, Record, RecordState, Reservation, Store, StoreError, StoredResponse,
     UnknownReason,
 };
-use crate::upstream::{prepare_request, strip_hop_by_hop, Peer, UpstreamClient, UpstreamError};
+use crate::upstream::{prepare_request, Peer, UpstreamClient, UpstreamError};
 
 /// How often a waiting duplicate re-reads the record even without a signal: catches an owner
 /// whose lease ran out (it sends no signal when it dies).
@@ -109,6 +108,17 @@ pub struct Routing {
     pub default_upstream: UpstreamUrl,
     /// `[defaults] upstream_timeout`, for pass-through traffic outside any route.
     pub default_timeout: Duration,
+}
+
+impl Routing {
+    /// What a config says about routing: at startup and on every reload.
+    pub fn new(routes: Vec<RouteConfig>, default_upstream: UpstreamUrl, defaults: &Policy) -> Self {
+        Routing {
+            router: Router::new(routes),
+            default_upstream,
+            default_timeout: defaults.upstream_timeout,
+        }
+    }
 }
 
 /// One client connection as the gateway sees it: who is asking, and the upstream pool of the
@@ -210,7 +220,7 @@ impl Gateway {
         let Some(route) = routing.router.find(req.method(), req.uri().path()).cloned() else {
             let resp = self
                 .pass_through(
-                    req,
+                    req.map(body::boxed),
                     conn,
                     &routing.default_upstream,
                     routing.default_timeout,
@@ -259,15 +269,8 @@ impl Gateway {
         let key = match route.key.extract(&parts.headers, body.bytes()) {
             Ok(Some(k)) => k,
             Ok(None) if !policy.require_key => {
-                let req = Request::from_parts(parts, body.into_body());
                 let resp = self
-                    .pass_through(
-                        req,
-                        conn,
-                        &route.upstream,
-                        policy.upstream_timeout,
-                        &route.name,
-                    )
+                    .pass_through_route(&route, parts, body.into_body(), conn)
                     .await;
                 return (resp, Outcome::Passthrough, None);
             }
@@ -287,20 +290,11 @@ impl Gateway {
         let store_key = StoreKey::new(&scope, &route.name, &key);
         drop(key);
 
-        let body = match body.read(policy.max_body).await {
-            Ok(b) => b,
-            Err(p) => {
-                let outcome = Outcome::of_problem(&p);
-                return (p.into_response(), outcome, Some(store_key));
-            }
+        let done = match body.read(policy.max_body).await {
+            Ok(body) => self.run_keyed(&route, parts, body, conn, &store_key).await,
+            Err(p) => Err(p),
         };
-        let (resp, outcome) = match self.run_keyed(&route, parts, body, conn, &store_key).await {
-            Ok(done) => done,
-            Err(p) => {
-                let outcome = Outcome::of_problem(&p);
-                (p.into_response(), outcome)
-            }
-        };
+        let (resp, outcome) = done.unwrap_or_else(answer);
         (resp, outcome, Some(store_key))
     }
 
@@ -348,15 +342,8 @@ impl Gateway {
                 Err(e) if policy.on_store_error == OnStoreError::Pass => {
                     // The operator chose availability over duplicates for this route.
                     tracing::warn!(key = key.short(), error = %e, "store unavailable; forwarding without idempotency (on_store_error = \"pass\")");
-                    let req = Request::from_parts(parts, http_body_util::Full::new(body));
                     let resp = self
-                        .pass_through(
-                            req,
-                            conn,
-                            &route.upstream,
-                            policy.upstream_timeout,
-                            &route.name,
-                        )
+                        .pass_through_route(route, parts, body::full(body), conn)
                         .await;
                     return Ok((resp, Outcome::StoreError));
                 }
@@ -609,33 +596,40 @@ impl Gateway {
         }
     }
 
-    /// Forwards a request that is not made idempotent, streaming both ways.
-    async fn pass_through<B>(
+    /// Forwards a request on an idempotent route without idempotency (no key where none is
+    /// required, or the store down with `on_store_error = "pass"`).
+    async fn pass_through_route(
         &self,
-        req: Request<B>,
+        route: &RouteConfig,
+        parts: request::Parts,
+        body: Body,
+        conn: &Arc<Conn>,
+    ) -> Response<Body> {
+        let req = Request::from_parts(parts, body);
+        let timeout = route.policy.upstream_timeout;
+        self.pass_through(req, conn, &route.upstream, timeout, &route.name)
+            .await
+    }
+
+    /// Forwards a request that is not made idempotent, streaming both ways.
+    async fn pass_through(
+        &self,
+        req: Request<Body>,
         conn: &Arc<Conn>,
         target: &UpstreamUrl,
         timeout: Duration,
         route: &str,
-    ) -> Response<Body>
-    where
-        B: HttpBody<Data = Bytes> + Send + 'static,
-        B::Error: Into<BoxError>,
-    {
+    ) -> Response<Body> {
         let (mut parts, body) = req.into_parts();
         if prepare_request(&mut parts, target, &conn.peer).is_err() {
             return Problem::UpstreamUnreachable.into_response();
         }
-        let req = Request::from_parts(parts, body::boxed(body));
+        let req = Request::from_parts(parts, body);
         let started = Instant::now();
         let sent = conn.upstream.send(req, timeout).await;
         self.metrics.upstream(route, started.elapsed());
         match sent {
-            Ok(resp) => {
-                let (mut head, body) = resp.into_parts();
-                strip_hop_by_hop(&mut head.headers);
-                Response::from_parts(head, body::boxed(body))
-            }
+            Ok(resp) => resp.map(body::boxed),
             Err(e) => {
                 tracing::warn!(error = %e, "pass-through request failed");
                 match e {
@@ -713,8 +707,7 @@ async fn forward_and_capture(
 ) -> Result<Forwarded, UpstreamError> {
     let started = Instant::now();
     let resp = upstream.send(req, policy.upstream_timeout).await?;
-    let (mut head, body) = resp.into_parts();
-    strip_hop_by_hop(&mut head.headers);
+    let (head, body) = resp.into_parts();
     let remaining = policy.upstream_timeout.saturating_sub(started.elapsed());
     let captured = tokio::time::timeout(remaining, body::capture(body, policy.max_stored_response))
         .await
@@ -810,9 +803,15 @@ fn store_problem(key: &StoreKey, e: StoreError) -> Problem {
     }
 }
 
-fn problem(p: Problem) -> (Response<Body>, Outcome, Option<StoreKey>) {
+/// The gateway's own answer, and what to count it as.
+fn answer(p: Problem) -> (Response<Body>, Outcome) {
     let outcome = Outcome::of_problem(&p);
-    (p.into_response(), outcome, None)
+    (p.into_response(), outcome)
+}
+
+fn problem(p: Problem) -> (Response<Body>, Outcome, Option<StoreKey>) {
+    let (resp, outcome) = answer(p);
+    (resp, outcome, None)
 }
 
 #[cfg(test)]

@@ -28,7 +28,6 @@ use tokio::time::Instant;
 use crate::config::{Config, ServerConfig};
 use crate::gateway::{Conn, Gateway, Routing};
 use crate::metrics::Metrics;
-use crate::route::Router;
 use crate::store;
 use crate::store::instrumented::Instrumented;
 use crate::upstream::Peer;
@@ -78,11 +77,7 @@ impl Server {
         // Half the shortest upstream_timeout: a connect attempt always fails before the request
         // could time out, so "not sent" is never mistaken for "unknown".
         let connect_timeout = config.shortest_upstream_timeout() / 2;
-        let routing = Routing {
-            router: Router::new(config.routes),
-            default_upstream: config.upstream,
-            default_timeout: config.defaults.upstream_timeout,
-        };
+        let routing = Routing::new(config.routes, config.upstream, &config.defaults);
         let gateway = Arc::new(Gateway::new(routing, store, metrics, connect_timeout));
         Ok(Server {
             listener,
@@ -451,11 +446,7 @@ pub async fn reload_on_sighup(path: std::path::PathBuf, gateway: Arc<Gateway>, r
                 tracing::warn!("[store] and [server] changes take effect only after a restart; reloading routes, defaults and upstream only");
             }
             let routes = new.routes.len();
-            gateway.reload(Routing {
-                router: Router::new(new.routes),
-                default_upstream: new.upstream,
-                default_timeout: new.defaults.upstream_timeout,
-            });
+            gateway.reload(Routing::new(new.routes, new.upstream, &new.defaults));
             tracing::info!(routes, "config reloaded");
         }
     }

@@ -35,7 +35,7 @@ pub enum UpstreamError {
     Timeout(Duration),
 }
 
-/// The shared, pooled client.
+/// A pooled HTTP/1.1 client; each worker thread has its own ([`crate::gateway::Gateway::upstream_pool`]).
 #[derive(Clone)]
 pub struct UpstreamClient {
     client: Client<HttpConnector, Body>,
@@ -55,7 +55,8 @@ impl UpstreamClient {
         UpstreamClient { client }
     }
 
-    /// Sends `req` and waits for the response head for at most `timeout`.
+    /// Sends `req` and waits for the response head for at most `timeout`; the response comes back
+    /// without hop-by-hop headers.
     pub async fn send(
         &self,
         req: Request<Body>,
@@ -63,18 +64,21 @@ impl UpstreamClient {
     ) -> Result<Response<Incoming>, UpstreamError> {
         match tokio::time::timeout(timeout, self.client.request(req)).await {
             Err(_) => Err(UpstreamError::Timeout(timeout)),
-            Ok(Ok(resp)) => Ok(resp),
+            Ok(Ok(mut resp)) => {
+                // Connection-specific on the way back too: what the client gets is ours to frame.
+                strip_hop_by_hop(resp.headers_mut());
+                Ok(resp)
+            }
             Ok(Err(e)) if e.is_connect() => Err(UpstreamError::NotSent(e.into())),
             Ok(Err(e)) => Err(UpstreamError::Failed(e.into())),
         }
     }
 }
 
-/// The client end of a connection, with its address already formatted for `X-Forwarded-For`:
-/// built once per connection rather than once per request.
+/// The client end of a connection, its address already formatted for `X-Forwarded-For`: built
+/// once per connection rather than once per request.
 #[derive(Clone, Debug)]
 pub struct Peer {
-    pub addr: SocketAddr,
     ip: HeaderValue,
 }
 
@@ -83,7 +87,7 @@ impl Peer {
         // An IP address always formats to a valid header value; the fallback is unreachable.
         let ip = HeaderValue::from_str(&addr.ip().to_string())
             .unwrap_or(HeaderValue::from_static("unknown"));
-        Peer { addr, ip }
+        Peer { ip }
     }
 }
 
@@ -169,7 +173,7 @@ fn is_hop_by_hop(name: &HeaderName) -> bool {
 
 /// Removes connection-specific headers: the fixed list of RFC 9110 and any header the
 /// `Connection` header names.
-pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+fn strip_hop_by_hop(headers: &mut HeaderMap) {
     // One pass over the names; most messages carry none of these (or only `Connection`), so
     // nothing is allocated or hashed again for them.
     let mut doomed: Vec<HeaderName> = headers

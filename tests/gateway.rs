@@ -319,8 +319,15 @@ async fn a_waiting_duplicate_gets_the_originals_result_when_it_lands() {
     up.next_arrival().await;
     let h2 = http.clone();
     let duplicate = tokio::spawn(async move { h2.post("/payments", "k", "{}").await });
-    // The duplicate cannot finish while the original is held.
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // The duplicate cannot finish while the original is held: once both are inside the
+    // gateway, it is still waiting.
+    for _ in 0..1000 {
+        if gw.gateway().metrics().in_flight_now() >= 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(gw.gateway().metrics().in_flight_now(), 2);
     assert!(!duplicate.is_finished());
     gate.add_permits(1);
     let (original, duplicate) = (original.await.unwrap(), duplicate.await.unwrap());
@@ -370,8 +377,14 @@ async fn a_duplicate_past_its_wait_gets_409_and_the_original_still_completes() {
     let h1 = http.clone();
     let original = tokio::spawn(async move { h1.post("/payments", "k", "{}").await });
     up.next_arrival().await;
+    let asked = std::time::Instant::now();
     let dup = http.post("/payments", "k", "{}").await;
+    assert_eq!(dup.status, 409);
     assert_eq!(dup.problem_type(), "in-flight");
+    assert!(
+        asked.elapsed() >= Duration::from_millis(300),
+        "the duplicate waited its 300ms first"
+    );
     gate.add_permits(1);
     assert_eq!(original.await.unwrap().status, 201);
     assert_eq!(up.executions(), 1);

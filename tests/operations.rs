@@ -77,10 +77,19 @@ async fn metrics_count_every_outcome() {
     });
     up.arrival_at("/busy").await;
     assert_eq!(http.post("/busy", "b", "{}").await.status, 409);
-    let during = scrape(admin).await;
-    assert!(
-        during["idemgate_requests_in_flight"] >= 2.0,
-        "held requests are in flight"
+    // The two held originals and the waiter: open the gate only once the waiter is inside too,
+    // or it would count as a replay.
+    let mut during = scrape(admin).await;
+    for _ in 0..1000 {
+        if during["idemgate_requests_in_flight"] >= 3.0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        during = scrape(admin).await;
+    }
+    assert_eq!(
+        during["idemgate_requests_in_flight"], 3.0,
+        "held requests and the waiter are in flight"
     );
     gate.add_permits(10);
     original.await.unwrap();

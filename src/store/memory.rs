@@ -89,28 +89,6 @@ impl Held {
             Held::Encoded(raw) => codec::decode(raw),
         }
     }
-
-    /// Who owns it, while pending.
-    fn owner(&self) -> Option<OwnerToken> {
-        match self {
-            Held::Record(Record {
-                state: RecordState::Pending { owner, .. },
-                ..
-            }) => Some(*owner),
-            _ => None,
-        }
-    }
-
-    /// The pending record, if it is one.
-    fn pending_mut(&mut self) -> Option<(&mut Record, OwnerToken)> {
-        match self {
-            Held::Record(r) => match r.state {
-                RecordState::Pending { owner, .. } => Some((r, owner)),
-                _ => None,
-            },
-            Held::Encoded(_) => None,
-        }
-    }
 }
 
 impl MemoryStore {
@@ -256,16 +234,22 @@ impl Inner {
         Some(e)
     }
 
-    /// The pending entry owned by `owner`, or `NotOwner`.
+    /// The pending record owned by `owner` and its entry's size, or `NotOwner`.
     fn owned(
         &mut self,
         key: &StoreKey,
         owner: OwnerToken,
         now: Instant,
         counts: &Counts,
-    ) -> Result<&mut Entry, StoreError> {
+    ) -> Result<(&mut Record, u64), StoreError> {
         match self.live(key, now, counts) {
-            Some(e) if e.held.owner() == Some(owner) => Ok(e),
+            Some(Entry {
+                held: Held::Record(record),
+                size,
+                ..
+            }) if matches!(record.state, RecordState::Pending { owner: o, .. } if o == owner) => {
+                Ok((record, *size))
+            }
             _ => Err(StoreError::NotOwner),
         }
     }
@@ -375,11 +359,7 @@ impl Store for MemoryStore {
         {
             let counts = &self.shared.counts;
             let mut inner = self.shared.shard(key);
-            let entry = inner.owned(key, owner, Instant::now(), counts)?;
-            let old_size = entry.size;
-            let Some((pending, _)) = entry.held.pending_mut() else {
-                return Err(StoreError::NotOwner);
-            };
+            let (pending, old_size) = inner.owned(key, owner, Instant::now(), counts)?;
             let (fingerprint, created_ms) = (pending.fingerprint, pending.created_ms);
             // The upstream already executed: the record must be stored whatever the budget says,
             // so at the byte bound only the body is dropped (and the replay says so).
@@ -388,11 +368,12 @@ impl Store for MemoryStore {
                 .load(Ordering::Relaxed)
                 .saturating_sub(old_size);
             let budget = self.shared.max_bytes.saturating_sub(others);
-            if (RECORD_OVERHEAD + response.size()) as u64 > budget && response.body_kept {
+            let mut size = (RECORD_OVERHEAD + response.size()) as u64;
+            if size > budget && response.body_kept {
+                size -= response.body.len() as u64;
                 response.body = Bytes::new();
                 response.body_kept = false;
             }
-            let size = (RECORD_OVERHEAD + response.size()) as u64;
             let encoded = codec::encode(&Record {
                 fingerprint,
                 created_ms,
@@ -412,13 +393,11 @@ impl Store for MemoryStore {
     ) -> Result<(), StoreError> {
         {
             let mut inner = self.shared.shard(key);
-            let entry = inner.owned(key, owner, Instant::now(), &self.shared.counts)?;
-            if let Some((pending, _)) = entry.held.pending_mut() {
-                pending.state = RecordState::Unknown {
-                    since_ms: now_ms(),
-                    reason,
-                };
-            }
+            let (pending, _) = inner.owned(key, owner, Instant::now(), &self.shared.counts)?;
+            pending.state = RecordState::Unknown {
+                since_ms: now_ms(),
+                reason,
+            };
         }
         self.shared.waiters.notify(key);
         Ok(())
@@ -442,13 +421,11 @@ impl Store for MemoryStore {
         lease: Duration,
     ) -> Result<(), StoreError> {
         let mut inner = self.shared.shard(key);
-        let entry = inner.owned(key, owner, Instant::now(), &self.shared.counts)?;
-        if let Some((pending, _)) = entry.held.pending_mut() {
-            pending.state = RecordState::Pending {
-                owner,
-                lease_until_ms: ms_after(lease),
-            };
-        }
+        let (pending, _) = inner.owned(key, owner, Instant::now(), &self.shared.counts)?;
+        pending.state = RecordState::Pending {
+            owner,
+            lease_until_ms: ms_after(lease),
+        };
         Ok(())
     }
 

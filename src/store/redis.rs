@@ -197,11 +197,12 @@ pub struct RedisStore {
     single: Option<PerThread>,
     /// A cluster: one shared connection, set once the cluster answers.
     conn: Arc<OnceCell<Conn>>,
-    prefix: String,
-    channel: String,
+    /// Shared with a [`ReleaseOnDrop`] guard, which builds its strings only when it fires.
+    prefix: Arc<str>,
+    channel: Arc<str>,
     timeout: Duration,
     waiters: Waiters,
-    scripts: Scripts,
+    scripts: Arc<Scripts>,
     /// Background tasks (cluster connect, pub/sub listener), stopped with the store.
     tasks: Vec<AbortHandle>,
 }
@@ -275,22 +276,21 @@ impl RedisStore {
         Ok(RedisStore {
             single,
             conn,
-            prefix: settings.key_prefix.clone(),
-            channel,
+            prefix: settings.key_prefix.as_str().into(),
+            channel: channel.as_str().into(),
             timeout,
             waiters,
-            scripts: Scripts::new(),
+            scripts: Arc::new(Scripts::new()),
             tasks,
         })
     }
 
     fn redis_key(&self, key: &StoreKey) -> String {
-        format!("{}{{{}}}", self.prefix, key.hex())
+        record_key(&self.prefix, key)
     }
 
-    /// Set while someone waits on the record (same hash tag: same cluster slot).
     fn waiters_key(&self, key: &StoreKey) -> String {
-        format!("{}{{{}}}:w", self.prefix, key.hex())
+        waiters_key(&self.prefix, key)
     }
 
     fn conn(&self) -> Result<Conn, StoreError> {
@@ -350,33 +350,46 @@ impl Drop for RedisStore {
     }
 }
 
+fn record_key(prefix: &str, key: &StoreKey) -> String {
+    format!("{prefix}{{{}}}", key.hex())
+}
+
+/// Set while someone waits on the record (same hash tag: same cluster slot).
+fn waiters_key(prefix: &str, key: &StoreKey) -> String {
+    format!("{prefix}{{{}}}:w", key.hex())
+}
+
+/// A record as Redis returned it (`nil`: none).
+fn decode_reply(raw: Option<Vec<u8>>) -> Result<Option<Record>, StoreError> {
+    raw.map(|r| codec::decode(&Bytes::from(r))).transpose()
+}
+
 /// Releases a reservation whose answer was lost, unless disarmed: see [`RedisStore::reserve`].
 struct ReleaseOnDrop {
     armed: Option<Armed>,
 }
 
-/// Everything the release needs, owned, as it may run after the store call is gone.
+/// Everything the release needs, owned, as it may run after the store call is gone. Cheap to
+/// build (nearly every guard is disarmed): the strings are made only when it fires.
 struct Armed {
-    script: Script,
+    scripts: Arc<Scripts>,
+    prefix: Arc<str>,
+    channel: Arc<str>,
     conn: Conn,
-    key: String,
-    waiters_key: String,
-    owner: [u8; 16],
-    channel: String,
-    message: String,
+    key: StoreKey,
+    owner: OwnerToken,
 }
 
 impl ReleaseOnDrop {
     fn new(store: &RedisStore, key: &StoreKey, owner: OwnerToken, conn: Conn) -> Self {
         ReleaseOnDrop {
             armed: Some(Armed {
-                script: store.scripts.release.clone(),
+                scripts: Arc::clone(&store.scripts),
+                prefix: Arc::clone(&store.prefix),
+                channel: Arc::clone(&store.channel),
                 conn,
-                key: store.redis_key(key),
-                waiters_key: store.waiters_key(key),
-                owner: codec::owner_bytes(owner),
-                channel: store.channel.clone(),
-                message: key.hex(),
+                key: *key,
+                owner,
             }),
         }
     }
@@ -389,13 +402,12 @@ impl ReleaseOnDrop {
 impl Drop for ReleaseOnDrop {
     fn drop(&mut self) {
         let Some(Armed {
-            script,
+            scripts,
+            prefix,
+            channel,
             mut conn,
             key,
-            waiters_key,
             owner,
-            channel,
-            message,
         }) = self.armed.take()
         else {
             return;
@@ -404,11 +416,11 @@ impl Drop for ReleaseOnDrop {
         // and then reads as an unknown outcome, which is the safe side.
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             rt.spawn(async move {
-                let mut inv = script.key(key);
-                inv.key(waiters_key)
-                    .arg(&owner[..])
-                    .arg(channel)
-                    .arg(message);
+                let mut inv = scripts.release.key(record_key(&prefix, &key));
+                inv.key(waiters_key(&prefix, &key))
+                    .arg(&codec::owner_bytes(owner)[..])
+                    .arg(channel.as_bytes())
+                    .arg(key.hex());
                 let released: redis::RedisResult<i64> =
                     tokio::time::timeout(Duration::from_secs(5), inv.invoke_async(&mut conn))
                         .await
@@ -516,7 +528,7 @@ impl Store for RedisStore {
         let mut cmd = redis::cmd("GET");
         cmd.arg(self.redis_key(key));
         let raw: Option<Vec<u8>> = self.call("get", cmd.query_async(&mut conn)).await?;
-        raw.map(|r| codec::decode(&Bytes::from(r))).transpose()
+        decode_reply(raw)
     }
 
     async fn get_watched(&self, key: &StoreKey) -> Result<Option<Record>, StoreError> {
@@ -524,7 +536,7 @@ impl Store for RedisStore {
         let mut inv = self.scripts.get_watched.key(self.redis_key(key));
         inv.key(self.waiters_key(key));
         let raw: Option<Vec<u8>> = self.call("get", inv.invoke_async(&mut conn)).await?;
-        raw.map(|r| codec::decode(&Bytes::from(r))).transpose()
+        decode_reply(raw)
     }
 
     async fn complete(
