@@ -3,23 +3,11 @@
 
 mod support;
 
-use std::process::{Command, Stdio};
+use std::process::Command;
 
 use support::*;
 
 const BIN: &str = env!("CARGO_BIN_EXE_idemgate");
-
-fn write_config(dir: &std::path::Path, text: &str) -> std::path::PathBuf {
-    let path = dir.join("proxy.toml");
-    std::fs::write(&path, text).unwrap();
-    path
-}
-
-fn temp_dir(name: &str) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("idemgate-cli-{name}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
 
 #[test]
 fn check_accepts_the_shipped_proxy_toml_and_prints_routes() {
@@ -63,11 +51,13 @@ fn check_reads_idemgate_config_from_the_environment() {
 
 #[test]
 fn bad_config_exits_64_naming_the_field_and_value() {
-    let dir = temp_dir("bad");
-    let path = write_config(
-        &dir,
+    let dir = TempDir::new("cli-bad");
+    let path = dir.path.join("proxy.toml");
+    std::fs::write(
+        &path,
         "[server]\nlisten = \"127.0.0.1:0\"\n[upstream]\nurl = \"http://127.0.0.1:1\"\n[[routes]]\npath = \"/p\"\nttl = \"forever\"\n",
-    );
+    )
+    .unwrap();
     for cmd in ["check", "run"] {
         let out = Command::new(BIN)
             .args([cmd, "--config"])
@@ -92,36 +82,17 @@ fn bad_config_exits_64_naming_the_field_and_value() {
 #[tokio::test]
 async fn run_serves_then_exits_0_on_sigterm() {
     let up = Upstream::counting().await;
-    let dir = temp_dir("run");
-    let path = write_config(
-        &dir,
-        &format!(
-            "[server]\nlisten = \"127.0.0.1:0\"\n[upstream]\nurl = \"{}\"\n{PAYMENTS}",
-            up.url()
-        ),
-    );
-    let mut child = Command::new(BIN)
-        .args(["run", "--config"])
-        .arg(&path)
-        .env("RUST_LOG", "info")
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let (addr, _logs) = wait_listening(&mut child);
-    let http = Http::new(addr);
+    let gw = GatewayProcess::start(&format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\n[upstream]\nurl = \"{}\"\n{PAYMENTS}",
+        up.url()
+    ));
+    let http = Http::new(gw.addr);
     assert_eq!(http.post("/payments", "k", "{}").await.status, 201);
     assert!(http.post("/payments", "k", "{}").await.is_replay());
     assert_eq!(up.executions(), 1);
 
-    let pid = child.id().to_string();
-    assert!(Command::new("kill")
-        .args(["-TERM", &pid])
-        .status()
-        .unwrap()
-        .success());
-    let status = tokio::task::spawn_blocking(move || child.wait())
+    let status = tokio::task::spawn_blocking(move || gw.signal_and_wait("-TERM"))
         .await
-        .unwrap()
         .unwrap();
     assert_eq!(status.code(), Some(0));
 }

@@ -7,7 +7,6 @@ mod support;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -35,6 +34,18 @@ async fn retry_while_in_flight(http: &Http, key: &str) -> Got {
     panic!("{key} stayed in flight for 20s");
 }
 
+/// POSTs `{}` to /payments with `key`, in the background, tolerating the gateway dying under it.
+fn spawn_post_to_be_killed(http: &Http, key: &str) -> tokio::task::JoinHandle<Option<Got>> {
+    let (http, key) = (http.clone(), key.to_string());
+    tokio::spawn(async move {
+        http.request("POST", "/payments")
+            .header("idempotency-key", &key)
+            .json("{}")
+            .try_send(Duration::from_secs(10))
+            .await
+    })
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gateway_killed_mid_request_never_leads_to_a_second_execution() {
     let redis = RedisServer::start();
@@ -48,16 +59,7 @@ async fn a_gateway_killed_mid_request_never_leads_to_a_second_execution() {
     );
     let gw = GatewayProcess::start(&config);
     let http = Http::new(gw.addr);
-    let doomed = tokio::spawn({
-        let http = http.clone();
-        async move {
-            http.request("POST", "/payments")
-                .header("idempotency-key", "k")
-                .json("{}")
-                .try_send(Duration::from_secs(10))
-                .await
-        }
-    });
+    let doomed = spawn_post_to_be_killed(&http, "k");
     up.next_arrival().await;
     gw.signal_and_wait("-KILL");
     assert!(
@@ -91,14 +93,7 @@ async fn a_gateway_killed_mid_request_never_leads_to_a_second_execution() {
     let dir = TempDir::new("keys");
     let path = dir.path.join("proxy.toml");
     std::fs::write(&path, &config).unwrap();
-    let bin = env!("CARGO_BIN_EXE_idemgate");
-    let get = Command::new(bin)
-        .args([
-            "keys", "get", "--route", "payments", "--key", "k", "--config",
-        ])
-        .arg(&path)
-        .output()
-        .unwrap();
+    let get = keys_cmd(&path, "get", "payments", &["k"]);
     let shown = String::from_utf8_lossy(&get.stdout);
     assert!(
         get.status.success(),
@@ -106,22 +101,10 @@ async fn a_gateway_killed_mid_request_never_leads_to_a_second_execution() {
         String::from_utf8_lossy(&get.stderr)
     );
     assert!(shown.contains("lease expired"), "{shown}");
-    let del = Command::new(bin)
-        .args([
-            "keys", "delete", "--route", "payments", "--key", "k", "--config",
-        ])
-        .arg(&path)
-        .output()
-        .unwrap();
+    let del = keys_cmd(&path, "delete", "payments", &["k"]);
     assert!(del.status.success());
     assert!(String::from_utf8_lossy(&del.stdout).contains("deleted"));
-    let gone = Command::new(bin)
-        .args([
-            "keys", "get", "--route", "payments", "--key", "k", "--config",
-        ])
-        .arg(&path)
-        .output()
-        .unwrap();
+    let gone = keys_cmd(&path, "get", "payments", &["k"]);
     assert_eq!(gone.status.code(), Some(1));
     let after = http.post("/payments", "k", "{}").await;
     assert_eq!(after.status, 201);
@@ -150,16 +133,7 @@ async fn with_on_unknown_retry_an_abandoned_key_is_taken_over() {
     );
     let gw = GatewayProcess::start(&config);
     let http = Http::new(gw.addr);
-    tokio::spawn({
-        let http = http.clone();
-        async move {
-            http.request("POST", "/payments")
-                .header("idempotency-key", "k")
-                .json("{}")
-                .try_send(Duration::from_secs(10))
-                .await
-        }
-    });
+    spawn_post_to_be_killed(&http, "k");
     up.next_arrival().await;
     gw.signal_and_wait("-KILL");
     let gw = GatewayProcess::start(&config);

@@ -383,15 +383,7 @@ async fn keys_get_finds_records_of_routes_keyed_by_body_fields() {
     let dir = TempDir::new("keys-parts");
     let path = dir.path.join("proxy.toml");
     std::fs::write(&path, text).unwrap();
-    let keys = |parts: &[&str]| {
-        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_idemgate"));
-        cmd.args(["keys", "get", "--route", "biz", "--config"])
-            .arg(&path);
-        for p in parts {
-            cmd.args(["--key", p]);
-        }
-        cmd.output().unwrap()
-    };
+    let keys = |parts: &[&str]| keys_cmd(&path, "get", "biz", parts);
     let found = keys(&["pi_1", "payment_intent.succeeded"]);
     let shown = String::from_utf8_lossy(&found.stdout);
     assert!(

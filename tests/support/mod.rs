@@ -613,6 +613,22 @@ pub async fn scrape(admin: SocketAddr) -> HashMap<String, f64> {
         .collect()
 }
 
+/// Runs `idemgate keys <action> --route <route> --key <part>... --config <config>`.
+pub fn keys_cmd(
+    config: &std::path::Path,
+    action: &str,
+    route: &str,
+    key_parts: &[&str],
+) -> std::process::Output {
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_idemgate"));
+    cmd.args(["keys", action, "--route", route, "--config"])
+        .arg(config);
+    for part in key_parts {
+        cmd.args(["--key", part]);
+    }
+    cmd.output().unwrap()
+}
+
 /// A scratch directory removed on drop.
 pub struct TempDir {
     pub path: std::path::PathBuf,
