@@ -18,6 +18,20 @@ fn redis_config(upstream: &str, redis_url: &str, extra: &str) -> String {
     )
 }
 
+/// Waits (bounded) until the upstream has executed `n` requests in all.
+async fn executions_reach(up: &Upstream, n: usize) {
+    for _ in 0..1000 {
+        if up.executions() >= n {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!(
+        "the upstream executed {} requests, not {n}",
+        up.executions()
+    );
+}
+
 async fn in_process(upstream: &str, redis_url: &str, extra: &str) -> idemgate::server::Running {
     let config =
         idemgate::config::Config::parse(&redis_config(upstream, redis_url, extra)).unwrap();
@@ -33,8 +47,14 @@ async fn two_gateway_processes_on_one_redis_execute_once_and_a_third_replays() {
         Upstream::start(move |_, n| Reply::json(201, &format!("{{\"execution\":{n}}}")).gated(&g))
             .await;
     let config = redis_config(&up.url(), &redis.url(), PAYMENTS);
-    let gw1 = GatewayProcess::start(&config);
-    let gw2 = GatewayProcess::start(&config);
+    // Each with its admin listener, to see when every duplicate is inside.
+    let admins: [std::net::SocketAddr; 2] =
+        std::array::from_fn(|_| format!("127.0.0.1:{}", free_port(false)).parse().unwrap());
+    let with_admin = |admin: std::net::SocketAddr| {
+        config.replacen("[server]\n", &format!("[server]\nadmin = \"{admin}\"\n"), 1)
+    };
+    let gw1 = GatewayProcess::start(&with_admin(admins[0]));
+    let gw2 = GatewayProcess::start(&with_admin(admins[1]));
 
     let mut calls = Vec::new();
     for i in 0..40 {
@@ -44,7 +64,24 @@ async fn two_gateway_processes_on_one_redis_execute_once_and_a_third_replays() {
                 .await
         }));
     }
+    // The first is held at the upstream; open the gate only once all 40 are inside the two
+    // gateways, so the duplicates on the other instance really race the held key.
     up.next_arrival().await;
+    let mut in_flight = 0.0;
+    for _ in 0..1000 {
+        in_flight = 0.0;
+        for admin in admins {
+            in_flight += scrape(admin).await["idemgate_requests_in_flight"];
+        }
+        if in_flight >= 40.0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        in_flight, 40.0,
+        "all 40 are in flight across both instances"
+    );
     gate.add_permits(100);
     let mut bodies = Vec::new();
     for c in calls {
@@ -132,8 +169,8 @@ async fn redis_killed_and_restarted_under_traffic_never_executes_twice() {
         }));
     }
 
-    // Outage: Redis dies while the clients run.
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Outage: Redis dies while the clients run (once some of their keys reached the upstream).
+    executions_reach(&up, up.executions() + 8).await;
     redis.kill();
     let during = http.post("/payments", "while-down", "{}").await;
     assert_eq!(during.status, 503);
@@ -143,7 +180,8 @@ async fn redis_killed_and_restarted_under_traffic_never_executes_twice() {
     assert_eq!(http.request("GET", "/status").send().await.status, 201);
     tokio::time::sleep(Duration::from_millis(300)).await;
     redis.restart();
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Clients get through again: keys keep reaching the upstream after the restart.
+    executions_reach(&up, up.executions() + 8).await;
     stop.store(true, std::sync::atomic::Ordering::SeqCst);
 
     let mut saw_503 = false;
