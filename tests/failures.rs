@@ -221,14 +221,7 @@ async fn sigterm_lets_in_flight_requests_finish_and_their_results_replay_after_r
     }
     gw.signal("-TERM");
     // The listener closes first...
-    let mut closed = false;
-    for _ in 0..200 {
-        if tokio::net::TcpStream::connect(addr).await.is_err() {
-            closed = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    let closed = eventually(|| async { tokio::net::TcpStream::connect(addr).await.is_err() }).await;
     assert!(closed, "the listener closes as shutdown begins");
     // ...then the upstream answers, and every in-flight client gets its result.
     gate.add_permits(3);

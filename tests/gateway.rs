@@ -274,12 +274,8 @@ async fn forty_concurrent_duplicates_execute_once_and_all_get_the_same_body() {
     // The first request is held at the upstream; open the gate only once all 40 are inside the
     // gateway, so the other 39 really are concurrent duplicates waiting on the held key.
     up.next_arrival().await;
-    for _ in 0..1000 {
-        if gw.gateway().metrics().in_flight_now() >= 40 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    let metrics = gw.gateway().metrics();
+    eventually(|| async { metrics.in_flight_now() >= 40 }).await;
     assert_eq!(
         gw.gateway().metrics().in_flight_now(),
         40,
@@ -321,13 +317,9 @@ async fn a_waiting_duplicate_gets_the_originals_result_when_it_lands() {
     let duplicate = tokio::spawn(async move { h2.post("/payments", "k", "{}").await });
     // The duplicate cannot finish while the original is held: once both are inside the
     // gateway, it is still waiting.
-    for _ in 0..1000 {
-        if gw.gateway().metrics().in_flight_now() >= 2 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert_eq!(gw.gateway().metrics().in_flight_now(), 2);
+    let metrics = gw.gateway().metrics();
+    eventually(|| async { metrics.in_flight_now() >= 2 }).await;
+    assert_eq!(metrics.in_flight_now(), 2);
     assert!(!duplicate.is_finished());
     gate.add_permits(1);
     let (original, duplicate) = (original.await.unwrap(), duplicate.await.unwrap());
@@ -849,12 +841,7 @@ async fn graceful_shutdown_lets_in_flight_requests_finish() {
     up.next_arrival().await;
     let stopping = tokio::spawn(gw.shutdown());
     // Wait until the listener is closed: new connections are refused.
-    for _ in 0..200 {
-        if tokio::net::TcpStream::connect(addr).await.is_err() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    eventually(|| async { tokio::net::TcpStream::connect(addr).await.is_err() }).await;
     assert!(
         tokio::net::TcpStream::connect(addr).await.is_err(),
         "listener still open"

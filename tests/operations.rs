@@ -79,16 +79,10 @@ async fn metrics_count_every_outcome() {
     assert_eq!(http.post("/busy", "b", "{}").await.status, 409);
     // The two held originals and the waiter: open the gate only once the waiter is inside too,
     // or it would count as a replay.
-    let mut during = scrape(admin).await;
-    for _ in 0..1000 {
-        if during["idemgate_requests_in_flight"] >= 3.0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-        during = scrape(admin).await;
-    }
+    eventually(|| async { scrape(admin).await["idemgate_requests_in_flight"] >= 3.0 }).await;
     assert_eq!(
-        during["idemgate_requests_in_flight"], 3.0,
+        scrape(admin).await["idemgate_requests_in_flight"],
+        3.0,
         "held requests and the waiter are in flight"
     );
     gate.add_permits(10);
@@ -402,18 +396,14 @@ async fn connections_are_spread_over_the_workers() {
     }
     drop(open);
     // Closing is seen by the workers asynchronously: wait for the gauges to drop.
-    let mut last = HashMap::new();
-    for _ in 0..200 {
-        last = scrape(admin).await;
-        let total: f64 = last
+    let connections = || async {
+        scrape(admin)
+            .await
             .iter()
             .filter(|(k, _)| k.starts_with("idemgate_worker_connections"))
             .map(|(_, v)| v)
-            .sum();
-        if total == 0.0 {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("worker connections never went back to 0: {last:?}");
+            .sum::<f64>()
+    };
+    eventually(|| async { connections().await == 0.0 }).await;
+    assert_eq!(connections().await, 0.0, "worker connections back to 0");
 }

@@ -20,13 +20,9 @@ fn redis_config(upstream: &str, redis_url: &str, extra: &str) -> String {
 
 /// Waits (bounded) until the upstream has executed `n` requests in all.
 async fn executions_reach(up: &Upstream, n: usize) {
-    for _ in 0..1000 {
-        if up.executions() >= n {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!(
+    let reached = eventually(|| async { up.executions() >= n }).await;
+    assert!(
+        reached,
         "the upstream executed {} requests, not {n}",
         up.executions()
     );
@@ -67,19 +63,17 @@ async fn two_gateway_processes_on_one_redis_execute_once_and_a_third_replays() {
     // The first is held at the upstream; open the gate only once all 40 are inside the two
     // gateways, so the duplicates on the other instance really race the held key.
     up.next_arrival().await;
-    let mut in_flight = 0.0;
-    for _ in 0..1000 {
-        in_flight = 0.0;
+    let in_flight = || async {
+        let mut total = 0.0;
         for admin in admins {
-            in_flight += scrape(admin).await["idemgate_requests_in_flight"];
+            total += scrape(admin).await["idemgate_requests_in_flight"];
         }
-        if in_flight >= 40.0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+        total
+    };
+    eventually(|| async { in_flight().await >= 40.0 }).await;
     assert_eq!(
-        in_flight, 40.0,
+        in_flight().await,
+        40.0,
         "all 40 are in flight across both instances"
     );
     gate.add_permits(100);

@@ -613,6 +613,22 @@ pub async fn scrape(admin: SocketAddr) -> HashMap<String, f64> {
         .collect()
 }
 
+/// Polls `check` every 10 ms for at most 10 s: a test waits on a condition, not on a guessed
+/// duration. Returns whether the condition came true.
+pub async fn eventually<F, Fut>(mut check: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    for _ in 0..1000 {
+        if check().await {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    false
+}
+
 /// Runs `idemgate keys <action> --route <route> --key <part>... --config <config>`.
 pub fn keys_cmd(
     config: &std::path::Path,
