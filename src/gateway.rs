@@ -705,20 +705,21 @@ async fn forward_and_capture(
     req: Request<Body>,
     policy: &Policy,
 ) -> Result<Forwarded, UpstreamError> {
-    let started = Instant::now();
-    let resp = upstream.send(req, policy.upstream_timeout).await?;
-    let (head, body) = resp.into_parts();
-    let remaining = policy.upstream_timeout.saturating_sub(started.elapsed());
-    let captured = tokio::time::timeout(remaining, body::capture(body, policy.max_stored_response))
-        .await
-        .map_err(|_| UpstreamError::Timeout(policy.upstream_timeout))?
-        // A body cut off mid-way: the upstream ran, but we do not know what it said.
-        .map_err(|e| UpstreamError::Failed(Box::new(e)))?;
-    let body = match captured {
-        Captured::Complete(b) => ForwardedBody::Complete(b),
-        Captured::TooLarge { head, rest } => ForwardedBody::Streaming { head, rest },
+    let exchange = async {
+        let (head, body) = upstream.exchange(req).await?.into_parts();
+        let captured = body::capture(body, policy.max_stored_response)
+            .await
+            // A body cut off mid-way: the upstream ran, but we do not know what it said.
+            .map_err(|e| UpstreamError::Failed(Box::new(e)))?;
+        let body = match captured {
+            Captured::Complete(b) => ForwardedBody::Complete(b),
+            Captured::TooLarge { head, rest } => ForwardedBody::Streaming { head, rest },
+        };
+        Ok(Forwarded { head, body })
     };
-    Ok(Forwarded { head, body })
+    tokio::time::timeout(policy.upstream_timeout, exchange)
+        .await
+        .unwrap_or(Err(UpstreamError::Timeout(policy.upstream_timeout)))
 }
 
 /// Decides from an existing record, or returns `None` while it is pending with a live lease.

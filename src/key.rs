@@ -276,7 +276,20 @@ impl StoreKey {
 
     /// The 64 lowercase hex digits, as Redis keys and pub/sub messages carry it.
     pub fn hex(&self) -> String {
-        hex::encode(self.0)
+        String::from_utf8_lossy(&self.hex_digits()).into_owned()
+    }
+
+    /// [`StoreKey::hex`] without an allocation, for the Redis hot path (every request builds
+    /// two or three keys from it; the `hex` crate's char iterator cost more than the rest of
+    /// the key's formatting together).
+    pub fn hex_digits(&self) -> [u8; 64] {
+        const DIGITS: &[u8; 16] = b"0123456789abcdef";
+        let mut out = [0u8; 64];
+        for (pair, b) in out.chunks_exact_mut(2).zip(self.0) {
+            pair[0] = DIGITS[usize::from(b >> 4)];
+            pair[1] = DIGITS[usize::from(b & 0x0f)];
+        }
+        out
     }
 
     /// A key as [`StoreKey::hex`] printed it, e.g. from a pub/sub message.
@@ -308,7 +321,7 @@ impl fmt::Debug for StoreKey {
 
 impl fmt::Display for StoreKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.hex())
+        f.write_str(&String::from_utf8_lossy(&self.hex_digits()))
     }
 }
 
@@ -380,6 +393,8 @@ mod tests {
         assert!(!base.hex().contains("k1"));
         assert_eq!(StoreKey::from_hex(&base.hex()), Some(base));
         assert_eq!(StoreKey::from_hex("zz"), None);
+        assert_eq!(base.hex(), hex::encode(base.0));
+        assert_eq!(base.to_string(), base.hex());
     }
 
     fn hm(pairs: &[(&str, &str)]) -> HeaderMap {

@@ -30,7 +30,8 @@ pub enum UpstreamError {
     /// The exchange failed after the connection was made: the request may have been executed.
     #[error("upstream exchange failed: {0}")]
     Failed(BoxError),
-    /// No response head within the timeout: the request may have been executed.
+    /// No answer within the timeout (the head, or on idempotent routes the whole response): the
+    /// request may have been executed.
     #[error("upstream did not answer within {0:?}")]
     Timeout(Duration),
 }
@@ -62,15 +63,22 @@ impl UpstreamClient {
         req: Request<Body>,
         timeout: Duration,
     ) -> Result<Response<Incoming>, UpstreamError> {
-        match tokio::time::timeout(timeout, self.client.request(req)).await {
-            Err(_) => Err(UpstreamError::Timeout(timeout)),
-            Ok(Ok(mut resp)) => {
+        tokio::time::timeout(timeout, self.exchange(req))
+            .await
+            .unwrap_or(Err(UpstreamError::Timeout(timeout)))
+    }
+
+    /// [`UpstreamClient::send`] with no timeout: for a caller whose own deadline covers more
+    /// than the response head (one timer per request, not one per step).
+    pub async fn exchange(&self, req: Request<Body>) -> Result<Response<Incoming>, UpstreamError> {
+        match self.client.request(req).await {
+            Ok(mut resp) => {
                 // Connection-specific on the way back too: what the client gets is ours to frame.
                 strip_hop_by_hop(resp.headers_mut());
                 Ok(resp)
             }
-            Ok(Err(e)) if e.is_connect() => Err(UpstreamError::NotSent(e.into())),
-            Ok(Err(e)) => Err(UpstreamError::Failed(e.into())),
+            Err(e) if e.is_connect() => Err(UpstreamError::NotSent(e.into())),
+            Err(e) => Err(UpstreamError::Failed(e.into())),
         }
     }
 }

@@ -221,6 +221,49 @@ async fn waiters_are_woken_by_release(store: Arc<dyn Store>) {
         .expect("a release must wake the subscriber");
 }
 
+/// The owner renews its lease while a waiter waits: the waiter must still hear the completion.
+async fn waiters_are_woken_after_a_renewal(store: Arc<dyn Store>) {
+    let k = key("wake-renewed");
+    let t = own(&*store, &k).await;
+    let mut sub = store.subscribe(&k);
+    store.get_watched(&k).await.unwrap();
+    store.renew(&k, t, LEASE * 10).await.unwrap();
+    store.renew(&k, t, LEASE * 10).await.unwrap();
+    store.complete(&k, t, response(), TTL).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(5), sub.changed())
+        .await
+        .expect("a completion after renewals must wake the subscriber");
+}
+
+async fn waiters_are_woken_by_an_operator_delete(store: Arc<dyn Store>) {
+    let k = key("wake-delete");
+    own(&*store, &k).await;
+    let mut sub = store.subscribe(&k);
+    store.get_watched(&k).await.unwrap();
+    assert!(store.delete(&k).await.unwrap());
+    tokio::time::timeout(Duration::from_secs(5), sub.changed())
+        .await
+        .expect("deleting a pending record must wake the subscriber");
+}
+
+/// A waiter reading a record must not make it look changed to a take-over of that same record,
+/// and the waiter still hears the new owner's completion.
+async fn take_over_accepts_a_record_a_waiter_reads(store: Arc<dyn Store>) {
+    let k = key("take-over-watched");
+    own(&*store, &k).await;
+    let mut sub = store.subscribe(&k);
+    let seen = store.get_watched(&k).await.unwrap().unwrap();
+    let t2 = store
+        .take_over(&k, &seen, FP, LEASE, TTL)
+        .await
+        .unwrap()
+        .expect("the record is as the waiter saw it");
+    store.complete(&k, t2, response(), TTL).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(5), sub.changed())
+        .await
+        .expect("the new owner's completion must wake the subscriber");
+}
+
 async fn operators_can_delete_any_record(store: Arc<dyn Store>) {
     let k = key("delete");
     let t = own(&*store, &k).await;
@@ -291,6 +334,9 @@ macro_rules! all_checks {
             renew_extends_the_lease,
             waiters_are_woken_by_completion,
             waiters_are_woken_by_release,
+            waiters_are_woken_after_a_renewal,
+            waiters_are_woken_by_an_operator_delete,
+            take_over_accepts_a_record_a_waiter_reads,
             operators_can_delete_any_record,
             take_over_is_compare_and_set,
             keys_are_independent,

@@ -7,6 +7,8 @@
 //! bytes 2..34   fingerprint
 //! bytes 34..42  created_ms (u64, big endian)
 //! pending:      42..58 owner token (u128)   58..66 lease_until_ms (u64)
+//!               66 (Redis only, optional): 1 when a waiter is waiting, set by `get_watched` so
+//!               that the end of the pending state is published; ignored by `decode`
 //! completed:    42..44 status (u16)  44..52 completed_ms  52 body_kept  53..55 header count (u16)
 //!               then per header: name length (u16), name, value length (u32), value
 //!               then the body: every remaining byte, raw (no base64, no length)
@@ -29,6 +31,8 @@ pub const STATE_COMPLETED: u8 = 2;
 pub const STATE_UNKNOWN: u8 = 3;
 /// Length of the part every state shares: version, state, fingerprint, created_ms.
 pub const HEADER_LEN: usize = 42;
+/// Length of a pending record; the Redis scripts read a longer one as flagged by a waiter.
+pub const PENDING_LEN: usize = HEADER_LEN + 16 + 8;
 
 /// Encodes a whole record, into a buffer of exactly its size (the embedded store keeps these).
 pub fn encode(record: &Record) -> Bytes {
@@ -280,7 +284,15 @@ mod tests {
         }));
         assert_eq!(enc[1], STATE_PENDING);
         assert_eq!(&enc[42..58], &owner_bytes(owner));
-        assert_eq!(enc.len(), 66);
+        assert_eq!(enc.len(), PENDING_LEN);
+        assert_eq!(PENDING_LEN, 66, "the Redis scripts hard-code 66 and 67");
+        // A waiter's flag after the pending record changes nothing for readers.
+        let mut flagged = enc.to_vec();
+        flagged.push(1);
+        assert_eq!(
+            decode(&Bytes::from(flagged)).unwrap(),
+            decode(&enc).unwrap()
+        );
     }
 
     #[test]

@@ -6,8 +6,9 @@
 //! - `complete`, `mark_unknown`, `renew` and `release` are Lua scripts that check the state byte
 //!   and owner token in place (see [`super::codec`]) before writing, so a stale owner can never
 //!   overwrite or delete another's record; the ones that end a pending state also `PUBLISH` the
-//!   key in the same round trip, but only if a waiter flagged the record (`<key>:w`, set by
-//!   `get_watched` while it is pending): most keys are never waited on, and then nothing is sent.
+//!   key in the same round trip, but only if a waiter flagged the record (one byte appended to
+//!   the pending record by `get_watched`, see [`super::codec`]): most keys are never waited on,
+//!   and then nothing is sent and nothing else is touched.
 //! - Waiters are woken through one pub/sub subscriber connection per instance, fanned out in
 //!   process; after every (re)subscription all local waiters re-read, since messages sent while
 //!   disconnected are lost. The gateway also re-reads on a timer, as a last resort.
@@ -52,27 +53,29 @@ fn owner_script(body: &str) -> Script {
     Script::new(&format!("{OWNED}{}", body.replace("{ANNOUNCE}", ANNOUNCE)))
 }
 
-/// Announces the end of a pending state, only if a waiter said it waits (KEYS[2], set by
-/// `get_watched`): with no one waiting, as for almost every request, nothing is published.
-const ANNOUNCE: &str = "if redis.call('DEL', KEYS[2]) == 1 then redis.call('PUBLISH', ARGV[#ARGV - 1], ARGV[#ARGV]) end\n";
+/// Announces the end of pending record `v`, only if a waiter flagged it (a byte past the pending
+/// length, set by `get_watched`): with no one waiting, as for almost every request, nothing is
+/// published. The flag is read from the record the script already holds; a separate flag key
+/// cost one more `redis.call` per completion, about a quarter of the script.
+const ANNOUNCE: &str = "if #v > 66 then redis.call('PUBLISH', ARGV[#ARGV - 1], ARGV[#ARGV]) end\n";
 
-/// Every script takes KEYS[1] the record and KEYS[2] its waiters' flag (same hash tag, same
-/// cluster slot).
+/// Every script takes one key, KEYS[1], the record. Offsets and the pending length (66) are the
+/// codec's: see [`codec::PENDING_LEN`].
 struct Scripts {
     /// ARGV: owner, completed tail, ttl ms, channel, message.
     complete: Script,
     /// ARGV: owner, unknown tail, channel, message.
     mark_unknown: Script,
-    /// ARGV: owner, new lease (8 bytes).
+    /// ARGV: owner, new lease (8 bytes). Keeps a waiter's flag.
     renew: Script,
     /// ARGV: owner, channel, message.
     release: Script,
     /// ARGV: channel, message.
     delete: Script,
-    /// ARGV: expected record, new record, ttl ms.
+    /// ARGV: expected record, new record, ttl ms. A waiter's flag on the expected record is not
+    /// a change: it is kept on the new one.
     take_over: Script,
-    /// No ARGV. The record; if it is pending, also sets the waiters' flag for as long as the
-    /// record lives.
+    /// No ARGV. The record as it was; if it is pending, also flags it as waited on.
     get_watched: Script,
 }
 
@@ -88,29 +91,30 @@ impl Scripts {
 {ANNOUNCE}return 1",
             ),
             renew: owner_script(
-                r"redis.call('SET', KEYS[1], string.sub(v, 1, 58) .. ARGV[2], 'KEEPTTL')
+                r"redis.call('SET', KEYS[1], string.sub(v, 1, 58) .. ARGV[2] .. string.sub(v, 67), 'KEEPTTL')
 return 1",
             ),
             release: owner_script(
                 r"redis.call('DEL', KEYS[1])
 {ANNOUNCE}return 1",
             ),
-            delete: Script::new(
-                &r"local n = redis.call('DEL', KEYS[1])
-{ANNOUNCE}return n"
-                    .replace("{ANNOUNCE}", ANNOUNCE),
-            ),
+            delete: Script::new(&format!(
+                r"local v = redis.call('GET', KEYS[1])
+if not v then return 0 end
+redis.call('DEL', KEYS[1])
+if string.byte(v, 2) == 1 then
+{ANNOUNCE}end
+return 1"
+            )),
             take_over: Script::new(
-                r"if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+                r"local v = redis.call('GET', KEYS[1])
+if v ~= ARGV[1] and v ~= ARGV[1] .. '\1' then return 0 end
+redis.call('SET', KEYS[1], ARGV[2] .. string.sub(v, #ARGV[1] + 1), 'PX', ARGV[3])
 return 1",
             ),
             get_watched: Script::new(
                 r"local v = redis.call('GET', KEYS[1])
-if v and string.byte(v, 2) == 1 then
-  local ttl = redis.call('PTTL', KEYS[1])
-  if ttl > 0 then redis.call('SET', KEYS[2], '1', 'PX', ttl) end
-end
+if v and string.byte(v, 2) == 1 and #v == 66 then redis.call('SETRANGE', KEYS[1], 66, '\1') end
 return v",
             ),
         }
@@ -241,7 +245,10 @@ impl RedisStore {
                 let client = open(url)?;
                 let config = ConnectionManagerConfig::new()
                     .set_connection_timeout(Some(timeout.max(Duration::from_secs(1))))
-                    .set_response_timeout(Some(timeout))
+                    // No response timeout of its own: `call` bounds every command by
+                    // `command_timeout` already, and a second timer per command cost an
+                    // event-loop wake-up (an eventfd write) for about a third of them.
+                    .set_response_timeout(None)
                     .set_number_of_retries(2)
                     .set_max_delay(Duration::from_secs(1));
                 // Fails here, not per thread later, if the settings are unusable.
@@ -285,12 +292,8 @@ impl RedisStore {
         })
     }
 
-    fn redis_key(&self, key: &StoreKey) -> String {
+    fn redis_key(&self, key: &StoreKey) -> Vec<u8> {
         record_key(&self.prefix, key)
-    }
-
-    fn waiters_key(&self, key: &StoreKey) -> String {
-        waiters_key(&self.prefix, key)
     }
 
     fn conn(&self) -> Result<Conn, StoreError> {
@@ -328,12 +331,10 @@ impl RedisStore {
         args: &[&[u8]],
     ) -> Result<(), StoreError> {
         let mut conn = self.conn()?;
-        let mut inv = script.key(self.redis_key(key));
-        inv.key(self.waiters_key(key));
-        for a in args {
-            inv.arg(*a);
-        }
-        let done: i64 = self.call(what, inv.invoke_async(&mut conn)).await?;
+        let keys = [&self.redis_key(key)[..]];
+        let done: i64 = self
+            .call(what, eval(&mut conn, script, &keys, args))
+            .await?;
         if done == 1 {
             Ok(())
         } else {
@@ -350,13 +351,38 @@ impl Drop for RedisStore {
     }
 }
 
-fn record_key(prefix: &str, key: &StoreKey) -> String {
-    format!("{prefix}{{{}}}", key.hex())
+/// `<prefix>{<hex>}`, built by hand: `format!` cost more than the command it names.
+fn record_key(prefix: &str, key: &StoreKey) -> Vec<u8> {
+    let mut out = Vec::with_capacity(prefix.len() + 66);
+    out.extend_from_slice(prefix.as_bytes());
+    out.push(b'{');
+    out.extend_from_slice(&key.hex_digits());
+    out.push(b'}');
+    out
 }
 
-/// Set while someone waits on the record (same hash tag: same cluster slot).
-fn waiters_key(prefix: &str, key: &StoreKey) -> String {
-    format!("{prefix}{{{}}}:w", key.hex())
+/// `EVALSHA` of a script with its `keys` and `args`, loading the
+/// script first if Redis does not know it (a restarted or new Redis). Built as one command, where
+/// redis-rs's `ScriptInvocation` copies every key and argument into a vector of its own first.
+async fn eval<T: redis::FromRedisValue>(
+    conn: &mut Conn,
+    script: &Script,
+    keys: &[&[u8]],
+    args: &[&[u8]],
+) -> redis::RedisResult<T> {
+    let size = 64 + keys.iter().chain(args).map(|a| a.len() + 16).sum::<usize>();
+    let mut cmd = Cmd::with_capacity(3 + keys.len() + args.len(), size);
+    cmd.arg("EVALSHA").arg(script.get_hash()).arg(keys.len());
+    for a in keys.iter().chain(args) {
+        cmd.arg(*a);
+    }
+    match cmd.query_async(conn).await {
+        Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+            script.load_async(conn).await?;
+            cmd.query_async(conn).await
+        }
+        other => other,
+    }
 }
 
 /// A record as Redis returned it (`nil`: none).
@@ -416,17 +442,18 @@ impl Drop for ReleaseOnDrop {
         // and then reads as an unknown outcome, which is the safe side.
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             rt.spawn(async move {
-                let mut inv = scripts.release.key(record_key(&prefix, &key));
-                inv.key(waiters_key(&prefix, &key))
-                    .arg(&codec::owner_bytes(owner)[..])
-                    .arg(channel.as_bytes())
-                    .arg(key.hex());
-                let released: redis::RedisResult<i64> =
-                    tokio::time::timeout(Duration::from_secs(5), inv.invoke_async(&mut conn))
-                        .await
-                        .unwrap_or_else(
-                            |_| Err((redis::ErrorKind::Io, "release timed out").into()),
-                        );
+                let keys = [&record_key(&prefix, &key)[..]];
+                let args: [&[u8]; 3] = [
+                    &codec::owner_bytes(owner),
+                    channel.as_bytes(),
+                    &key.hex_digits(),
+                ];
+                let released: redis::RedisResult<i64> = tokio::time::timeout(
+                    Duration::from_secs(5),
+                    eval(&mut conn, &scripts.release, &keys, &args),
+                )
+                .await
+                .unwrap_or_else(|_| Err((redis::ErrorKind::Io, "release timed out").into()));
                 if let Ok(1) = released {
                     tracing::info!("released a reservation whose answer was lost");
                 }
@@ -533,9 +560,13 @@ impl Store for RedisStore {
 
     async fn get_watched(&self, key: &StoreKey) -> Result<Option<Record>, StoreError> {
         let mut conn = self.conn()?;
-        let mut inv = self.scripts.get_watched.key(self.redis_key(key));
-        inv.key(self.waiters_key(key));
-        let raw: Option<Vec<u8>> = self.call("get", inv.invoke_async(&mut conn)).await?;
+        let keys = [&self.redis_key(key)[..]];
+        let raw: Option<Vec<u8>> = self
+            .call(
+                "get",
+                eval(&mut conn, &self.scripts.get_watched, &keys, &[]),
+            )
+            .await?;
         decode_reply(raw)
     }
 
@@ -557,7 +588,7 @@ impl Store for RedisStore {
                 &tail,
                 ttl.as_bytes(),
                 self.channel.as_bytes(),
-                key.hex().as_bytes(),
+                &key.hex_digits(),
             ],
         )
         .await
@@ -581,7 +612,7 @@ impl Store for RedisStore {
                 &codec::owner_bytes(owner),
                 &tail,
                 self.channel.as_bytes(),
-                key.hex().as_bytes(),
+                &key.hex_digits(),
             ],
         )
         .await
@@ -595,7 +626,7 @@ impl Store for RedisStore {
             &[
                 &codec::owner_bytes(owner),
                 self.channel.as_bytes(),
-                key.hex().as_bytes(),
+                &key.hex_digits(),
             ],
         )
         .await
@@ -630,21 +661,34 @@ impl Store for RedisStore {
         let (owner, record) = super::pending(fingerprint, lease);
         let record = codec::encode(&record);
         let mut conn = self.conn()?;
-        let mut inv = self.scripts.take_over.key(self.redis_key(key));
-        inv.arg(&expected[..]).arg(&record[..]).arg(ms_arg(ttl));
+        let ttl = ms_arg(ttl).to_string();
+        let args: [&[u8]; 3] = [&expected, &record, ttl.as_bytes()];
         let guard = ReleaseOnDrop::new(self, key, owner, conn.clone());
-        let done: i64 = self.call("take_over", inv.invoke_async(&mut conn)).await?;
+        let done: i64 = self
+            .call(
+                "take_over",
+                eval(
+                    &mut conn,
+                    &self.scripts.take_over,
+                    &[&self.redis_key(key)],
+                    &args,
+                ),
+            )
+            .await?;
         guard.disarm();
         Ok((done == 1).then_some(owner))
     }
 
     async fn delete(&self, key: &StoreKey) -> Result<bool, StoreError> {
         let mut conn = self.conn()?;
-        let mut inv = self.scripts.delete.key(self.redis_key(key));
-        inv.key(self.waiters_key(key))
-            .arg(self.channel.as_bytes())
-            .arg(key.hex().as_bytes());
-        let n: i64 = self.call("delete", inv.invoke_async(&mut conn)).await?;
+        let keys = [&self.redis_key(key)[..]];
+        let args: [&[u8]; 2] = [self.channel.as_bytes(), &key.hex_digits()];
+        let n: i64 = self
+            .call(
+                "delete",
+                eval(&mut conn, &self.scripts.delete, &keys, &args),
+            )
+            .await?;
         Ok(n == 1)
     }
 
