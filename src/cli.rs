@@ -123,7 +123,7 @@ fn runtime(mut builder: tokio::runtime::Builder) -> Result<tokio::runtime::Runti
 
 fn run(path: PathBuf, config: Config) -> ExitCode {
     // Requests are served by the server's worker threads, each with its own runtime; this one
-    // only runs signals, the admin listener and the store's background connections.
+    // runs the acceptor, signals, the admin listener and the store's background connections.
     let runtime = match runtime(tokio::runtime::Builder::new_current_thread()) {
         Ok(rt) => rt,
         Err(code) => return code,

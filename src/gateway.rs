@@ -31,7 +31,6 @@ use crate::body::{self, Body, Captured, ReadError};
 use crate::config::{OnStoreError, OnUnknown, Policy, RouteConfig, UpstreamUrl};
 use crate::fingerprint::{fingerprint, Fingerprint, RequestParts};
 use crate::key::{ClientScope, StoreKey};
-use crate::lease::LeaseKeeper;
 use crate::metrics::Metrics;
 use crate::problem::Problem;
 use crate::route::Router;
@@ -141,8 +140,6 @@ pub struct Gateway {
     shutting_down: AtomicBool,
     /// Owner executions, detached from their client connections; shutdown waits for them.
     tasks: TaskTracker,
-    /// Renews the owners' leases while their upstream calls run.
-    leases: LeaseKeeper,
 }
 
 /// What the store says about a key that already exists, once waited on if need be.
@@ -166,12 +163,11 @@ impl Gateway {
     ) -> Self {
         Gateway {
             routing: ArcSwap::from_pointee(routing),
+            store,
             connect_timeout,
             metrics,
             shutting_down: AtomicBool::new(false),
             tasks: TaskTracker::new(),
-            leases: LeaseKeeper::new(Arc::clone(&store)),
-            store,
         }
     }
 
@@ -477,16 +473,38 @@ impl Gateway {
         }
         let req = Request::from_parts(parts, body::full(body));
         let started = Instant::now();
-        // Renewed by the keeper until the exchange is over, whatever its outcome.
-        let lease = self.leases.hold(*key, token, policy.lock_timeout);
-        let result = forward_and_capture(&conn.upstream, req, policy).await;
-        drop(lease);
+        let forward = forward_and_capture(&conn.upstream, req, policy);
+        tokio::pin!(forward);
+        let result = tokio::select! {
+            r = &mut forward => r,
+            () = self.renew_lease(key, token, policy.lock_timeout) => forward.await,
+        };
         let upstream_time = started.elapsed();
         self.metrics.upstream(&route.name, upstream_time);
         let (mut resp, outcome) = self.settle(policy, key, token, result).await;
         // For the request's log line; extensions never go on the wire.
         resp.extensions_mut().insert(UpstreamTime(upstream_time));
         (resp, outcome)
+    }
+
+    /// Keeps the lease alive while the upstream works; returns only if ownership was lost.
+    async fn renew_lease(&self, key: &StoreKey, token: OwnerToken, lease: Duration) {
+        let period = (lease / 3).max(Duration::from_millis(10));
+        let mut tick = tokio::time::interval_at(Instant::now() + period, period);
+        loop {
+            tick.tick().await;
+            match self.store.renew(key, token, lease).await {
+                Ok(()) => {}
+                Err(StoreError::NotOwner) => {
+                    tracing::warn!(
+                        key = key.short(),
+                        "lease lost while the upstream was working"
+                    );
+                    return;
+                }
+                Err(e) => tracing::warn!(key = key.short(), error = %e, "lease renewal failed"),
+            }
+        }
     }
 
     /// Phase `settle`: record what the upstream did, then answer the owner.

@@ -14,7 +14,6 @@
 //! - [`upstream`] - the pooled client, request rewriting, failure classification.
 //! - [`body`] - the body type, capped reading, streaming what is too large to keep.
 //! - [`gateway`] - the idempotency state machine, phase by phase (start here).
-//! - [`lease`] - renewing owners' leases while their upstream calls run, one task for all.
 //! - [`problem`] - every response the gateway makes itself (RFC 9457), in one place.
 //! - [`server`] - the acceptor, worker threads (one runtime each), graceful shutdown.
 //! - [`admin`] - the admin listener: `/healthz`, `/readyz`, `/metrics`.
@@ -28,7 +27,6 @@ pub mod config;
 pub mod fingerprint;
 pub mod gateway;
 pub mod key;
-pub mod lease;
 pub mod metrics;
 pub mod operator;
 pub mod problem;

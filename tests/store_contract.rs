@@ -360,9 +360,11 @@ mod memory {
 
 async fn redis_store(settings: RedisSettings) -> Arc<dyn Store> {
     let store = Arc::new(RedisStore::new(&settings).unwrap());
-    // The connection is made in the background: wait until the store answers.
+    // The connections are made in the background: wait until the store answers and its
+    // subscriber listens. A subscriber that starts listening wakes every waiter, which would let
+    // the waiter checks pass without any message from the scripts.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    while store.ping().await.is_err() {
+    while store.ping().await.is_err() || !store.is_subscribed() {
         assert!(
             tokio::time::Instant::now() < deadline,
             "the Redis store never became ready"
@@ -396,6 +398,48 @@ mod redis_single {
         )*};
     }
     all_checks!(each);
+}
+
+/// The waiter's flag as Redis holds it: one byte after the 66-byte pending record, set only by a
+/// waiter, kept by renewals and take-overs, and gone with the pending state.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_a_waiter_flags_the_pending_record_itself() {
+    let server = RedisServer::start();
+    let store = redis_store(settings(RedisTarget::Single(server.url()))).await;
+    let k = key("flag-bytes");
+    let redis_key = format!("contract:{{{}}}", k.hex());
+    let len = || server.cli(&["STRLEN", &redis_key]).trim().to_string();
+    let t = own(&*store, &k).await;
+    assert_eq!(len(), "66", "nobody waits: the record only");
+    store.get(&k).await.unwrap();
+    assert_eq!(len(), "66", "a plain read does not flag");
+    store.get_watched(&k).await.unwrap();
+    assert_eq!(len(), "67", "a waiter flags it");
+    store.get_watched(&k).await.unwrap();
+    assert_eq!(len(), "67", "once");
+    store.renew(&k, t, LEASE).await.unwrap();
+    assert_eq!(len(), "67", "a renewal keeps the flag");
+    let seen = store.get(&k).await.unwrap().unwrap();
+    let t2 = store
+        .take_over(&k, &seen, FP, LEASE, TTL)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(len(), "67", "so does a take-over");
+    store.complete(&k, t2, response(), TTL).await.unwrap();
+    assert_eq!(
+        server
+            .cli(&["GETRANGE", &redis_key, "1", "1"])
+            .trim_end()
+            .as_bytes(),
+        b"\x02",
+        "completed"
+    );
+    assert_eq!(
+        server.cli(&["EXISTS", &format!("{redis_key}:w")]).trim(),
+        "0",
+        "no side key"
+    );
 }
 
 /// `rediss://` with a private CA: the whole contract over TLS, and no connection without the CA.

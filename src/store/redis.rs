@@ -20,7 +20,7 @@
 //!   so) until it is reachable; no restart is needed when it comes back.
 
 use std::cell::RefCell;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -209,6 +209,8 @@ pub struct RedisStore {
     scripts: Arc<Scripts>,
     /// Background tasks (cluster connect, pub/sub listener), stopped with the store.
     tasks: Vec<AbortHandle>,
+    /// Whether the pub/sub subscriber is listening now (see [`RedisStore::is_subscribed`]).
+    subscribed: Arc<AtomicBool>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -276,9 +278,15 @@ impl RedisStore {
                 open(nodes.first().map(String::as_str).unwrap_or_default())?
             }
         };
+        let subscribed = Arc::new(AtomicBool::new(false));
         tasks.push(
-            tokio::spawn(listen(subscriber_client, channel.clone(), waiters.clone()))
-                .abort_handle(),
+            tokio::spawn(listen(
+                subscriber_client,
+                channel.clone(),
+                waiters.clone(),
+                Arc::clone(&subscribed),
+            ))
+            .abort_handle(),
         );
         Ok(RedisStore {
             single,
@@ -289,7 +297,14 @@ impl RedisStore {
             waiters,
             scripts: Arc::new(Scripts::new()),
             tasks,
+            subscribed,
         })
+    }
+
+    /// Whether the pub/sub subscriber is listening: until it is, waiters learn of results only
+    /// from their once-a-second re-read (and all of them re-read when it starts listening).
+    pub fn is_subscribed(&self) -> bool {
+        self.subscribed.load(Ordering::Acquire)
     }
 
     fn redis_key(&self, key: &StoreKey) -> Vec<u8> {
@@ -481,7 +496,12 @@ async fn connect_cluster(client: redis::cluster::ClusterClient, cell: Arc<OnceCe
 }
 
 /// The pub/sub subscriber: turns "key done" messages into local wake-ups.
-async fn listen(client: redis::Client, channel: String, waiters: Waiters) {
+async fn listen(
+    client: redis::Client,
+    channel: String,
+    waiters: Waiters,
+    subscribed: Arc<AtomicBool>,
+) {
     let mut backoff = Duration::from_millis(100);
     loop {
         let connected = tokio::time::timeout(Duration::from_secs(5), async {
@@ -495,6 +515,7 @@ async fn listen(client: redis::Client, channel: String, waiters: Waiters) {
                 backoff = Duration::from_millis(100);
                 // Anything published while we were not subscribed is lost: re-check everyone.
                 waiters.notify_all();
+                subscribed.store(true, Ordering::Release);
                 let mut messages = ps.on_message();
                 while let Some(msg) = messages.next().await {
                     if let Some(key) = std::str::from_utf8(msg.get_payload_bytes())
@@ -504,6 +525,7 @@ async fn listen(client: redis::Client, channel: String, waiters: Waiters) {
                         waiters.notify(&key);
                     }
                 }
+                subscribed.store(false, Ordering::Release);
                 tracing::warn!("Redis pub/sub connection lost; reconnecting");
             }
             Ok(Err(e)) => tracing::warn!(error = %e, "cannot subscribe to Redis; retrying"),
@@ -656,7 +678,8 @@ impl Store for RedisStore {
         lease: Duration,
         ttl: Duration,
     ) -> Result<Option<OwnerToken>, StoreError> {
-        // The codec is deterministic, so the expected record encodes to the stored bytes.
+        // The codec is deterministic, so the expected record encodes to the stored bytes (but for
+        // a waiter's flag byte, which the script accepts and keeps).
         let expected = codec::encode(expected);
         let (owner, record) = super::pending(fingerprint, lease);
         let record = codec::encode(&record);
