@@ -18,6 +18,7 @@ use idemgate::fingerprint::Fingerprint;
 use idemgate::key::{ClientScope, StoreKey};
 use idemgate::store::memory::MemoryStore;
 use idemgate::store::redis::RedisStore;
+use idemgate::store::wait::Subscription;
 use idemgate::store::{
     OwnerToken, Record, RecordState, Reservation, Store, StoreError, StoredResponse, UnknownReason,
 };
@@ -188,6 +189,13 @@ async fn renew_extends_the_lease(store: Arc<dyn Store>) {
     );
 }
 
+/// Waits (5 s at most) for `sub` to be woken; fails with `why` otherwise.
+async fn woken(sub: &mut Subscription, why: &str) {
+    tokio::time::timeout(Duration::from_secs(5), sub.changed())
+        .await
+        .expect(why);
+}
+
 async fn waiters_are_woken_by_completion(store: Arc<dyn Store>) {
     let k = key("wake");
     let t = own(&*store, &k).await;
@@ -200,9 +208,7 @@ async fn waiters_are_woken_by_completion(store: Arc<dyn Store>) {
     let (s2, k2) = (Arc::clone(&store), k);
     let completer =
         tokio::spawn(async move { s2.complete(&k2, t, response(), TTL).await.unwrap() });
-    tokio::time::timeout(Duration::from_secs(5), sub.changed())
-        .await
-        .expect("a completion must wake the subscriber");
+    woken(&mut sub, "a completion must wake the subscriber").await;
     completer.await.unwrap();
     assert!(matches!(
         store.get(&k).await.unwrap().unwrap().state,
@@ -216,9 +222,7 @@ async fn waiters_are_woken_by_release(store: Arc<dyn Store>) {
     let mut sub = store.subscribe(&k);
     store.get_watched(&k).await.unwrap();
     store.release(&k, t).await.unwrap();
-    tokio::time::timeout(Duration::from_secs(5), sub.changed())
-        .await
-        .expect("a release must wake the subscriber");
+    woken(&mut sub, "a release must wake the subscriber").await;
 }
 
 /// The owner renews its lease while a waiter waits: the waiter must still hear the completion.
@@ -230,9 +234,11 @@ async fn waiters_are_woken_after_a_renewal(store: Arc<dyn Store>) {
     store.renew(&k, t, LEASE * 10).await.unwrap();
     store.renew(&k, t, LEASE * 10).await.unwrap();
     store.complete(&k, t, response(), TTL).await.unwrap();
-    tokio::time::timeout(Duration::from_secs(5), sub.changed())
-        .await
-        .expect("a completion after renewals must wake the subscriber");
+    woken(
+        &mut sub,
+        "a completion after renewals must wake the subscriber",
+    )
+    .await;
 }
 
 async fn waiters_are_woken_by_an_operator_delete(store: Arc<dyn Store>) {
@@ -241,9 +247,11 @@ async fn waiters_are_woken_by_an_operator_delete(store: Arc<dyn Store>) {
     let mut sub = store.subscribe(&k);
     store.get_watched(&k).await.unwrap();
     assert!(store.delete(&k).await.unwrap());
-    tokio::time::timeout(Duration::from_secs(5), sub.changed())
-        .await
-        .expect("deleting a pending record must wake the subscriber");
+    woken(
+        &mut sub,
+        "deleting a pending record must wake the subscriber",
+    )
+    .await;
 }
 
 /// A waiter reading a record must not make it look changed to a take-over of that same record,
@@ -259,9 +267,11 @@ async fn take_over_accepts_a_record_a_waiter_reads(store: Arc<dyn Store>) {
         .unwrap()
         .expect("the record is as the waiter saw it");
     store.complete(&k, t2, response(), TTL).await.unwrap();
-    tokio::time::timeout(Duration::from_secs(5), sub.changed())
-        .await
-        .expect("the new owner's completion must wake the subscriber");
+    woken(
+        &mut sub,
+        "the new owner's completion must wake the subscriber",
+    )
+    .await;
 }
 
 async fn operators_can_delete_any_record(store: Arc<dyn Store>) {

@@ -510,35 +510,6 @@ impl Store for MemoryStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_map_slot_stays_small() {
-        // Every key kept costs its slot (over a table at most 7/8 full): see `Held`.
-        assert!(std::mem::size_of::<(StoreKey, Entry)>() <= 96);
-    }
-
-    #[test]
-    fn the_key_hasher_spreads_keys_and_depends_on_its_seed() {
-        use std::hash::BuildHasher;
-        let scope = crate::key::ClientScope::of(&http::HeaderMap::new(), None);
-        let keys: Vec<StoreKey> = (0..1000)
-            .map(|i| StoreKey::new(&scope, "r", &i.to_string()))
-            .collect();
-        let a = KeyHasher { seed: 1 };
-        let b = KeyHasher { seed: 2 };
-        // The low 7 bits pick hashbrown's group, the top 7 its tag: both must vary.
-        let low: std::collections::HashSet<u64> =
-            keys.iter().map(|k| a.hash_one(k) & 0x7f).collect();
-        let top: std::collections::HashSet<u64> =
-            keys.iter().map(|k| a.hash_one(k) >> 57).collect();
-        assert!(
-            low.len() > 100 && top.len() > 100,
-            "{} {}",
-            low.len(),
-            top.len()
-        );
-        assert!(keys.iter().all(|k| a.hash_one(k) != b.hash_one(k)));
-    }
     use crate::key::ClientScope;
 
     fn key(k: &str) -> StoreKey {
@@ -564,6 +535,32 @@ mod tests {
             Reservation::Owner(t) => t,
             other => panic!("expected to own {k}, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn a_map_slot_stays_small() {
+        // Every key kept costs its slot (over a table at most 7/8 full): see `Held`.
+        assert!(std::mem::size_of::<(StoreKey, Entry)>() <= 96);
+    }
+
+    #[test]
+    fn the_key_hasher_spreads_keys_and_depends_on_its_seed() {
+        use std::hash::BuildHasher;
+        let keys: Vec<StoreKey> = (0..1000).map(|i| key(&i.to_string())).collect();
+        let a = KeyHasher { seed: 1 };
+        let b = KeyHasher { seed: 2 };
+        // The low 7 bits pick hashbrown's group, the top 7 its tag: both must vary.
+        let low: std::collections::HashSet<u64> =
+            keys.iter().map(|k| a.hash_one(k) & 0x7f).collect();
+        let top: std::collections::HashSet<u64> =
+            keys.iter().map(|k| a.hash_one(k) >> 57).collect();
+        assert!(
+            low.len() > 100 && top.len() > 100,
+            "{} {}",
+            low.len(),
+            top.len()
+        );
+        assert!(keys.iter().all(|k| a.hash_one(k) != b.hash_one(k)));
     }
 
     #[tokio::test(start_paused = true)]

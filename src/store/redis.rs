@@ -50,7 +50,12 @@ if (not v) or string.byte(v, 2) ~= 1 or string.sub(v, 43, 58) ~= ARGV[1] then re
 ";
 
 fn owner_script(body: &str) -> Script {
-    Script::new(&format!("{OWNED}{}", body.replace("{ANNOUNCE}", ANNOUNCE)))
+    script(&format!("{OWNED}{body}"))
+}
+
+/// A script whose `{ANNOUNCE}` placeholder is replaced by [`ANNOUNCE`].
+fn script(body: &str) -> Script {
+    Script::new(&body.replace("{ANNOUNCE}", ANNOUNCE))
 }
 
 /// Announces the end of pending record `v`, only if a waiter flagged it (a byte past the pending
@@ -98,14 +103,14 @@ return 1",
                 r"redis.call('DEL', KEYS[1])
 {ANNOUNCE}return 1",
             ),
-            delete: Script::new(&format!(
+            delete: script(
                 r"local v = redis.call('GET', KEYS[1])
 if not v then return 0 end
 redis.call('DEL', KEYS[1])
 if string.byte(v, 2) == 1 then
 {ANNOUNCE}end
-return 1"
-            )),
+return 1",
+            ),
             take_over: Script::new(
                 r"local v = redis.call('GET', KEYS[1])
 if v ~= ARGV[1] and v ~= ARGV[1] .. '\1' then return 0 end
@@ -248,8 +253,8 @@ impl RedisStore {
                 let config = ConnectionManagerConfig::new()
                     .set_connection_timeout(Some(timeout.max(Duration::from_secs(1))))
                     // No response timeout of its own: `call` bounds every command by
-                    // `command_timeout` already, and a second timer per command cost an
-                    // event-loop wake-up (an eventfd write) for about a third of them.
+                    // `command_timeout` already, and a second timer per command is work for
+                    // nothing (it never triggered a reconnect either).
                     .set_response_timeout(None)
                     .set_number_of_retries(2)
                     .set_max_delay(Duration::from_secs(1));
@@ -346,9 +351,8 @@ impl RedisStore {
         args: &[&[u8]],
     ) -> Result<(), StoreError> {
         let mut conn = self.conn()?;
-        let keys = [&self.redis_key(key)[..]];
         let done: i64 = self
-            .call(what, eval(&mut conn, script, &keys, args))
+            .call(what, eval(&mut conn, script, &self.redis_key(key), args))
             .await?;
         if done == 1 {
             Ok(())
@@ -376,19 +380,20 @@ fn record_key(prefix: &str, key: &StoreKey) -> Vec<u8> {
     out
 }
 
-/// `EVALSHA` of a script with its `keys` and `args`, loading the
-/// script first if Redis does not know it (a restarted or new Redis). Built as one command, where
-/// redis-rs's `ScriptInvocation` copies every key and argument into a vector of its own first.
+/// `EVALSHA` of a script on its one key (every script here takes the record, KEYS[1]) with
+/// `args`, loading the script first if Redis does not know it (a restarted or new Redis). Built
+/// as one command, where redis-rs's `ScriptInvocation` copies every key and argument into a
+/// vector of its own first.
 async fn eval<T: redis::FromRedisValue>(
     conn: &mut Conn,
     script: &Script,
-    keys: &[&[u8]],
+    key: &[u8],
     args: &[&[u8]],
 ) -> redis::RedisResult<T> {
-    let size = 64 + keys.iter().chain(args).map(|a| a.len() + 16).sum::<usize>();
-    let mut cmd = Cmd::with_capacity(3 + keys.len() + args.len(), size);
-    cmd.arg("EVALSHA").arg(script.get_hash()).arg(keys.len());
-    for a in keys.iter().chain(args) {
+    let size = 80 + key.len() + args.iter().map(|a| a.len() + 16).sum::<usize>();
+    let mut cmd = Cmd::with_capacity(4 + args.len(), size);
+    cmd.arg("EVALSHA").arg(script.get_hash()).arg(1).arg(key);
+    for a in args {
         cmd.arg(*a);
     }
     match cmd.query_async(conn).await {
@@ -457,7 +462,6 @@ impl Drop for ReleaseOnDrop {
         // and then reads as an unknown outcome, which is the safe side.
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             rt.spawn(async move {
-                let keys = [&record_key(&prefix, &key)[..]];
                 let args: [&[u8]; 3] = [
                     &codec::owner_bytes(owner),
                     channel.as_bytes(),
@@ -465,7 +469,12 @@ impl Drop for ReleaseOnDrop {
                 ];
                 let released: redis::RedisResult<i64> = tokio::time::timeout(
                     Duration::from_secs(5),
-                    eval(&mut conn, &scripts.release, &keys, &args),
+                    eval(
+                        &mut conn,
+                        &scripts.release,
+                        &record_key(&prefix, &key),
+                        &args,
+                    ),
                 )
                 .await
                 .unwrap_or_else(|_| Err((redis::ErrorKind::Io, "release timed out").into()));
@@ -582,11 +591,15 @@ impl Store for RedisStore {
 
     async fn get_watched(&self, key: &StoreKey) -> Result<Option<Record>, StoreError> {
         let mut conn = self.conn()?;
-        let keys = [&self.redis_key(key)[..]];
         let raw: Option<Vec<u8>> = self
             .call(
                 "get",
-                eval(&mut conn, &self.scripts.get_watched, &keys, &[]),
+                eval(
+                    &mut conn,
+                    &self.scripts.get_watched,
+                    &self.redis_key(key),
+                    &[],
+                ),
             )
             .await?;
         decode_reply(raw)
@@ -693,7 +706,7 @@ impl Store for RedisStore {
                 eval(
                     &mut conn,
                     &self.scripts.take_over,
-                    &[&self.redis_key(key)],
+                    &self.redis_key(key),
                     &args,
                 ),
             )
@@ -704,12 +717,11 @@ impl Store for RedisStore {
 
     async fn delete(&self, key: &StoreKey) -> Result<bool, StoreError> {
         let mut conn = self.conn()?;
-        let keys = [&self.redis_key(key)[..]];
         let args: [&[u8]; 2] = [self.channel.as_bytes(), &key.hex_digits()];
         let n: i64 = self
             .call(
                 "delete",
-                eval(&mut conn, &self.scripts.delete, &keys, &args),
+                eval(&mut conn, &self.scripts.delete, &self.redis_key(key), &args),
             )
             .await?;
         Ok(n == 1)
