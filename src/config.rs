@@ -13,6 +13,7 @@ use http::{HeaderName, Method, StatusCode, Uri};
 use serde::Deserialize;
 
 use crate::key::KeySource;
+use crate::metrics::RouteMetrics;
 use crate::route::{PatternError, RoutePattern};
 
 /// Largest accepted `max_body` / `max_stored_response`: both are buffered in memory per request.
@@ -278,6 +279,8 @@ pub struct RouteConfig {
     /// same key gets the stored response instead of a mismatch.
     pub check_fingerprint: bool,
     pub policy: Policy,
+    /// The route's metric series, kept once used.
+    pub metrics: RouteMetrics,
 }
 
 impl Config {
@@ -787,6 +790,7 @@ fn validate_route(
         key,
         check_fingerprint: own.check_fingerprint.unwrap_or(true),
         policy,
+        metrics: RouteMetrics::default(),
     })
 }
 

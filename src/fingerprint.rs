@@ -7,8 +7,10 @@
 //! `fingerprint_ignore` pointers removed. Any other body, or JSON that does not parse, is hashed
 //! as bytes.
 
+use std::borrow::Cow;
+
 use http::{HeaderMap, Method};
-use serde_json::Value;
+use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 use sha2::{Digest, Sha256};
 
 /// A request's fingerprint, stored with the key's record.
@@ -53,17 +55,13 @@ pub fn fingerprint(parts: &RequestParts<'_>, ignore: &[String]) -> Fingerprint {
     // `?` alone and no query at all are different requests to most servers.
     h.update([u8::from(parts.query.is_some())]);
 
-    let json = is_json(parts.headers)
-        .then(|| serde_json::from_slice::<Value>(parts.body).ok())
-        .flatten();
-    match json {
-        Some(mut value) => {
-            for pointer in ignore {
-                remove_pointer(&mut value, pointer);
-            }
+    match is_json(parts.headers)
+        .then(|| canonical_json(parts.body, ignore))
+        .flatten()
+    {
+        Some(canonical) => {
             h.update(b"json\x00");
-            let mut sink = HashSink(&mut h);
-            write_canonical(&value, &mut sink);
+            h.update(&canonical);
         }
         None => {
             h.update(b"bytes\x00");
@@ -80,125 +78,316 @@ fn is_json(headers: &HeaderMap) -> bool {
     else {
         return false;
     };
-    let essence = ct
-        .split(';')
-        .next()
-        .unwrap_or("")
-        .trim()
-        .to_ascii_lowercase();
-    essence == "application/json" || (essence.contains('/') && essence.ends_with("+json"))
+    let essence = ct.split(';').next().unwrap_or("").trim();
+    essence.eq_ignore_ascii_case("application/json")
+        || (essence.contains('/')
+            && essence.len() >= 5
+            && essence.as_bytes()[essence.len() - 5..].eq_ignore_ascii_case(b"+json"))
 }
 
-/// Removes what `pointer` (RFC 6901) names, if present. An array element becomes `null` rather
-/// than shifting its neighbours, so ignoring `/items/0` does not make `/items/1` look like it.
-fn remove_pointer(value: &mut Value, pointer: &str) {
-    let Some((parent, last)) = pointer.rsplit_once('/') else {
-        return;
+/// The canonical form of a JSON body, with the `ignore` pointers (RFC 6901) left out, or `None`
+/// when the body is not JSON.
+///
+/// Written straight from the parser into one buffer, without building a `serde_json::Value`: a
+/// value tree cost about a dozen allocations for a typical 50-byte body, more than the rest of
+/// the fingerprint. The output is byte for byte what writing the parsed value would give (a
+/// property test holds it to that model): object keys sorted, the last of repeated keys kept, an
+/// ignored object member left out and an ignored array element written as `null`, so that
+/// ignoring `/items/0` does not make `/items/1` look like it. Nesting depth is bounded by the
+/// parser (128); an object whose members arrive unsorted is rewritten once, so the work is at
+/// most that depth times the body's size.
+pub fn canonical_json(body: &[u8], ignore: &[String]) -> Option<Vec<u8>> {
+    let pointers: Vec<Vec<String>> = ignore.iter().filter_map(|p| tokens(p)).collect();
+    let all: Vec<usize> = (0..pointers.len()).collect();
+    let mut out = Vec::with_capacity(body.len() + 8);
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let seed = Canon {
+        out: &mut out,
+        pointers: &pointers,
+        active: &all,
+        depth: 0,
     };
-    let token = last.replace("~1", "/").replace("~0", "~");
-    match value.pointer_mut(parent) {
-        Some(Value::Object(map)) => {
-            map.remove(&token);
-        }
-        Some(Value::Array(items)) => {
-            if let Some(item) = token.parse::<usize>().ok().and_then(|i| items.get_mut(i)) {
-                *item = Value::Null;
+    seed.deserialize(&mut de).ok()?;
+    de.end().ok()?;
+    Some(out)
+}
+
+/// A pointer's reference tokens, unescaped; `None` for one that names no member (it ignores
+/// nothing, as `Value::pointer` would find nothing).
+fn tokens(pointer: &str) -> Option<Vec<String>> {
+    let rest = pointer.strip_prefix('/')?;
+    Some(
+        rest.split('/')
+            .map(|t| t.replace("~1", "/").replace("~0", "~"))
+            .collect(),
+    )
+}
+
+/// Which ignore pointers a member or element at `depth` matches: those still active whose token
+/// names it. In an array, a pointer's last token is read as any `usize` (`01` is 1), the tokens
+/// before it as a strict index (no leading zero or sign): how the pointers were applied to a
+/// `Value` before, and fingerprints must not change between versions.
+fn narrow(
+    pointers: &[Vec<String>],
+    active: &[usize],
+    depth: usize,
+    matches: impl Fn(&str, bool) -> bool,
+) -> (Vec<usize>, bool) {
+    let mut deeper = Vec::new();
+    let mut ignored = false;
+    for &i in active {
+        let tokens = &pointers[i];
+        let last = tokens.len() == depth + 1;
+        if tokens.get(depth).is_some_and(|t| matches(t, last)) {
+            if last {
+                ignored = true;
+            } else {
+                deeper.push(i);
             }
         }
-        _ => {}
+    }
+    (deeper, ignored)
+}
+
+fn strict_index(token: &str) -> Option<usize> {
+    if token.starts_with('+') || (token.starts_with('0') && token.len() != 1) {
+        return None;
+    }
+    token.parse().ok()
+}
+
+/// Writes the canonical form of one JSON value into `out`, as the parser reads it.
+struct Canon<'a> {
+    out: &'a mut Vec<u8>,
+    pointers: &'a [Vec<String>],
+    /// Pointers whose tokens so far name this value's path.
+    active: &'a [usize],
+    depth: usize,
+}
+
+impl<'de> DeserializeSeed<'de> for Canon<'_> {
+    type Value = ();
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_any(self)
     }
 }
 
-/// Where canonical JSON goes: straight into the hash, or into a buffer in tests.
-pub trait Sink: std::io::Write {
-    fn put(&mut self, bytes: &[u8]);
-}
+impl<'de> Visitor<'de> for Canon<'_> {
+    type Value = ();
 
-struct HashSink<'a>(&'a mut Sha256);
-
-impl std::io::Write for HashSink<'_> {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.update(buf);
-        Ok(buf.len())
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("any JSON value")
     }
 
-    fn flush(&mut self) -> std::io::Result<()> {
+    fn visit_unit<E: de::Error>(self) -> Result<(), E> {
+        self.out.extend_from_slice(b"null");
+        Ok(())
+    }
+
+    fn visit_bool<E: de::Error>(self, v: bool) -> Result<(), E> {
+        self.out
+            .extend_from_slice(if v { b"true" } else { b"false" });
+        Ok(())
+    }
+
+    // Integers that fit come as integers even with `arbitrary_precision`; others as text below.
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<(), E> {
+        write_number(itoa::Buffer::new().format(v), self.out);
+        Ok(())
+    }
+
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<(), E> {
+        write_number(itoa::Buffer::new().format(v), self.out);
+        Ok(())
+    }
+
+    fn visit_f64<E: de::Error>(self, v: f64) -> Result<(), E> {
+        match serde_json::Number::from_f64(v) {
+            Some(n) => write_number(n.as_str(), self.out),
+            None => self.out.extend_from_slice(b"null"),
+        }
+        Ok(())
+    }
+
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<(), E> {
+        write_string(v, self.out);
+        Ok(())
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        self.out.push(b'[');
+        let mut index = 0usize;
+        loop {
+            let (deeper, ignored) = if self.active.is_empty() {
+                (Vec::new(), false)
+            } else {
+                narrow(self.pointers, self.active, self.depth, |t, last| {
+                    let i = if last {
+                        t.parse().ok()
+                    } else {
+                        strict_index(t)
+                    };
+                    i == Some(index)
+                })
+            };
+            let before = self.out.len();
+            if index > 0 {
+                self.out.push(b',');
+            }
+            let at = self.out.len();
+            let child = Canon {
+                out: &mut *self.out,
+                pointers: self.pointers,
+                active: &deeper,
+                depth: self.depth + 1,
+            };
+            if seq.next_element_seed(child)?.is_none() {
+                self.out.truncate(before);
+                break;
+            }
+            if ignored {
+                // Still parsed in full above: what `Value` refuses must stay refused.
+                self.out.truncate(at);
+                self.out.extend_from_slice(b"null");
+            }
+            index += 1;
+        }
+        self.out.push(b']');
+        Ok(())
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        let Some(first) = map.next_key_seed(KeySeed)? else {
+            self.out.extend_from_slice(b"{}");
+            return Ok(());
+        };
+        // A number that does not fit an integer, as `serde_json` hands it over with
+        // `arbitrary_precision`: a map of one private key to the number's text. `Value` reads
+        // it the same way (an object whose first key is this one is taken for a number too).
+        if first == NUMBER_TOKEN {
+            let raw = map.next_value_seed(KeySeed)?;
+            let n: serde_json::Number = raw.parse().map_err(de::Error::custom)?;
+            write_number(n.as_str(), self.out);
+            return Ok(());
+        }
+        let start = self.out.len();
+        self.out.push(b'{');
+        // Each member as written: its key and where its `"key":value` text lies in `out`.
+        let mut members: Vec<(Cow<'de, str>, usize, usize)> = Vec::new();
+        let mut key = Some(first);
+        while let Some(k) = key
+            .take()
+            .map(Ok)
+            .or_else(|| map.next_key_seed(KeySeed).transpose())
+        {
+            let k = k?;
+            let (deeper, ignored) = if self.active.is_empty() {
+                (Vec::new(), false)
+            } else {
+                narrow(self.pointers, self.active, self.depth, |t, _| t == k)
+            };
+            let before = self.out.len();
+            if !members.is_empty() {
+                self.out.push(b',');
+            }
+            let at = self.out.len();
+            write_string(&k, self.out);
+            self.out.push(b':');
+            map.next_value_seed(Canon {
+                out: &mut *self.out,
+                pointers: self.pointers,
+                active: &deeper,
+                depth: self.depth + 1,
+            })?;
+            if ignored {
+                // Parsed in full all the same, so that what `Value` refuses stays refused.
+                self.out.truncate(before);
+                continue;
+            }
+            members.push((k, at, self.out.len()));
+        }
+        self.out.push(b'}');
+        if members.windows(2).all(|w| w[0].0 < w[1].0) {
+            return Ok(());
+        }
+        // Out of order or repeated: rewrite the object sorted, each key's last value kept.
+        let written = self.out.split_off(start);
+        members.sort_by(|a, b| a.0.cmp(&b.0)); // stable: repeats stay in arrival order
+        self.out.push(b'{');
+        let mut first = true;
+        for (i, (k, from, to)) in members.iter().enumerate() {
+            if members.get(i + 1).is_some_and(|next| next.0 == *k) {
+                continue;
+            }
+            if !first {
+                self.out.push(b',');
+            }
+            first = false;
+            self.out
+                .extend_from_slice(&written[from - start..to - start]);
+        }
+        self.out.push(b'}');
         Ok(())
     }
 }
 
-impl Sink for HashSink<'_> {
-    fn put(&mut self, bytes: &[u8]) {
-        self.0.update(bytes);
+/// The private key `serde_json` names an arbitrary-precision number with.
+const NUMBER_TOKEN: &str = "$serde_json::private::Number";
+
+/// Reads an object key (or a number's text), borrowed from the body when it has no escapes.
+struct KeySeed;
+
+impl<'de> DeserializeSeed<'de> for KeySeed {
+    type Value = Cow<'de, str>;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_str(self)
     }
 }
 
-impl Sink for Vec<u8> {
-    fn put(&mut self, bytes: &[u8]) {
-        self.extend_from_slice(bytes);
+impl<'de> Visitor<'de> for KeySeed {
+    type Value = Cow<'de, str>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a string")
+    }
+
+    fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
+        Ok(Cow::Borrowed(v))
+    }
+
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+        Ok(Cow::Owned(v.to_owned()))
     }
 }
 
-/// Writes the canonical form of `value`. Nesting depth is bounded by the JSON parser (128).
-pub fn write_canonical(value: &Value, out: &mut impl Sink) {
-    match value {
-        Value::Null => out.put(b"null"),
-        Value::Bool(true) => out.put(b"true"),
-        Value::Bool(false) => out.put(b"false"),
-        Value::Number(n) => write_number(n.as_str(), out),
-        Value::String(s) => write_string(s, out),
-        Value::Array(items) => {
-            out.put(b"[");
-            for (i, item) in items.iter().enumerate() {
-                if i > 0 {
-                    out.put(b",");
-                }
-                write_canonical(item, out);
-            }
-            out.put(b"]");
-        }
-        Value::Object(map) => {
-            // serde_json's map is a BTreeMap here (no `preserve_order`), so it iterates sorted.
-            out.put(b"{");
-            for (i, (k, v)) in map.iter().enumerate() {
-                if i > 0 {
-                    out.put(b",");
-                }
-                write_string(k, out);
-                out.put(b":");
-                write_canonical(v, out);
-            }
-            out.put(b"}");
-        }
-    }
-}
-
-fn write_string(s: &str, out: &mut impl Sink) {
-    // Escapes straight into the sink, no intermediate buffer; writing to a hash or a Vec cannot
-    // fail, and on the impossible error the raw text still goes in.
+fn write_string(s: &str, out: &mut Vec<u8>) {
+    // Writing to a Vec cannot fail; on the impossible error the raw text still goes in.
     if serde_json::to_writer(&mut *out, s).is_err() {
-        out.put(s.as_bytes());
+        out.extend_from_slice(s.as_bytes());
     }
 }
 
 /// Writes a JSON number as `[-]digits[eEXP]` with no leading or trailing zeros in `digits`:
 /// exact for any precision, and equal for equal values written differently.
-fn write_number(raw: &str, out: &mut impl Sink) {
-    match normalize_number(raw) {
-        Some(n) => out.put(n.as_bytes()),
-        None => {
-            out.put(b"~");
-            out.put(raw.as_bytes());
-        }
+fn write_number(raw: &str, out: &mut Vec<u8>) {
+    if !normalize_number(raw, out) {
+        out.push(b'~');
+        out.extend_from_slice(raw.as_bytes());
     }
 }
 
 /// A JSON number in the same exact, canonical text the fingerprint uses (`1e1` for `10`).
 pub fn canonical_number(n: &serde_json::Number) -> String {
-    normalize_number(n.as_str()).unwrap_or_else(|| n.as_str().to_string())
+    let mut out = Vec::new();
+    write_number(n.as_str(), &mut out);
+    String::from_utf8(out).unwrap_or_else(|_| n.as_str().to_string())
 }
 
-fn normalize_number(raw: &str) -> Option<String> {
+/// Appends the canonical text of the number `raw` to `out`; false, with nothing appended, when
+/// `raw` is not a plain decimal number or its exponent is too long to normalise.
+fn normalize_number(raw: &str, out: &mut Vec<u8>) -> bool {
     let (negative, unsigned) = match raw.strip_prefix('-') {
         Some(rest) => (true, rest),
         None => (false, raw),
@@ -211,34 +400,51 @@ fn normalize_number(raw: &str) -> Option<String> {
     // 18 digits always fit in an i64; longer exponents are astronomically rare and fall back to
     // the raw text (still a stable fingerprint, only not normalised).
     if exp.trim_start_matches('-').len() > 18 {
-        return None;
+        return false;
     }
-    let mut exp: i128 = exp.parse().ok()?;
+    let Ok(exp) = exp.parse::<i128>() else {
+        return false;
+    };
     let (int, frac) = mantissa.split_once('.').unwrap_or((mantissa, ""));
-    exp -= frac.len() as i128;
-    let mut digits: String = int.chars().chain(frac.chars()).collect();
-    if !digits.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
+    let (int, frac) = (int.as_bytes(), frac.as_bytes());
+    if !int.iter().chain(frac).all(u8::is_ascii_digit) {
+        return false;
     }
-    let leading = digits.len() - digits.trim_start_matches('0').len();
-    digits.drain(..leading);
-    if digits.is_empty() {
-        return Some("0".into());
-    }
-    while digits.ends_with('0') {
-        digits.pop();
-        exp += 1;
-    }
-    let mut out = String::with_capacity(digits.len() + 8);
+    // The digits are int ++ frac; keep from the first to the last non-zero one.
+    let digit = |i: usize| {
+        if i < int.len() {
+            int[i]
+        } else {
+            frac[i - int.len()]
+        }
+    };
+    let total = int.len() + frac.len();
+    let Some(first) = (0..total).find(|&i| digit(i) != b'0') else {
+        out.push(b'0');
+        return true;
+    };
+    let last = (0..total)
+        .rev()
+        .find(|&i| digit(i) != b'0')
+        .unwrap_or(first);
+    let exp = exp - frac.len() as i128 + (total - 1 - last) as i128;
     if negative {
-        out.push('-');
+        out.push(b'-');
     }
-    out.push_str(&digits);
+    for part in [
+        int.get(first..(last + 1).min(int.len())),
+        frac.get(first.saturating_sub(int.len())..(last + 1).saturating_sub(int.len())),
+    ]
+    .into_iter()
+    .flatten()
+    {
+        out.extend_from_slice(part);
+    }
     if exp != 0 {
-        out.push('e');
-        out.push_str(&exp.to_string());
+        out.push(b'e');
+        out.extend_from_slice(itoa::Buffer::new().format(exp).as_bytes());
     }
-    Some(out)
+    true
 }
 
 #[cfg(test)]
@@ -246,11 +452,84 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    use serde_json::Value;
+
     fn canon(json: &str) -> String {
-        let v: Value = serde_json::from_str(json).unwrap();
+        String::from_utf8(canonical_json(json.as_bytes(), &[]).unwrap()).unwrap()
+    }
+
+    fn norm(raw: &str) -> Option<String> {
         let mut out = Vec::new();
-        write_canonical(&v, &mut out);
-        String::from_utf8(out).unwrap()
+        normalize_number(raw, &mut out).then(|| String::from_utf8(out).unwrap())
+    }
+
+    /// The model the streaming canonicaliser must match byte for byte: how fingerprints were
+    /// computed before it, by parsing into a `Value`, removing the ignored pointers and writing
+    /// the value out. Stored fingerprints stay valid across the change only if the two agree.
+    mod model {
+        use serde_json::Value;
+
+        pub fn canonical(body: &[u8], ignore: &[String]) -> Option<Vec<u8>> {
+            let mut value: Value = serde_json::from_slice(body).ok()?;
+            for pointer in ignore {
+                remove_pointer(&mut value, pointer);
+            }
+            let mut out = Vec::new();
+            write(&value, &mut out);
+            Some(out)
+        }
+
+        fn remove_pointer(value: &mut Value, pointer: &str) {
+            let Some((parent, last)) = pointer.rsplit_once('/') else {
+                return;
+            };
+            let token = last.replace("~1", "/").replace("~0", "~");
+            match value.pointer_mut(parent) {
+                Some(Value::Object(map)) => {
+                    map.remove(&token);
+                }
+                Some(Value::Array(items)) => {
+                    if let Some(item) = token.parse::<usize>().ok().and_then(|i| items.get_mut(i)) {
+                        *item = Value::Null;
+                    }
+                }
+                _ => {}
+            }
+        }
+
+        fn write(value: &Value, out: &mut Vec<u8>) {
+            match value {
+                Value::Null => out.extend_from_slice(b"null"),
+                Value::Bool(true) => out.extend_from_slice(b"true"),
+                Value::Bool(false) => out.extend_from_slice(b"false"),
+                Value::Number(n) => {
+                    out.extend_from_slice(super::super::canonical_number(n).as_bytes())
+                }
+                Value::String(s) => serde_json::to_writer(&mut *out, s).unwrap(),
+                Value::Array(items) => {
+                    out.push(b'[');
+                    for (i, item) in items.iter().enumerate() {
+                        if i > 0 {
+                            out.push(b',');
+                        }
+                        write(item, out);
+                    }
+                    out.push(b']');
+                }
+                Value::Object(map) => {
+                    out.push(b'{');
+                    for (i, (k, v)) in map.iter().enumerate() {
+                        if i > 0 {
+                            out.push(b',');
+                        }
+                        serde_json::to_writer(&mut *out, k).unwrap();
+                        out.push(b':');
+                        write(v, out);
+                    }
+                    out.push(b'}');
+                }
+            }
+        }
     }
 
     fn fp(ct: Option<&str>, body: &str, ignore: &[&str]) -> Fingerprint {
@@ -453,6 +732,80 @@ mod tests {
         }
     }
 
+    /// JSON text in every form the parser accepts: repeated and escaped keys, numbers written
+    /// every way (integers that fit, huge ones, decimals, exponents, `-0`), escapes, spacing.
+    fn json_text() -> impl Strategy<Value = String> {
+        let number = prop_oneof![
+            Just("0".to_string()),
+            Just("-0".to_string()),
+            Just("10".to_string()),
+            Just("1.50".to_string()),
+            Just("-0.000".to_string()),
+            Just("1e3".to_string()),
+            Just("2E-2".to_string()),
+            Just("12345678901234567890123".to_string()),
+            Just("-9223372036854775809".to_string()),
+            Just("18446744073709551616".to_string()),
+            Just("1e0000000000000000000001".to_string()),
+            any::<i64>().prop_map(|n| n.to_string()),
+            (any::<u32>(), 0u32..6, -30i32..30)
+                .prop_map(|(m, f, e)| format!("{m}.{}e{e}", "0".repeat(f as usize))),
+        ];
+        let string = prop_oneof![
+            "[a-c]{0,2}".prop_map(|s| format!("\"{s}\"")),
+            Just(r#""\u0061""#.to_string()),
+            Just(r#""caf\u00e9\/\n""#.to_string()),
+            Just("\"\u{e9}\u{1F600}\"".to_string()),
+            Just(r#""$serde_json::private::Number""#.to_string()),
+        ];
+        let leaf = prop_oneof![
+            Just("null".to_string()),
+            Just("true".to_string()),
+            Just("false".to_string()),
+            number,
+            string.clone(),
+        ];
+        let space = prop_oneof![Just(""), Just(" "), Just("\n\t ")];
+        leaf.prop_recursive(4, 40, 5, move |inner| {
+            prop_oneof![
+                (prop::collection::vec(inner.clone(), 0..5), space.clone())
+                    .prop_map(|(items, s)| format!("[{s}{}]", items.join(&format!("{s},")))),
+                (
+                    prop::collection::vec((string.clone(), inner), 0..5),
+                    space.clone()
+                )
+                    .prop_map(|(members, s)| {
+                        let members: Vec<String> = members
+                            .into_iter()
+                            .map(|(k, v)| format!("{k}{s}:{v}"))
+                            .collect();
+                        format!("{{{s}{}}}", members.join(","))
+                    }),
+            ]
+        })
+    }
+
+    fn pointer() -> impl Strategy<Value = String> {
+        prop_oneof![
+            prop::collection::vec(
+                prop_oneof![
+                    Just("a"),
+                    Just("b"),
+                    Just("0"),
+                    Just("1"),
+                    Just("01"),
+                    Just("+1"),
+                    Just(""),
+                    Just("a~1b"),
+                    Just("~0")
+                ],
+                1..4
+            )
+            .prop_map(|t| format!("/{}", t.join("/"))),
+            Just("/".to_string()),
+        ]
+    }
+
     proptest! {
         #[test]
         fn same_value_any_layout_same_fingerprint(v in json_value(), spaces in prop::collection::vec(any::<bool>(), 64)) {
@@ -464,12 +817,30 @@ mod tests {
         /// The canonical form is valid JSON and canonicalising it again changes nothing.
         #[test]
         fn canonical_form_is_a_fixed_point(v in json_value()) {
-            let mut once = Vec::new();
-            write_canonical(&v, &mut once);
-            let back: Value = serde_json::from_slice(&once).unwrap();
-            let mut twice = Vec::new();
-            write_canonical(&back, &mut twice);
+            let once = canonical_json(serde_json::to_string(&v).unwrap().as_bytes(), &[]).unwrap();
+            let twice = canonical_json(&once, &[]).unwrap();
             prop_assert_eq!(once, twice);
+        }
+
+        /// The streaming canonicaliser writes what the `Value` model writes, for any JSON text
+        /// (repeated keys, every number form, escapes, layout) and any ignore pointers.
+        #[test]
+        fn streaming_matches_the_value_model(text in json_text(), ignore in prop::collection::vec(pointer(), 0..4)) {
+            prop_assert_eq!(
+                canonical_json(text.as_bytes(), &ignore),
+                model::canonical(text.as_bytes(), &ignore),
+                "{} ignoring {:?}", text, ignore
+            );
+        }
+
+        /// Broken JSON is refused by both alike (and then hashed as bytes).
+        #[test]
+        fn streaming_refuses_what_the_model_refuses(text in json_text(), cut in any::<prop::sample::Index>(), junk in "[\\]\\[{},:\"0-9a-z .eE+-]{0,3}") {
+            let at = cut.index(text.len() + 1);
+            let mut broken = text.as_bytes()[..at].to_vec();
+            broken.extend_from_slice(junk.as_bytes());
+            broken.extend_from_slice(&text.as_bytes()[at..]);
+            prop_assert_eq!(canonical_json(&broken, &[]), model::canonical(&broken, &[]));
         }
 
         #[test]
@@ -477,9 +848,9 @@ mod tests {
             let plain = int.to_string();
             let padded = format!("{plain}.{}", "0".repeat(zeros.max(1)));
             let scaled = format!("{int}e{shift}");
-            prop_assert_eq!(normalize_number(&plain), normalize_number(&padded));
-            let expected = normalize_number(&((int as u128) * 10u128.pow(shift as u32)).to_string());
-            prop_assert_eq!(normalize_number(&scaled), expected);
+            prop_assert_eq!(norm(&plain), norm(&padded));
+            let expected = norm(&((int as u128) * 10u128.pow(shift as u32)).to_string());
+            prop_assert_eq!(norm(&scaled), expected);
         }
 
         #[test]

@@ -31,7 +31,7 @@ use crate::body::{self, Body, Captured, ReadError};
 use crate::config::{OnStoreError, OnUnknown, Policy, RouteConfig, UpstreamUrl};
 use crate::fingerprint::{fingerprint, Fingerprint, RequestParts};
 use crate::key::{ClientScope, StoreKey};
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, RouteMetrics};
 use crate::problem::Problem;
 use crate::route::Router;
 use crate::store::{
@@ -67,6 +67,10 @@ pub enum Outcome {
 }
 
 impl Outcome {
+    /// How many outcomes there are, for per-route metric handles indexed by `outcome as usize`
+    /// (`Passthrough` stays the last variant).
+    pub const COUNT: usize = Outcome::Passthrough as usize + 1;
+
     pub fn as_str(self) -> &'static str {
         match self {
             Outcome::Executed => "executed",
@@ -224,16 +228,17 @@ impl Gateway {
                     conn,
                     &routing.default_upstream,
                     routing.default_timeout,
-                    "",
+                    None,
                 )
                 .await;
-            self.metrics.request("", Outcome::Passthrough);
+            self.metrics.request(None, Outcome::Passthrough);
             return resp;
         };
         drop(routing);
         let started = Instant::now();
         let (resp, outcome, key) = self.idempotent(route.clone(), req, conn).await;
-        self.metrics.request(&route.name, outcome);
+        self.metrics
+            .request(Some((&route.name, &route.metrics)), outcome);
         tracing::info!(
             route = %route.name,
             key = %key.as_ref().map(StoreKey::short).unwrap_or_else(|| "-".into()),
@@ -480,7 +485,8 @@ impl Gateway {
             () = self.renew_lease(key, token, policy.lock_timeout) => forward.await,
         };
         let upstream_time = started.elapsed();
-        self.metrics.upstream(&route.name, upstream_time);
+        self.metrics
+            .upstream(Some((&route.name, &route.metrics)), upstream_time);
         let (mut resp, outcome) = self.settle(policy, key, token, result).await;
         // For the request's log line; extensions never go on the wire.
         resp.extensions_mut().insert(UpstreamTime(upstream_time));
@@ -607,7 +613,8 @@ impl Gateway {
     ) -> Response<Body> {
         let req = Request::from_parts(parts, body);
         let timeout = route.policy.upstream_timeout;
-        self.pass_through(req, conn, &route.upstream, timeout, &route.name)
+        let metrics = Some((route.name.as_str(), &route.metrics));
+        self.pass_through(req, conn, &route.upstream, timeout, metrics)
             .await
     }
 
@@ -618,7 +625,7 @@ impl Gateway {
         conn: &Arc<Conn>,
         target: &UpstreamUrl,
         timeout: Duration,
-        route: &str,
+        route: Option<(&str, &RouteMetrics)>,
     ) -> Response<Body> {
         let (mut parts, body) = req.into_parts();
         if prepare_request(&mut parts, target, &conn.peer).is_err() {

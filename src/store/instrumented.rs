@@ -10,7 +10,7 @@ use super::wait::Subscription;
 use super::{OwnerToken, Record, Reservation, Store, StoreError, StoredResponse, UnknownReason};
 use crate::fingerprint::Fingerprint;
 use crate::key::StoreKey;
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, StoreOp};
 
 pub struct Instrumented {
     inner: Arc<dyn Store>,
@@ -24,7 +24,7 @@ impl Instrumented {
 
     async fn timed<T>(
         &self,
-        op: &'static str,
+        op: StoreOp,
         fut: impl std::future::Future<Output = Result<T, StoreError>>,
     ) -> Result<T, StoreError> {
         let started = Instant::now();
@@ -48,16 +48,19 @@ impl Store for Instrumented {
         lease: Duration,
         ttl: Duration,
     ) -> Result<Reservation, StoreError> {
-        self.timed("reserve", self.inner.reserve(key, fingerprint, lease, ttl))
-            .await
+        self.timed(
+            StoreOp::Reserve,
+            self.inner.reserve(key, fingerprint, lease, ttl),
+        )
+        .await
     }
 
     async fn get(&self, key: &StoreKey) -> Result<Option<Record>, StoreError> {
-        self.timed("get", self.inner.get(key)).await
+        self.timed(StoreOp::Get, self.inner.get(key)).await
     }
 
     async fn get_watched(&self, key: &StoreKey) -> Result<Option<Record>, StoreError> {
-        self.timed("get", self.inner.get_watched(key)).await
+        self.timed(StoreOp::Get, self.inner.get_watched(key)).await
     }
 
     async fn complete(
@@ -67,8 +70,11 @@ impl Store for Instrumented {
         response: StoredResponse,
         ttl: Duration,
     ) -> Result<(), StoreError> {
-        self.timed("complete", self.inner.complete(key, owner, response, ttl))
-            .await
+        self.timed(
+            StoreOp::Complete,
+            self.inner.complete(key, owner, response, ttl),
+        )
+        .await
     }
 
     async fn mark_unknown(
@@ -77,12 +83,16 @@ impl Store for Instrumented {
         owner: OwnerToken,
         reason: UnknownReason,
     ) -> Result<(), StoreError> {
-        self.timed("mark_unknown", self.inner.mark_unknown(key, owner, reason))
-            .await
+        self.timed(
+            StoreOp::MarkUnknown,
+            self.inner.mark_unknown(key, owner, reason),
+        )
+        .await
     }
 
     async fn release(&self, key: &StoreKey, owner: OwnerToken) -> Result<(), StoreError> {
-        self.timed("release", self.inner.release(key, owner)).await
+        self.timed(StoreOp::Release, self.inner.release(key, owner))
+            .await
     }
 
     async fn renew(
@@ -91,7 +101,7 @@ impl Store for Instrumented {
         owner: OwnerToken,
         lease: Duration,
     ) -> Result<(), StoreError> {
-        self.timed("renew", self.inner.renew(key, owner, lease))
+        self.timed(StoreOp::Renew, self.inner.renew(key, owner, lease))
             .await
     }
 
@@ -104,14 +114,14 @@ impl Store for Instrumented {
         ttl: Duration,
     ) -> Result<Option<OwnerToken>, StoreError> {
         self.timed(
-            "take_over",
+            StoreOp::TakeOver,
             self.inner.take_over(key, expected, fingerprint, lease, ttl),
         )
         .await
     }
 
     async fn delete(&self, key: &StoreKey) -> Result<bool, StoreError> {
-        self.timed("delete", self.inner.delete(key)).await
+        self.timed(StoreOp::Delete, self.inner.delete(key)).await
     }
 
     fn subscribe(&self, key: &StoreKey) -> Subscription {
@@ -119,7 +129,7 @@ impl Store for Instrumented {
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
-        self.timed("ping", self.inner.ping()).await
+        self.timed(StoreOp::Ping, self.inner.ping()).await
     }
 
     fn purged(&self) -> u64 {
