@@ -38,7 +38,7 @@ use crate::store::{
     now_ms, OwnerToken, Record, RecordState, Reservation, Store, StoreError, StoredResponse,
     UnknownReason,
 };
-use crate::upstream::{prepare_request, Peer, UpstreamClient, UpstreamError};
+use crate::upstream::{prepare_request, Peer, UpstreamBody, UpstreamClient, UpstreamError};
 
 /// How often a waiting duplicate re-reads the record even without a signal: catches an owner
 /// whose lease ran out (it sends no signal when it dies).
@@ -703,7 +703,10 @@ enum ForwardedBody {
     /// Within `max_stored_response`: stored and sent as one.
     Complete(Bytes),
     /// Too large to store: streamed to the client, replays carry status and headers only.
-    Streaming { head: Vec<Bytes>, rest: Incoming },
+    Streaming {
+        head: Vec<Bytes>,
+        rest: UpstreamBody,
+    },
 }
 
 /// Sends the request and reads the response, all within `upstream_timeout`.

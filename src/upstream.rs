@@ -1,30 +1,54 @@
-//! The upstream side: one pooled HTTP/1.1 client, request rewriting, and failure classification.
+//! The upstream side: a pool of HTTP/1.1 connections per worker, request rewriting, and
+//! failure classification.
 //!
 //! Failures are sorted by what they mean for idempotency: [`UpstreamError::NotSent`] (the
-//! connection was never made, so the request certainly did not run and the key can be released)
-//! versus [`UpstreamError::Failed`] and [`UpstreamError::Timeout`] (the request may have reached
-//! the upstream, so the outcome is unknown).
+//! request certainly did not reach the upstream: no connection could be made, or hyper handed the
+//! request back unwritten, so the key can be released) versus [`UpstreamError::Failed`] and
+//! [`UpstreamError::Timeout`] (the request may have reached the upstream, so the outcome is
+//! unknown).
+//!
+//! The pool is ours rather than hyper-util's legacy client: that one keys its pool with SipHash
+//! under a lock shared by every thread and spawns a task per request to return the connection,
+//! about a tenth of a pass-through request's instructions. Here each worker thread has its own
+//! short list of idle connections per upstream, and a connection goes back when its response
+//! body has been read to the end (a body still streaming to a slow client keeps its connection;
+//! a body dropped half-read takes its connection down with it). What hyper-util did that matters
+//! is kept: a request that a reused connection hands back unwritten (the upstream closed it while
+//! it sat idle) is sent again on another one, and idle connections are dropped after 60 s, before
+//! a typical upstream's keep-alive timeout closes them under a request.
 
+use std::collections::VecDeque;
 use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
+use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
-use http::uri::{self, PathAndQuery, Scheme};
+use http::uri::{self, Authority, PathAndQuery, Scheme};
 use http::{request, Request, Response, Uri, Version};
+use http_body::{Body as HttpBody, Frame, SizeHint};
 use hyper::body::Incoming;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
+use hyper::client::conn::http1::{self, SendRequest};
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpStream;
+use tokio::time::Instant;
 
 use crate::body::{Body, BoxError};
 use crate::config::UpstreamUrl;
 
 /// How long establishing a TCP connection to the upstream may take at most.
 pub const MAX_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// Idle connections older than this are closed rather than reused: below the 75 s keep-alive
+/// timeout of nginx and the 60+ s of most servers, so the upstream rarely closes one first.
+const IDLE_TIMEOUT: Duration = Duration::from_secs(59);
+/// Idle connections kept per upstream and worker; more are closed when they come back.
+const MAX_IDLE_PER_UPSTREAM: usize = 256;
 
 #[derive(Debug, thiserror::Error)]
 pub enum UpstreamError {
-    /// No connection could be made: the request was certainly not sent.
+    /// The request certainly did not reach the upstream.
     #[error("upstream not reached: {0}")]
     NotSent(BoxError),
     /// The exchange failed after the connection was made: the request may have been executed.
@@ -39,21 +63,30 @@ pub enum UpstreamError {
 /// A pooled HTTP/1.1 client; each worker thread has its own ([`crate::gateway::Gateway::upstream_pool`]).
 #[derive(Clone)]
 pub struct UpstreamClient {
-    client: Client<HttpConnector, Body>,
+    pool: Arc<Pool>,
+}
+
+struct Pool {
+    connect_timeout: Duration,
+    /// Per upstream, idle connections, the most recently used last. A route has one upstream
+    /// and a config a handful, so a list beats a map.
+    idle: Mutex<Vec<(Authority, VecDeque<Idle>)>>,
+}
+
+struct Idle {
+    sender: SendRequest<Body>,
+    since: Instant,
 }
 
 impl UpstreamClient {
     /// `connect_timeout` is capped at [`MAX_CONNECT_TIMEOUT`].
     pub fn new(connect_timeout: Duration) -> Self {
-        let mut http = HttpConnector::new();
-        http.set_nodelay(true);
-        http.set_connect_timeout(Some(connect_timeout.min(MAX_CONNECT_TIMEOUT)));
-        http.enforce_http(true);
-        let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(60))
-            .pool_max_idle_per_host(256)
-            .build(http);
-        UpstreamClient { client }
+        UpstreamClient {
+            pool: Arc::new(Pool {
+                connect_timeout: connect_timeout.min(MAX_CONNECT_TIMEOUT),
+                idle: Mutex::new(Vec::new()),
+            }),
+        }
     }
 
     /// Sends `req` and waits for the response head for at most `timeout`; the response comes back
@@ -62,24 +95,211 @@ impl UpstreamClient {
         &self,
         req: Request<Body>,
         timeout: Duration,
-    ) -> Result<Response<Incoming>, UpstreamError> {
+    ) -> Result<Response<UpstreamBody>, UpstreamError> {
         tokio::time::timeout(timeout, self.exchange(req))
             .await
             .unwrap_or(Err(UpstreamError::Timeout(timeout)))
     }
 
     /// [`UpstreamClient::send`] with no timeout: for a caller whose own deadline covers more
-    /// than the response head (one timer per request, not one per step).
-    pub async fn exchange(&self, req: Request<Body>) -> Result<Response<Incoming>, UpstreamError> {
-        match self.client.request(req).await {
-            Ok(mut resp) => {
-                // Connection-specific on the way back too: what the client gets is ours to frame.
-                strip_hop_by_hop(resp.headers_mut());
-                Ok(resp)
+    /// than the response head (one timer per request, not one per step). `req` carries the
+    /// upstream in its URI ([`prepare_request`]); it goes on the wire in origin form.
+    pub async fn exchange(
+        &self,
+        mut req: Request<Body>,
+    ) -> Result<Response<UpstreamBody>, UpstreamError> {
+        let Some(authority) = req.uri().authority().cloned() else {
+            return Err(UpstreamError::NotSent(
+                "the request names no upstream".into(),
+            ));
+        };
+        let origin_form = req
+            .uri()
+            .path_and_query()
+            .cloned()
+            .unwrap_or_else(|| PathAndQuery::from_static("/"));
+        *req.uri_mut() = Uri::from(origin_form);
+        if !req.headers().contains_key(header::HOST) {
+            if let Ok(host) = HeaderValue::from_str(&host_header(&authority)) {
+                req.headers_mut().insert(header::HOST, host);
             }
-            Err(e) if e.is_connect() => Err(UpstreamError::NotSent(e.into())),
-            Err(e) => Err(UpstreamError::Failed(e.into())),
         }
+        loop {
+            let (mut sender, reused) = match self.pool.checkout(&authority).await {
+                Some(sender) => (sender, true),
+                None => (self.pool.connect(&authority).await?, false),
+            };
+            match sender.try_send_request(req).await {
+                Ok(mut resp) => {
+                    // Connection-specific on the way back too: what the client gets is ours to
+                    // frame.
+                    strip_hop_by_hop(resp.headers_mut());
+                    let pool = Arc::clone(&self.pool);
+                    return Ok(resp.map(|body| UpstreamBody::new(body, pool, authority, sender)));
+                }
+                Err(mut e) => match e.take_message() {
+                    // Handed back unwritten by a connection the upstream had closed while it sat
+                    // idle: send it on another. Each round uses up one idle connection, and a
+                    // new connection ends the loop either way.
+                    Some(unsent) if reused => req = unsent,
+                    Some(_) => return Err(UpstreamError::NotSent(e.into_error().into())),
+                    None => return Err(UpstreamError::Failed(e.into_error().into())),
+                },
+            }
+        }
+    }
+}
+
+impl Pool {
+    fn idle(&self) -> std::sync::MutexGuard<'_, Vec<(Authority, VecDeque<Idle>)>> {
+        // Every change under the lock is one push or pop: a panic elsewhere cannot leave it torn.
+        self.idle.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The most recently used idle connection to `authority` that is still open, once ready.
+    async fn checkout(&self, authority: &Authority) -> Option<SendRequest<Body>> {
+        loop {
+            let candidate = {
+                let mut idle = self.idle();
+                let (_, conns) = idle.iter_mut().find(|(a, _)| a == authority)?;
+                let stale = Instant::now().checked_sub(IDLE_TIMEOUT);
+                while conns
+                    .front()
+                    .is_some_and(|c| stale.is_some_and(|s| c.since < s))
+                {
+                    conns.pop_front();
+                }
+                conns.pop_back()?.sender
+            };
+            let mut sender = candidate;
+            if sender.is_closed() {
+                continue;
+            }
+            // Back in the pool as soon as its response was read, the connection may not have
+            // taken that in yet; it is ready within a poll of its task, or closed.
+            if sender.is_ready() || sender.ready().await.is_ok() {
+                return Some(sender);
+            }
+        }
+    }
+
+    fn give_back(&self, authority: Authority, sender: SendRequest<Body>) {
+        if sender.is_closed() {
+            return;
+        }
+        let since = Instant::now();
+        let mut idle = self.idle();
+        let conns = match idle.iter().position(|(a, _)| *a == authority) {
+            Some(i) => &mut idle[i].1,
+            None => {
+                idle.push((authority, VecDeque::new()));
+                let last = idle.len() - 1;
+                &mut idle[last].1
+            }
+        };
+        if conns.len() >= MAX_IDLE_PER_UPSTREAM {
+            conns.pop_front();
+        }
+        conns.push_back(Idle { sender, since });
+    }
+
+    /// A new connection to `authority`; any failure here means nothing was sent.
+    async fn connect(&self, authority: &Authority) -> Result<SendRequest<Body>, UpstreamError> {
+        // `[::1]` in a URI is `::1` to the resolver.
+        let host = authority
+            .host()
+            .trim_start_matches('[')
+            .trim_end_matches(']');
+        let port = authority.port_u16().unwrap_or(80);
+        let connecting = async {
+            let stream = TcpStream::connect((host, port)).await?;
+            stream.set_nodelay(true)?;
+            let (sender, conn) = http1::handshake(TokioIo::new(stream)).await?;
+            tokio::spawn(async move {
+                if let Err(e) = conn.await {
+                    tracing::debug!(error = %e, "upstream connection ended");
+                }
+            });
+            Ok::<_, BoxError>(sender)
+        };
+        match tokio::time::timeout(self.connect_timeout, connecting).await {
+            Ok(Ok(sender)) => Ok(sender),
+            Ok(Err(e)) => Err(UpstreamError::NotSent(e)),
+            Err(_) => Err(UpstreamError::NotSent(
+                format!("connecting took longer than {:?}", self.connect_timeout).into(),
+            )),
+        }
+    }
+}
+
+/// `Host` for a request that came without one (an HTTP/2 client that sent no `:authority`):
+/// the upstream's, with the port unless it is 80.
+fn host_header(authority: &Authority) -> String {
+    match authority.port_u16() {
+        Some(port) if port != 80 => format!("{}:{port}", authority.host()),
+        _ => authority.host().to_string(),
+    }
+}
+
+/// An upstream response body; its connection returns to the pool once it has been read to the
+/// end, and closes if it is dropped before.
+pub struct UpstreamBody {
+    inner: Incoming,
+    reuse: Option<(Arc<Pool>, Authority, SendRequest<Body>)>,
+}
+
+impl UpstreamBody {
+    fn new(
+        inner: Incoming,
+        pool: Arc<Pool>,
+        authority: Authority,
+        sender: SendRequest<Body>,
+    ) -> Self {
+        let mut body = UpstreamBody {
+            inner,
+            reuse: Some((pool, authority, sender)),
+        };
+        // No body at all (204, 304, `Content-Length: 0`): nobody will poll it.
+        if body.inner.is_end_stream() {
+            body.give_back();
+        }
+        body
+    }
+
+    fn give_back(&mut self) {
+        if let Some((pool, authority, sender)) = self.reuse.take() {
+            pool.give_back(authority, sender);
+        }
+    }
+}
+
+impl HttpBody for UpstreamBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let this = &mut *self;
+        let frame = ready!(Pin::new(&mut this.inner).poll_frame(cx));
+        match &frame {
+            // hyper's server stops polling a body once it reports its end, so the end is
+            // caught after the last frame as well as at `None`.
+            None => this.give_back(),
+            Some(Ok(_)) if this.inner.is_end_stream() => this.give_back(),
+            Some(Err(_)) => this.reuse = None,
+            Some(Ok(_)) => {}
+        }
+        Poll::Ready(frame)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
     }
 }
 
@@ -215,6 +435,162 @@ mod tests {
             b = b.header(*k, *v);
         }
         b.body(()).unwrap().into_parts().0
+    }
+
+    /// A raw HTTP/1.1 upstream on loopback that counts its connections and answers each request
+    /// by `answer(path)`: (response bytes, close after it).
+    struct RawUpstream {
+        addr: SocketAddr,
+        accepted: Arc<std::sync::atomic::AtomicUsize>,
+    }
+
+    impl RawUpstream {
+        async fn start(answer: fn(&str) -> (Vec<u8>, bool)) -> RawUpstream {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = listener.local_addr().unwrap();
+            let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+            let count = Arc::clone(&accepted);
+            tokio::spawn(async move {
+                while let Ok((mut sock, _)) = listener.accept().await {
+                    count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    tokio::spawn(async move {
+                        let mut buf = Vec::new();
+                        loop {
+                            let mut chunk = [0u8; 4096];
+                            let Ok(read) = sock.read(&mut chunk).await else {
+                                return;
+                            };
+                            if read == 0 {
+                                return;
+                            }
+                            buf.extend_from_slice(&chunk[..read]);
+                            // Requests here have no body: each ends at its blank line.
+                            while let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                                let head = String::from_utf8_lossy(&buf[..end]).to_string();
+                                buf.drain(..end + 4);
+                                let path = head.split(' ').nth(1).unwrap_or("").to_string();
+                                let (bytes, close) = answer(&path);
+                                if sock.write_all(&bytes).await.is_err() || close {
+                                    return;
+                                }
+                            }
+                        }
+                    });
+                }
+            });
+            RawUpstream { addr, accepted }
+        }
+
+        fn connections(&self) -> usize {
+            self.accepted.load(std::sync::atomic::Ordering::SeqCst)
+        }
+
+        fn request(&self, path: &str) -> Request<Body> {
+            Request::get(format!("http://{}{path}", self.addr))
+                .body(crate::body::full(Bytes::new()))
+                .unwrap()
+        }
+    }
+
+    const OK: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+
+    async fn read_all(resp: Response<UpstreamBody>) -> Bytes {
+        use http_body_util::BodyExt;
+        resp.into_body().collect().await.unwrap().to_bytes()
+    }
+
+    #[tokio::test]
+    async fn sequential_requests_share_one_connection() {
+        let up = RawUpstream::start(|_| (OK.to_vec(), false)).await;
+        let client = UpstreamClient::new(Duration::from_secs(1));
+        for _ in 0..3 {
+            let resp = client.exchange(up.request("/x")).await.unwrap();
+            assert_eq!(read_all(resp).await, "ok");
+        }
+        assert_eq!(up.connections(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_connection_the_upstream_closed_while_idle_is_replaced_unseen() {
+        // Closes after every answer without saying so: each pooled connection is dead when
+        // reused, and the request must still go through, on a new one.
+        let up = RawUpstream::start(|_| (OK.to_vec(), true)).await;
+        let client = UpstreamClient::new(Duration::from_secs(1));
+        for _ in 0..3 {
+            let resp = client.exchange(up.request("/x")).await.unwrap();
+            assert_eq!(read_all(resp).await, "ok");
+        }
+        assert_eq!(up.connections(), 3);
+    }
+
+    #[tokio::test]
+    async fn a_body_still_streaming_keeps_its_connection_and_a_dropped_one_closes_it() {
+        // `/stream` starts a chunked answer that never ends.
+        fn answer(path: &str) -> (Vec<u8>, bool) {
+            match path {
+                "/stream" => (
+                    b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n".to_vec(),
+                    false,
+                ),
+                _ => (OK.to_vec(), false),
+            }
+        }
+        let up = RawUpstream::start(answer).await;
+        let client = UpstreamClient::new(Duration::from_secs(1));
+        let mut streaming = client.exchange(up.request("/stream")).await.unwrap();
+        {
+            use http_body_util::BodyExt;
+            let first = streaming.body_mut().frame().await.unwrap().unwrap();
+            assert_eq!(first.into_data().unwrap(), "abc");
+        }
+        // Not queued behind the unfinished body: a second connection, answered at once.
+        let second =
+            tokio::time::timeout(Duration::from_secs(5), client.exchange(up.request("/x")))
+                .await
+                .expect("queued behind a body still streaming")
+                .unwrap();
+        assert_eq!(read_all(second).await, "ok");
+        assert_eq!(up.connections(), 2);
+        // Dropped half-read: that connection is closed, and the next request takes the idle one.
+        drop(streaming);
+        let third = client.exchange(up.request("/x")).await.unwrap();
+        assert_eq!(read_all(third).await, "ok");
+        assert_eq!(up.connections(), 2);
+        // Dropped before its body was read: not pooled either, so one more connection.
+        let unread = client.exchange(up.request("/x")).await.unwrap();
+        drop(unread);
+        let fourth = client.exchange(up.request("/x")).await.unwrap();
+        assert_eq!(read_all(fourth).await, "ok");
+        assert_eq!(up.connections(), 3);
+    }
+
+    #[tokio::test]
+    async fn nothing_listening_means_not_sent() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        drop(listener);
+        let client = UpstreamClient::new(Duration::from_secs(1));
+        let req = Request::get(format!("http://{addr}/x"))
+            .body(crate::body::full(Bytes::new()))
+            .unwrap();
+        match client.exchange(req).await {
+            Err(UpstreamError::NotSent(_)) => {}
+            Err(e) => panic!("not NotSent: {e}"),
+            Ok(resp) => panic!("an answer from nowhere: {}", resp.status()),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_response_without_a_body_returns_its_connection_at_once() {
+        let up = RawUpstream::start(|_| (b"HTTP/1.1 204 No Content\r\n\r\n".to_vec(), false)).await;
+        let client = UpstreamClient::new(Duration::from_secs(1));
+        for _ in 0..3 {
+            let resp = client.exchange(up.request("/x")).await.unwrap();
+            assert_eq!(resp.status(), 204);
+            // The body is never polled, as hyper's server does for a 204.
+        }
+        assert_eq!(up.connections(), 1);
     }
 
     #[test]
