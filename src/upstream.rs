@@ -7,15 +7,14 @@
 //! [`UpstreamError::Timeout`] (the request may have reached the upstream, so the outcome is
 //! unknown).
 //!
-//! The pool is ours rather than hyper-util's legacy client: that one keys its pool with SipHash
-//! under a lock shared by every thread and spawns a task per request to return the connection,
-//! about a tenth of a pass-through request's instructions. Here each worker thread has its own
+//! The pool is ours rather than hyper-util's legacy client: that one hashes its pool key with
+//! SipHash several times a request and spawns a task per request to return the connection, which
+//! came to about a sixth of a pass-through request's instructions. Here each worker thread has its own
 //! short list of idle connections per upstream, and a connection goes back when its response
 //! body has been read to the end (a body still streaming to a slow client keeps its connection;
 //! a body dropped half-read takes its connection down with it). What hyper-util did that matters
 //! is kept: a request that a reused connection hands back unwritten (the upstream closed it while
-//! it sat idle) is sent again on another one, and idle connections are dropped after 60 s, before
-//! a typical upstream's keep-alive timeout closes them under a request.
+//! it sat idle) is sent again on another one, and idle connections are dropped after 60 s.
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
@@ -40,9 +39,9 @@ use crate::config::UpstreamUrl;
 
 /// How long establishing a TCP connection to the upstream may take at most.
 pub const MAX_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
-/// Idle connections older than this are closed rather than reused: below the 75 s keep-alive
-/// timeout of nginx and the 60+ s of most servers, so the upstream rarely closes one first.
-const IDLE_TIMEOUT: Duration = Duration::from_secs(59);
+/// Idle connections older than this are closed rather than reused, as hyper-util's pool did:
+/// below nginx's 75 s keep-alive timeout, so such an upstream never closes one under a request.
+const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 /// Idle connections kept per upstream and worker; more are closed when they come back.
 const MAX_IDLE_PER_UPSTREAM: usize = 256;
 
