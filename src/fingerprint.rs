@@ -363,6 +363,15 @@ impl<'de> Visitor<'de> for KeySeed {
 }
 
 fn write_string(s: &str, out: &mut Vec<u8>) {
+    // Most keys and values need no escape: copied as they are, which is exactly what serde_json
+    // writes for them (it escapes only `"`, `\\` and control characters).
+    if !s.bytes().any(|b| b == b'"' || b == b'\\' || b < 0x20) {
+        out.reserve(s.len() + 2);
+        out.push(b'"');
+        out.extend_from_slice(s.as_bytes());
+        out.push(b'"');
+        return;
+    }
     // Writing to a Vec cannot fail; on the impossible error the raw text still goes in.
     if serde_json::to_writer(&mut *out, s).is_err() {
         out.extend_from_slice(s.as_bytes());

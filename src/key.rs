@@ -5,6 +5,7 @@
 //! ever stored or logged in the clear, and every stored key has the same short, bounded length.
 
 use std::fmt;
+use std::sync::OnceLock;
 
 use http::{HeaderMap, HeaderName};
 use sha2::{Digest, Sha256};
@@ -221,11 +222,14 @@ impl ClientScope {
     /// The scope of a request. A request without the client header gets the anonymous scope,
     /// which is shared by every caller that sends none.
     pub fn of(headers: &HeaderMap, client_header: Option<&HeaderName>) -> Self {
+        // The two fixed scopes are hashed once, not on every request.
+        static SHARED: OnceLock<ClientScope> = OnceLock::new();
+        static ANONYMOUS: OnceLock<ClientScope> = OnceLock::new();
         match client_header {
-            None => ClientScope::from_value(b"\x00shared"),
+            None => *SHARED.get_or_init(|| ClientScope::from_value(b"\x00shared")),
             Some(name) => match headers.get(name) {
                 Some(v) => ClientScope::from_value(v.as_bytes()),
-                None => ClientScope::from_value(b"\x00anonymous"),
+                None => *ANONYMOUS.get_or_init(|| ClientScope::from_value(b"\x00anonymous")),
             },
         }
     }
