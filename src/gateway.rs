@@ -13,8 +13,9 @@
 //!                   unknown ───▶ outcome-unknown problem (never re-executed)
 //!                   pending ───▶ wait (woken by the store) ─▶ replay | 409 in-flight | reserve again
 //! ```
-//! The owner's work runs in its own task: if the client disconnects, the upstream call still
-//! finishes and its result is stored for the retry that is surely coming.
+//! The owner's work outlives its client: if the client disconnects, the work moves to a task of
+//! its own ([`Detachable`]), the upstream call still finishes and its result is stored for the
+//! retry that is surely coming.
 
 use std::future::Future;
 use std::pin::Pin;

@@ -291,8 +291,9 @@ async fn keep_a_timer_armed() {
 /// One worker thread: its own single-threaded runtime, serving the connections handed to it.
 ///
 /// Like nginx's worker processes, each worker serves its connections start to finish, with its
-/// own upstream pool: a request, its upstream connection and its detached owner task all run on
-/// one thread, so the hot path needs no wake-ups across threads.
+/// own upstream pool: a request, its upstream connection and its owner execution (detached only
+/// if its client goes away) all run on one thread, so the hot path needs no wake-ups across
+/// threads.
 struct Worker {
     incoming: mpsc::UnboundedReceiver<Accepted>,
     gateway: Arc<Gateway>,
