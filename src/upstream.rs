@@ -11,8 +11,10 @@
 //! SipHash several times a request and spawns a task per request to return the connection, which
 //! came to about a sixth of a pass-through request's instructions. Here each worker thread has its own
 //! short list of idle connections per upstream, and a connection goes back when its response
-//! body has been read to the end (a body still streaming to a slow client keeps its connection;
-//! a body dropped half-read takes its connection down with it). What hyper-util did that matters
+//! body has been read to the end and it is ready for another request (under load, always at
+//! once; a connection still sending a request body that was answered early goes back when it is
+//! done). A body still streaming to a slow client keeps its connection; a body dropped half-read
+//! takes its connection down with it. What hyper-util did that matters
 //! is kept: a request that a reused connection hands back unwritten (the upstream closed it while
 //! it sat idle) is sent again on another one, and idle connections are dropped after 60 s.
 
@@ -124,7 +126,7 @@ impl UpstreamClient {
             }
         }
         loop {
-            let (mut sender, reused) = match self.pool.checkout(&authority).await {
+            let (mut sender, reused) = match self.pool.checkout(&authority) {
                 Some(sender) => (sender, true),
                 None => (self.pool.connect(&authority).await?, false),
             };
@@ -155,31 +157,25 @@ impl Pool {
         self.idle.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// The most recently used idle connection to `authority` that is still open, once ready.
-    async fn checkout(&self, authority: &Authority) -> Option<SendRequest<Body>> {
-        loop {
-            let candidate = {
-                let mut idle = self.idle();
-                let (_, conns) = idle.iter_mut().find(|(a, _)| a == authority)?;
-                let stale = Instant::now().checked_sub(IDLE_TIMEOUT);
-                while conns
-                    .front()
-                    .is_some_and(|c| stale.is_some_and(|s| c.since < s))
-                {
-                    conns.pop_front();
-                }
-                conns.pop_back()?.sender
-            };
-            let mut sender = candidate;
-            if sender.is_closed() {
-                continue;
-            }
-            // Back in the pool as soon as its response was read, the connection may not have
-            // taken that in yet; it is ready within a poll of its task, or closed.
-            if sender.is_ready() || sender.ready().await.is_ok() {
+    /// The most recently used idle connection to `authority` that is ready for a request.
+    fn checkout(&self, authority: &Authority) -> Option<SendRequest<Body>> {
+        let mut idle = self.idle();
+        let (_, conns) = idle.iter_mut().find(|(a, _)| a == authority)?;
+        let stale = Instant::now().checked_sub(IDLE_TIMEOUT);
+        while conns
+            .front()
+            .is_some_and(|c| stale.is_some_and(|s| c.since < s))
+        {
+            conns.pop_front();
+        }
+        // Only ready connections are pooled ([`UpstreamBody`]); one that is not ready any more
+        // has been closed since.
+        while let Some(Idle { sender, .. }) = conns.pop_back() {
+            if sender.is_ready() {
                 return Some(sender);
             }
         }
+        None
     }
 
     fn give_back(&self, authority: Authority, sender: SendRequest<Body>) {
@@ -266,8 +262,22 @@ impl UpstreamBody {
     }
 
     fn give_back(&mut self) {
-        if let Some((pool, authority, sender)) = self.reuse.take() {
+        let Some((pool, authority, mut sender)) = self.reuse.take() else {
+            return;
+        };
+        if sender.is_ready() {
+            // The usual case: the connection took in the end of the response before we did.
             pool.give_back(authority, sender);
+        } else if !sender.is_closed() {
+            // Still sending a request body the upstream answered early, or not yet past the
+            // response's end: pooled once ready, so no request ever queues behind another.
+            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                runtime.spawn(async move {
+                    if sender.ready().await.is_ok() {
+                        pool.give_back(authority, sender);
+                    }
+                });
+            }
         }
     }
 }
@@ -562,6 +572,47 @@ mod tests {
         let fourth = client.exchange(up.request("/x")).await.unwrap();
         assert_eq!(read_all(fourth).await, "ok");
         assert_eq!(up.connections(), 3);
+    }
+
+    /// A request body that ends only when its sender is dropped.
+    struct Trickle(tokio::sync::mpsc::Receiver<Bytes>);
+
+    impl HttpBody for Trickle {
+        type Data = Bytes;
+        type Error = BoxError;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+            self.0
+                .poll_recv(cx)
+                .map(|chunk| chunk.map(|c| Ok(Frame::data(c))))
+        }
+    }
+
+    #[tokio::test]
+    async fn a_connection_still_sending_its_request_body_is_not_handed_out() {
+        // The upstream answers as soon as it has the head, as one refusing an upload does.
+        let up = RawUpstream::start(|_| (OK.to_vec(), false)).await;
+        let client = UpstreamClient::new(Duration::from_secs(1));
+        let (tx, rx) = tokio::sync::mpsc::channel(1);
+        tx.send(Bytes::from_static(b"part")).await.unwrap();
+        let upload = Request::post(format!("http://{}/upload", up.addr))
+            .header(header::TRANSFER_ENCODING, "chunked")
+            .body(crate::body::boxed(Trickle(rx)))
+            .unwrap();
+        let answered = client.exchange(upload).await.unwrap();
+        assert_eq!(read_all(answered).await, "ok");
+        // Its response is read, but its request body is not sent yet: the next request must not
+        // wait behind it.
+        let next = tokio::time::timeout(Duration::from_secs(5), client.exchange(up.request("/x")))
+            .await
+            .expect("queued behind an unfinished upload")
+            .unwrap();
+        assert_eq!(read_all(next).await, "ok");
+        assert_eq!(up.connections(), 2);
+        drop(tx);
     }
 
     #[tokio::test]
