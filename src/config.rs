@@ -12,6 +12,7 @@ use std::time::Duration;
 use http::{HeaderName, Method, StatusCode, Uri};
 use serde::Deserialize;
 
+use crate::fingerprint::IgnoredFields;
 use crate::key::KeySource;
 use crate::metrics::RouteMetrics;
 use crate::route::{PatternError, RoutePattern};
@@ -272,7 +273,7 @@ pub struct RouteConfig {
     pub methods: Vec<Method>,
     pub upstream: UpstreamUrl,
     /// JSON pointers removed from a JSON body before it is fingerprinted.
-    pub fingerprint_ignore: Vec<String>,
+    pub fingerprint_ignore: IgnoredFields,
     /// Where the key comes from (default: the policy's `key_header`).
     pub key: KeySource,
     /// False for deliveries deduplicated by business id: a later, different message with the
@@ -782,15 +783,15 @@ fn validate_route(
         Some(raw) => validate_key_source(&at("key"), raw)?,
     };
     Ok(RouteConfig {
+        metrics: RouteMetrics::new(&name),
         name,
         pattern,
         methods,
         upstream,
-        fingerprint_ignore: own.fingerprint_ignore,
+        fingerprint_ignore: IgnoredFields::new(&own.fingerprint_ignore),
         key,
         check_fingerprint: own.check_fingerprint.unwrap_or(true),
         policy,
-        metrics: RouteMetrics::default(),
     })
 }
 

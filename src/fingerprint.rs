@@ -39,8 +39,30 @@ pub struct RequestParts<'a> {
     pub body: &'a [u8],
 }
 
+/// A route's `fingerprint_ignore` pointers (RFC 6901), split into their unescaped reference
+/// tokens once, when the config is loaded. A pointer that does not start with `/` names no member
+/// and ignores nothing, as `Value::pointer` would find nothing.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct IgnoredFields(Vec<Vec<String>>);
+
+impl IgnoredFields {
+    pub fn new(pointers: &[String]) -> Self {
+        IgnoredFields(
+            pointers
+                .iter()
+                .filter_map(|p| p.strip_prefix('/'))
+                .map(|rest| {
+                    rest.split('/')
+                        .map(|t| t.replace("~1", "/").replace("~0", "~"))
+                        .collect()
+                })
+                .collect(),
+        )
+    }
+}
+
 /// Computes the fingerprint of a request whose body was read in full.
-pub fn fingerprint(parts: &RequestParts<'_>, ignore: &[String]) -> Fingerprint {
+pub fn fingerprint(parts: &RequestParts<'_>, ignore: &IgnoredFields) -> Fingerprint {
     let mut h = Sha256::new();
     h.update(b"idemgate/fingerprint/v1\x00");
     for field in [
@@ -96,14 +118,13 @@ fn is_json(headers: &HeaderMap) -> bool {
 /// ignoring `/items/0` does not make `/items/1` look like it. Nesting depth is bounded by the
 /// parser (128); an object whose members arrive unsorted is rewritten once, so the work is at
 /// most that depth times the body's size.
-pub fn canonical_json(body: &[u8], ignore: &[String]) -> Option<Vec<u8>> {
-    let pointers: Vec<Vec<String>> = ignore.iter().filter_map(|p| tokens(p)).collect();
-    let all: Vec<usize> = (0..pointers.len()).collect();
+pub fn canonical_json(body: &[u8], ignore: &IgnoredFields) -> Option<Vec<u8>> {
+    let all: Vec<usize> = (0..ignore.0.len()).collect();
     let mut out = Vec::with_capacity(body.len() + 8);
     let mut de = serde_json::Deserializer::from_slice(body);
     let seed = Canon {
         out: &mut out,
-        pointers: &pointers,
+        pointers: &ignore.0,
         active: &all,
         depth: 0,
     };
@@ -112,21 +133,11 @@ pub fn canonical_json(body: &[u8], ignore: &[String]) -> Option<Vec<u8>> {
     Some(out)
 }
 
-/// A pointer's reference tokens, unescaped; `None` for one that names no member (it ignores
-/// nothing, as `Value::pointer` would find nothing).
-fn tokens(pointer: &str) -> Option<Vec<String>> {
-    let rest = pointer.strip_prefix('/')?;
-    Some(
-        rest.split('/')
-            .map(|t| t.replace("~1", "/").replace("~0", "~"))
-            .collect(),
-    )
-}
-
 /// Which ignore pointers a member or element at `depth` matches: those still active whose token
 /// names it. In an array, a pointer's last token is read as any `usize` (`01` is 1), the tokens
 /// before it as a strict index (no leading zero or sign): how the pointers were applied to a
-/// `Value` before, and fingerprints must not change between versions.
+/// `Value` before, and fingerprints must not change between versions. With nothing active (no
+/// pointers, or none reaching this deep) it allocates nothing.
 fn narrow(
     pointers: &[Vec<String>],
     active: &[usize],
@@ -163,6 +174,18 @@ struct Canon<'a> {
     /// Pointers whose tokens so far name this value's path.
     active: &'a [usize],
     depth: usize,
+}
+
+impl Canon<'_> {
+    /// The writer of a member or element, with the pointers that may still name its insides.
+    fn child<'b>(&'b mut self, active: &'b [usize]) -> Canon<'b> {
+        Canon {
+            out: &mut *self.out,
+            pointers: self.pointers,
+            active,
+            depth: self.depth + 1,
+        }
+    }
 }
 
 impl<'de> DeserializeSeed<'de> for Canon<'_> {
@@ -215,34 +238,24 @@ impl<'de> Visitor<'de> for Canon<'_> {
         Ok(())
     }
 
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+    fn visit_seq<A: SeqAccess<'de>>(mut self, mut seq: A) -> Result<(), A::Error> {
         self.out.push(b'[');
         let mut index = 0usize;
         loop {
-            let (deeper, ignored) = if self.active.is_empty() {
-                (Vec::new(), false)
-            } else {
-                narrow(self.pointers, self.active, self.depth, |t, last| {
-                    let i = if last {
-                        t.parse().ok()
-                    } else {
-                        strict_index(t)
-                    };
-                    i == Some(index)
-                })
-            };
+            let (deeper, ignored) = narrow(self.pointers, self.active, self.depth, |t, last| {
+                let i = if last {
+                    t.parse().ok()
+                } else {
+                    strict_index(t)
+                };
+                i == Some(index)
+            });
             let before = self.out.len();
             if index > 0 {
                 self.out.push(b',');
             }
             let at = self.out.len();
-            let child = Canon {
-                out: &mut *self.out,
-                pointers: self.pointers,
-                active: &deeper,
-                depth: self.depth + 1,
-            };
-            if seq.next_element_seed(child)?.is_none() {
+            if seq.next_element_seed(self.child(&deeper))?.is_none() {
                 self.out.truncate(before);
                 break;
             }
@@ -257,7 +270,7 @@ impl<'de> Visitor<'de> for Canon<'_> {
         Ok(())
     }
 
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+    fn visit_map<A: MapAccess<'de>>(mut self, mut map: A) -> Result<(), A::Error> {
         let Some(first) = map.next_key_seed(KeySeed)? else {
             self.out.extend_from_slice(b"{}");
             return Ok(());
@@ -282,11 +295,7 @@ impl<'de> Visitor<'de> for Canon<'_> {
             .or_else(|| map.next_key_seed(KeySeed).transpose())
         {
             let k = k?;
-            let (deeper, ignored) = if self.active.is_empty() {
-                (Vec::new(), false)
-            } else {
-                narrow(self.pointers, self.active, self.depth, |t, _| t == k)
-            };
+            let (deeper, ignored) = narrow(self.pointers, self.active, self.depth, |t, _| t == k);
             let before = self.out.len();
             if !members.is_empty() {
                 self.out.push(b',');
@@ -294,12 +303,7 @@ impl<'de> Visitor<'de> for Canon<'_> {
             let at = self.out.len();
             write_string(&k, self.out);
             self.out.push(b':');
-            map.next_value_seed(Canon {
-                out: &mut *self.out,
-                pointers: self.pointers,
-                active: &deeper,
-                depth: self.depth + 1,
-            })?;
+            map.next_value_seed(self.child(&deeper))?;
             if ignored {
                 // Parsed in full all the same, so that what `Value` refuses stays refused.
                 self.out.truncate(before);
@@ -464,7 +468,8 @@ mod tests {
     use serde_json::Value;
 
     fn canon(json: &str) -> String {
-        String::from_utf8(canonical_json(json.as_bytes(), &[]).unwrap()).unwrap()
+        String::from_utf8(canonical_json(json.as_bytes(), &IgnoredFields::default()).unwrap())
+            .unwrap()
     }
 
     fn norm(raw: &str) -> Option<String> {
@@ -556,7 +561,7 @@ mod tests {
                 headers: &headers,
                 body: body.as_bytes(),
             },
-            &ignore,
+            &IgnoredFields::new(&ignore),
         )
     }
 
@@ -662,7 +667,7 @@ mod tests {
             headers: &headers,
             body: b"",
         };
-        let f = |p: &RequestParts<'_>| fingerprint(p, &[]);
+        let f = |p: &RequestParts<'_>| fingerprint(p, &IgnoredFields::default());
         let a = f(&base);
         assert_ne!(
             a,
@@ -826,8 +831,8 @@ mod tests {
         /// The canonical form is valid JSON and canonicalising it again changes nothing.
         #[test]
         fn canonical_form_is_a_fixed_point(v in json_value()) {
-            let once = canonical_json(serde_json::to_string(&v).unwrap().as_bytes(), &[]).unwrap();
-            let twice = canonical_json(&once, &[]).unwrap();
+            let once = canonical_json(serde_json::to_string(&v).unwrap().as_bytes(), &IgnoredFields::default()).unwrap();
+            let twice = canonical_json(&once, &IgnoredFields::default()).unwrap();
             prop_assert_eq!(once, twice);
         }
 
@@ -836,7 +841,7 @@ mod tests {
         #[test]
         fn streaming_matches_the_value_model(text in json_text(), ignore in prop::collection::vec(pointer(), 0..4)) {
             prop_assert_eq!(
-                canonical_json(text.as_bytes(), &ignore),
+                canonical_json(text.as_bytes(), &IgnoredFields::new(&ignore)),
                 model::canonical(text.as_bytes(), &ignore),
                 "{} ignoring {:?}", text, ignore
             );
@@ -849,7 +854,7 @@ mod tests {
             let mut broken = text.as_bytes()[..at].to_vec();
             broken.extend_from_slice(junk.as_bytes());
             broken.extend_from_slice(&text.as_bytes()[at..]);
-            prop_assert_eq!(canonical_json(&broken, &[]), model::canonical(&broken, &[]));
+            prop_assert_eq!(canonical_json(&broken, &IgnoredFields::default()), model::canonical(&broken, &[]));
         }
 
         #[test]
@@ -865,7 +870,7 @@ mod tests {
         #[test]
         fn any_bytes_fingerprint_without_panic(body in prop::collection::vec(any::<u8>(), 0..200)) {
             let headers = HeaderMap::new();
-            let _ = fingerprint(&RequestParts { method: &Method::POST, route: "/", path: "/", query: None, headers: &headers, body: &body }, &[]);
+            let _ = fingerprint(&RequestParts { method: &Method::POST, route: "/", path: "/", query: None, headers: &headers, body: &body }, &IgnoredFields::default());
         }
     }
 }

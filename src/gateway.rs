@@ -232,17 +232,17 @@ impl Gateway {
                     conn,
                     &routing.default_upstream,
                     routing.default_timeout,
-                    None,
+                    self.metrics.unrouted(),
                 )
                 .await;
-            self.metrics.request(None, Outcome::Passthrough);
+            self.metrics
+                .request(self.metrics.unrouted(), Outcome::Passthrough);
             return resp;
         };
         drop(routing);
         let started = Instant::now();
         let (resp, outcome, key) = self.idempotent(route.clone(), req, conn).await;
-        self.metrics
-            .request(Some((&route.name, &route.metrics)), outcome);
+        self.metrics.request(&route.metrics, outcome);
         tracing::info!(
             route = %route.name,
             key = %key.as_ref().map(StoreKey::short).unwrap_or_else(|| "-".into()),
@@ -479,8 +479,7 @@ impl Gateway {
             () = self.renew_lease(key, token, policy.lock_timeout) => forward.await,
         };
         let upstream_time = started.elapsed();
-        self.metrics
-            .upstream(Some((&route.name, &route.metrics)), upstream_time);
+        self.metrics.upstream(&route.metrics, upstream_time);
         let (mut resp, outcome) = self.settle(policy, key, token, result).await;
         // For the request's log line; extensions never go on the wire.
         resp.extensions_mut().insert(UpstreamTime(upstream_time));
@@ -607,8 +606,7 @@ impl Gateway {
     ) -> Response<Body> {
         let req = Request::from_parts(parts, body);
         let timeout = route.policy.upstream_timeout;
-        let metrics = Some((route.name.as_str(), &route.metrics));
-        self.pass_through(req, conn, &route.upstream, timeout, metrics)
+        self.pass_through(req, conn, &route.upstream, timeout, &route.metrics)
             .await
     }
 
@@ -619,7 +617,7 @@ impl Gateway {
         conn: &Arc<Conn>,
         target: &UpstreamUrl,
         timeout: Duration,
-        route: Option<(&str, &RouteMetrics)>,
+        metrics: &RouteMetrics,
     ) -> Response<Body> {
         let (mut parts, body) = req.into_parts();
         if prepare_request(&mut parts, target, &conn.peer).is_err() {
@@ -628,7 +626,7 @@ impl Gateway {
         let req = Request::from_parts(parts, body);
         let started = Instant::now();
         let sent = conn.upstream.send(req, timeout).await;
-        self.metrics.upstream(route, started.elapsed());
+        self.metrics.upstream(metrics, started.elapsed());
         match sent {
             Ok(resp) => resp.map(body::boxed),
             Err(e) => {

@@ -52,15 +52,27 @@ type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
 /// instructions), a kept handle is one atomic add. A series appears in `/metrics` only once
 /// used, as with a lookup. Lives in the route's config, so a reload that renames a route starts
 /// afresh.
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct RouteMetrics {
+    /// The `route` label: the route's name, or "" outside any route.
+    route: String,
     requests: [OnceLock<Counter>; Outcome::COUNT],
     upstream: OnceLock<Histogram>,
 }
 
+impl RouteMetrics {
+    pub fn new(route: &str) -> Self {
+        RouteMetrics {
+            route: route.to_string(),
+            requests: Default::default(),
+            upstream: OnceLock::new(),
+        }
+    }
+}
+
 impl std::fmt::Debug for RouteMetrics {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("RouteMetrics")
+        write!(f, "RouteMetrics({:?})", self.route)
     }
 }
 
@@ -178,19 +190,22 @@ impl Metrics {
             in_flight,
             worker_connections,
             records_purged,
-            unrouted: RouteMetrics::default(),
+            unrouted: RouteMetrics::new(""),
             store_ops: Default::default(),
         }
     }
 
-    /// Counts a request of route `route` (`None`: outside any route), kept in `handles`.
-    pub fn request(&self, route: Option<(&str, &RouteMetrics)>, outcome: Outcome) {
-        let (name, handles) = route.unwrap_or(("", &self.unrouted));
-        handles.requests[outcome as usize]
+    /// The series of requests outside any route (`route=""`).
+    pub fn unrouted(&self) -> &RouteMetrics {
+        &self.unrouted
+    }
+
+    pub fn request(&self, route: &RouteMetrics, outcome: Outcome) {
+        route.requests[outcome as usize]
             .get_or_init(|| {
                 self.requests
                     .get_or_create(&RequestLabels {
-                        route: name.to_string(),
+                        route: route.route.clone(),
                         outcome: outcome.as_str(),
                     })
                     .clone()
@@ -198,14 +213,13 @@ impl Metrics {
             .inc();
     }
 
-    pub fn upstream(&self, route: Option<(&str, &RouteMetrics)>, took: Duration) {
-        let (name, handles) = route.unwrap_or(("", &self.unrouted));
-        handles
+    pub fn upstream(&self, route: &RouteMetrics, took: Duration) {
+        route
             .upstream
             .get_or_init(|| {
                 self.upstream_seconds
                     .get_or_create(&RouteLabel {
-                        route: name.to_string(),
+                        route: route.route.clone(),
                     })
                     .clone()
             })
@@ -343,12 +357,12 @@ mod tests {
     #[test]
     fn route_handles_count_into_the_labelled_series() {
         let m = Metrics::new();
-        let handles = RouteMetrics::default();
+        let handles = RouteMetrics::new("pay");
         assert!(!m.encode().contains("route=\"pay\""));
-        m.request(Some(("pay", &handles)), Outcome::Executed);
-        m.request(Some(("pay", &handles)), Outcome::Executed);
-        m.request(Some(("pay", &RouteMetrics::default())), Outcome::Executed);
-        m.request(None, Outcome::Passthrough);
+        m.request(&handles, Outcome::Executed);
+        m.request(&handles, Outcome::Executed);
+        m.request(&RouteMetrics::new("pay"), Outcome::Executed);
+        m.request(m.unrouted(), Outcome::Passthrough);
         m.store_call(StoreOp::Reserve, Duration::from_millis(1), true);
         let text = m.encode();
         assert!(

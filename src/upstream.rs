@@ -9,13 +9,13 @@
 //!
 //! The pool is ours rather than hyper-util's legacy client: that one hashes its pool key with
 //! SipHash several times a request and spawns a task per request to return the connection, which
-//! came to about a sixth of a pass-through request's instructions. Here each worker thread has its own
-//! short list of idle connections per upstream, and a connection goes back when its response
-//! body has been read to the end and it is ready for another request (under load, always at
-//! once; a connection still sending a request body that was answered early goes back when it is
-//! done). A body still streaming to a slow client keeps its connection; a body dropped half-read
-//! takes its connection down with it. What hyper-util did that matters
-//! is kept: a request that a reused connection hands back unwritten (the upstream closed it while
+//! came to about a sixth of a pass-through request's instructions. Here each worker thread has
+//! its own short list of idle connections per upstream, and a connection goes back when its
+//! response body has been read to the end and it is ready for another request (under load,
+//! always at once; a connection still sending a request body that was answered early goes back
+//! when it is done). A body still streaming to a slow client keeps its connection; a body
+//! dropped half-read takes its connection down with it. What hyper-util did that matters is
+//! kept: a request that a reused connection hands back unwritten (the upstream closed it while
 //! it sat idle) is sent again on another one, and idle connections are dropped after 60 s.
 
 use std::collections::VecDeque;
@@ -178,20 +178,18 @@ impl Pool {
         None
     }
 
+    /// Pools `sender`, which must be ready ([`UpstreamBody`] sees to it).
     fn give_back(&self, authority: Authority, sender: SendRequest<Body>) {
-        if sender.is_closed() {
-            return;
-        }
         let since = Instant::now();
         let mut idle = self.idle();
-        let conns = match idle.iter().position(|(a, _)| *a == authority) {
-            Some(i) => &mut idle[i].1,
+        let i = match idle.iter().position(|(a, _)| *a == authority) {
+            Some(i) => i,
             None => {
                 idle.push((authority, VecDeque::new()));
-                let last = idle.len() - 1;
-                &mut idle[last].1
+                idle.len() - 1
             }
         };
+        let conns = &mut idle[i].1;
         if conns.len() >= MAX_IDLE_PER_UPSTREAM {
             conns.pop_front();
         }
