@@ -16,6 +16,7 @@ use tokio::net::TcpListener;
 
 use crate::body::{self, Body};
 use crate::gateway::Gateway;
+use crate::store::{StoreError, StoreOp};
 
 /// A readiness check fails if the store does not answer within this.
 const READY_TIMEOUT: Duration = Duration::from_secs(2);
@@ -51,7 +52,14 @@ async fn handle(gw: &Gateway, req: Request<Incoming>) -> Response<Body> {
             if gw.is_shutting_down() {
                 return text(StatusCode::SERVICE_UNAVAILABLE, "shutting down\n");
             }
-            match tokio::time::timeout(READY_TIMEOUT, gw.store().ping()).await {
+            let started = tokio::time::Instant::now();
+            let ping = tokio::time::timeout(READY_TIMEOUT, gw.store().ping()).await;
+            if let Ok(answer) = &ping {
+                let failed = answer.as_ref().is_err_and(StoreError::is_failure);
+                gw.metrics()
+                    .store_call(StoreOp::Ping, started.elapsed(), failed);
+            }
+            match ping {
                 Ok(Ok(())) => text(StatusCode::OK, "ready\n"),
                 Ok(Err(e)) => {
                     tracing::debug!(error = %e, "not ready");
@@ -62,7 +70,7 @@ async fn handle(gw: &Gateway, req: Request<Incoming>) -> Response<Body> {
         }
         "/metrics" => {
             let metrics = gw.metrics();
-            metrics.set_records_purged(gw.store().purged());
+            metrics.set_records_purged(gw.store().stats().purged);
             let mut resp = Response::new(body::full(Bytes::from(metrics.encode())));
             resp.headers_mut().insert(
                 header::CONTENT_TYPE,

@@ -3,21 +3,29 @@
 //! retry gets the first result back.
 //!
 //! # Layout
+//! Data flows one way: config -> store and upstream -> the idempotency core -> the fronts
+//! (HTTP today) -> the server that runs them. No module imports one above it.
 //! - [`cli`] - the command line (`run`, `check`, `keys`); `main.rs` only calls it.
 //! - [`operator`] - `idemgate keys get|delete`: inspect and release one key.
-//! - [`config`] - `proxy.toml` -> validated [`config::Config`]; every rejection names field and value.
+//! - [`config`] - `proxy.toml` -> raw ([`config`]'s `raw`) -> validated [`config::Config`]
+//!   (`validate`); plain data, every rejection names field and value.
 //! - [`route`] - which route a request belongs to (pure matching, overlap detection).
 //! - [`key`] - the `Idempotency-Key` header, client scoping, the hashed store key.
 //! - [`fingerprint`] - "same request?": SHA-256 over method, path, query and canonical body.
-//! - [`store`] - the store contract, records, backends ([`store::memory`], [`store::redis`]),
-//!   the record codec, waiting on a key.
-//! - [`upstream`] - the pooled client, request rewriting, failure classification.
+//! - [`store`] - the store contract and records; backends [`store::memory`] and
+//!   [`store::redis`] (connections, Lua scripts, pub/sub subscriber); the record codec; waiting.
+//!   A new backend goes here: one module, one arm in [`store::open`], one more contract run.
+//! - [`upstream`] - the per-worker connection pool, request rewriting, failure classification.
+//!   A new upstream protocol goes here.
 //! - [`body`] - the body type, capped reading, streaming what is too large to keep.
-//! - [`gateway`] - the idempotency state machine, phase by phase (start here).
+//! - [`idempotency`] - the core: reserve, wait, decide, execute, settle, for any front; its
+//!   decisions are pure functions with tests of their own (start here).
+//! - [`gateway`] - the HTTP front on the core, phase by phase. A new kind of front (a broker
+//!   consumer) goes beside it, on the same core.
 //! - [`problem`] - every response the gateway makes itself (RFC 9457), in one place.
-//! - [`server`] - the acceptor, worker threads (one runtime each), graceful shutdown.
+//! - [`server`] - the acceptor, worker threads (one runtime and one context each), shutdown.
 //! - [`admin`] - the admin listener: `/healthz`, `/readyz`, `/metrics`.
-//! - [`metrics`] - the Prometheus metrics.
+//! - [`metrics`] - the Prometheus metrics and the outcome names they count.
 //! - [`telemetry`] - logging.
 
 pub mod admin;
@@ -26,6 +34,7 @@ pub mod cli;
 pub mod config;
 pub mod fingerprint;
 pub mod gateway;
+pub mod idempotency;
 pub mod key;
 pub mod metrics;
 pub mod operator;

@@ -22,7 +22,58 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
-use crate::gateway::Outcome;
+use crate::store::StoreOp;
+
+/// What became of a request, for logs and metrics (the `outcome` label).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// The upstream ran it and its response was stored.
+    Executed,
+    /// A retry got the stored response.
+    Replayed,
+    /// A duplicate waited for the original and got its response.
+    Waited,
+    Mismatch,
+    InFlightRejected,
+    MissingKey,
+    InvalidKey,
+    TooLarge,
+    BadRequest,
+    StoreError,
+    /// The upstream could not be reached, timed out or failed on a request no key protects,
+    /// or could not be reached at all for a keyed one (the key was released).
+    UpstreamError,
+    /// The upstream answered that it did not execute the request (408, 425, 429, or a 5xx
+    /// with `store_server_errors = false`): its answer was passed on and the key released.
+    Released,
+    Unknown,
+    Passthrough,
+}
+
+impl Outcome {
+    /// How many outcomes there are, for per-route metric handles indexed by `outcome as usize`
+    /// (`Passthrough` stays the last variant).
+    pub const COUNT: usize = Outcome::Passthrough as usize + 1;
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Executed => "executed",
+            Outcome::Replayed => "replayed",
+            Outcome::Waited => "waited",
+            Outcome::Mismatch => "mismatch",
+            Outcome::InFlightRejected => "in_flight_rejected",
+            Outcome::MissingKey => "missing_key",
+            Outcome::InvalidKey => "invalid_key",
+            Outcome::TooLarge => "too_large",
+            Outcome::BadRequest => "bad_request",
+            Outcome::StoreError => "store_error",
+            Outcome::UpstreamError => "upstream_error",
+            Outcome::Released => "released",
+            Outcome::Unknown => "unknown",
+            Outcome::Passthrough => "passthrough",
+        }
+    }
+}
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RequestLabels {
@@ -48,10 +99,9 @@ struct OpLabel {
 type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
 
 /// One route's series, taken from the families on first use and kept: a family lookup hashes
-/// and allocates its labels under a lock (four of them were about 2 % of a request's
-/// instructions), a kept handle is one atomic add. A series appears in `/metrics` only once
-/// used, as with a lookup. Lives in the route's config, so a reload that renames a route starts
-/// afresh.
+/// and allocates its labels under a lock, a kept handle is one atomic add. A series appears in
+/// `/metrics` only once used, as with a lookup. Lives beside the route's config in the gateway's
+/// routing table, so a reload that renames a route starts afresh.
 #[derive(Clone)]
 pub struct RouteMetrics {
     /// The `route` label: the route's name, or "" outside any route.
@@ -73,39 +123,6 @@ impl RouteMetrics {
 impl std::fmt::Debug for RouteMetrics {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "RouteMetrics({:?})", self.route)
-    }
-}
-
-/// The store calls that are timed, one series each.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum StoreOp {
-    Reserve,
-    Get,
-    Complete,
-    MarkUnknown,
-    Release,
-    Renew,
-    TakeOver,
-    Delete,
-    Ping,
-}
-
-impl StoreOp {
-    /// For handles indexed by `op as usize` (`Ping` stays the last variant).
-    const COUNT: usize = StoreOp::Ping as usize + 1;
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            StoreOp::Reserve => "reserve",
-            StoreOp::Get => "get",
-            StoreOp::Complete => "complete",
-            StoreOp::MarkUnknown => "mark_unknown",
-            StoreOp::Release => "release",
-            StoreOp::Renew => "renew",
-            StoreOp::TakeOver => "take_over",
-            StoreOp::Delete => "delete",
-            StoreOp::Ping => "ping",
-        }
     }
 }
 
@@ -304,6 +321,7 @@ mod tests {
             Outcome::BadRequest,
             Outcome::StoreError,
             Outcome::UpstreamError,
+            Outcome::Released,
             Outcome::Unknown,
             Outcome::Passthrough,
         ];
@@ -320,6 +338,7 @@ mod tests {
                 | Outcome::BadRequest
                 | Outcome::StoreError
                 | Outcome::UpstreamError
+                | Outcome::Released
                 | Outcome::Unknown
                 | Outcome::Passthrough => assert!((o as usize) < Outcome::COUNT, "{o:?}"),
             }

@@ -87,14 +87,14 @@ pub fn describe(key: &StoreKey, route: &str, record: &Record) -> String {
     let _ = writeln!(out, "route        {route}");
     let now = now_ms();
     match &record.state {
-        RecordState::Pending { lease_until_ms, .. } if *lease_until_ms >= now => {
+        RecordState::Pending { lease_until_ms, .. } => {
             let _ = writeln!(
                 out,
                 "state        pending (in flight; lease valid for {} more)",
-                human_ms(lease_until_ms - now)
+                human_ms(lease_until_ms.saturating_sub(now))
             );
         }
-        RecordState::Pending { lease_until_ms, .. } => {
+        RecordState::Abandoned { lease_until_ms, .. } => {
             let _ = writeln!(
                 out,
                 "state        pending, lease expired {} ago: its gateway stopped mid-flight; outcome unknown",

@@ -13,8 +13,6 @@ use std::sync::Arc;
 
 use http::Method;
 
-use crate::config::RouteConfig;
-
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Segment {
     Literal(String),
@@ -172,30 +170,36 @@ fn decode(segment: &str) -> Cow<'_, str> {
     percent_encoding::percent_decode_str(segment).decode_utf8_lossy()
 }
 
-/// The configured idempotent routes, looked up per request.
-#[derive(Debug, Clone)]
-pub struct Router {
-    routes: Vec<Arc<RouteConfig>>,
+/// What the router needs to know of a route; the rest is the caller's.
+pub trait Routed {
+    fn pattern(&self) -> &RoutePattern;
+    fn methods(&self) -> &[Method];
 }
 
-impl Router {
-    pub fn new(routes: Vec<RouteConfig>) -> Self {
+/// The routes of one config, each found by method and path.
+#[derive(Debug)]
+pub struct Router<T> {
+    routes: Vec<Arc<T>>,
+}
+
+impl<T: Routed> Router<T> {
+    pub fn new(routes: impl IntoIterator<Item = T>) -> Self {
         Router {
             routes: routes.into_iter().map(Arc::new).collect(),
         }
     }
 
-    /// The route that makes this request idempotent, or `None` for pass-through. The path is
-    /// normalised once, and only when some route takes this method.
-    pub fn find(&self, method: &Method, path: &str) -> Option<&Arc<RouteConfig>> {
+    /// The route this request belongs to. Config validation refuses overlapping routes, so
+    /// there is at most one.
+    pub fn find(&self, method: &Method, path: &str) -> Option<&Arc<T>> {
         let mut candidates = self
             .routes
             .iter()
-            .filter(|r| r.methods.contains(method))
+            .filter(|r| r.methods().contains(method))
             .peekable();
         candidates.peek()?;
         let parts = normalize(path)?;
-        candidates.find(|r| r.pattern.matches_segments(&parts))
+        candidates.find(|r| r.pattern().matches_segments(&parts))
     }
 }
 

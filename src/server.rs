@@ -26,11 +26,10 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use crate::config::{Config, ServerConfig};
-use crate::gateway::{Conn, Gateway, Routing};
+use crate::gateway::{ClientConn, Gateway, Routing, WorkerContext};
 use crate::metrics::Metrics;
 use crate::store;
-use crate::store::instrumented::Instrumented;
-use crate::upstream::Peer;
+use crate::upstream::ClientAddr;
 
 /// A client gets this long to send its request headers (slow-loris protection).
 const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
@@ -43,7 +42,7 @@ pub enum ServerError {
         source: std::io::Error,
     },
     #[error("cannot open the store: {0}")]
-    Store(#[from] store::redis::RedisUrlError),
+    Store(#[from] store::OpenError),
     #[error("cannot start the worker threads: {0}")]
     Workers(std::io::Error),
 }
@@ -70,10 +69,7 @@ impl Server {
             None => None,
         };
         let metrics = Arc::new(Metrics::new());
-        let store: Arc<dyn store::Store> = Arc::new(Instrumented::new(
-            store::open(&config.store)?,
-            Arc::clone(&metrics),
-        ));
+        let store = store::open(&config.store)?;
         // Half the shortest upstream_timeout: a connect attempt always fails before the request
         // could time out, so "not sent" is never mistaken for "unknown".
         let connect_timeout = config.shortest_upstream_timeout() / 2;
@@ -270,7 +266,11 @@ impl Drop for Slot {
 /// How far ahead a worker always has a timer armed: see [`keep_a_timer_armed`].
 const HEARTBEAT: Duration = Duration::from_millis(100);
 
-/// Keeps a timer armed at most [`HEARTBEAT`] ahead on the worker's runtime, for ever.
+/// How often a worker closes its upstream connections that sat idle too long.
+const PRUNE_EVERY: u32 = 100;
+
+/// Keeps a timer armed at most [`HEARTBEAT`] ahead on the worker's runtime, for ever, and every
+/// [`PRUNE_EVERY`] beats prunes the worker's idle upstream connections.
 ///
 /// Registering a timer that runs out sooner than every timer already armed makes tokio wake the
 /// event loop through its eventfd (a system call, and one more loop turn), in case it is asleep.
@@ -280,11 +280,16 @@ const HEARTBEAT: Duration = Duration::from_millis(100);
 /// for every four requests on the embedded store and every two on Redis, about 5 % of the CPU of
 /// a new key. With this timer no request timer longer than `HEARTBEAT` is ever the soonest. The
 /// cost is ten wake-ups a second per worker.
-async fn keep_a_timer_armed() {
+async fn heartbeat(worker: Arc<WorkerContext>) {
     let mut tick = tokio::time::interval(HEARTBEAT);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut beats = 0u32;
     loop {
         tick.tick().await;
+        beats = beats.wrapping_add(1);
+        if beats % PRUNE_EVERY == 0 {
+            worker.upstream.prune_idle();
+        }
     }
 }
 
@@ -322,9 +327,10 @@ impl Worker {
             _done,
         } = self;
         runtime.block_on(async move {
-            let heartbeat = tokio::spawn(keep_a_timer_armed());
+            // Made here, on the worker's own runtime: its store connection is driven by it.
+            let context = Arc::new(gateway.worker_context());
+            let heartbeat = tokio::spawn(heartbeat(Arc::clone(&context)));
             let graceful = GracefulShutdown::new();
-            let upstream = gateway.upstream_pool();
             let mut builder = auto::Builder::new(TokioExecutor::new());
             builder
                 .http1()
@@ -348,9 +354,9 @@ impl Worker {
                     }
                 };
                 let gw = Arc::clone(&gateway);
-                let conn = Arc::new(Conn {
-                    peer: Peer::new(peer),
-                    upstream: upstream.clone(),
+                let conn = Arc::new(ClientConn {
+                    addr: ClientAddr::new(peer),
+                    worker: Arc::clone(&context),
                 });
                 let svc = service_fn(move |req| {
                     let gw = Arc::clone(&gw);

@@ -1,3 +1,4 @@
+use super::raw::ROUTE_OWN_KEYS;
 use super::*;
 use http::HeaderName;
 

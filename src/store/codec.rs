@@ -7,7 +7,7 @@
 //! bytes 2..34   fingerprint
 //! bytes 34..42  created_ms (u64, big endian)
 //! pending:      42..58 owner token (u128)   58..66 lease_until_ms (u64)
-//!               66 (Redis only, optional): 1 when a waiter is waiting, set by `get_watched` so
+//!               66 (Redis only, optional): 1 when a waiter is waiting, set by `watch` so
 //!               that the end of the pending state is published; ignored by `decode`
 //! completed:    42..44 status (u16)  44..52 completed_ms  52 body_kept  53..55 header count (u16)
 //!               then per header: name length (u16), name, value length (u32), value
@@ -47,7 +47,8 @@ pub fn encode(record: &Record) -> Bytes {
 
 fn state_byte(state: &RecordState) -> u8 {
     match state {
-        RecordState::Pending { .. } => STATE_PENDING,
+        // Abandoned is how a pending record reads once its lease ran out: stored as pending.
+        RecordState::Pending { .. } | RecordState::Abandoned { .. } => STATE_PENDING,
         RecordState::Completed(_) => STATE_COMPLETED,
         RecordState::Unknown { .. } => STATE_UNKNOWN,
     }
@@ -69,7 +70,7 @@ fn encoded_headers(r: &StoredResponse) -> &[(HeaderName, HeaderValue)] {
 /// Exactly what [`put_state`] writes.
 fn state_len(state: &RecordState) -> usize {
     match state {
-        RecordState::Pending { .. } => 16 + 8,
+        RecordState::Pending { .. } | RecordState::Abandoned { .. } => 16 + 8,
         RecordState::Completed(r) => {
             2 + 8
                 + 1
@@ -87,6 +88,10 @@ fn state_len(state: &RecordState) -> usize {
 fn put_state(state: &RecordState, out: &mut BytesMut) {
     match state {
         RecordState::Pending {
+            owner,
+            lease_until_ms,
+        }
+        | RecordState::Abandoned {
             owner,
             lease_until_ms,
         } => {

@@ -11,6 +11,8 @@
 //! Expired records are invisible at once and are purged by a background task once a second; the
 //! task holds only a weak reference and ends with the store. Everything is lost on restart: use the
 //! Redis store when that matters or when more than one instance runs.
+//!
+//! Every worker shares the one store ([`Store::for_worker`] hands out the same maps).
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
@@ -23,10 +25,10 @@ use bytes::Bytes;
 use tokio::time::Instant;
 
 use super::codec;
-use super::wait::{Subscription, Waiters};
+use super::wait::Waiters;
 use super::{
-    ms_after, now_ms, OwnerToken, Record, RecordState, Reservation, Store, StoreError,
-    StoredResponse, UnknownReason,
+    ms_after, now_ms, Bound, OwnerToken, Record, RecordState, Reservation, Store, StoreError,
+    StoreStats, StoredResponse, UnknownReason, Watch,
 };
 use crate::fingerprint::Fingerprint;
 use crate::key::StoreKey;
@@ -86,6 +88,8 @@ const RECORD_OVERHEAD: usize = 256;
 const PURGE_INTERVAL: Duration = Duration::from_secs(1);
 const SHARDS: usize = 64;
 
+/// Cheap to clone: every clone is the same store.
+#[derive(Clone)]
 pub struct MemoryStore {
     shared: Arc<Shared>,
 }
@@ -180,11 +184,11 @@ impl Shared {
     }
 
     /// Which bound one more record of `size` bytes would break, if any.
-    fn over_bound(&self, size: u64) -> Option<&'static str> {
+    fn over_bound(&self, size: u64) -> Option<Bound> {
         if self.counts.keys.load(Ordering::Relaxed) >= self.max_keys {
-            Some("max_keys")
+            Some(Bound::MaxKeys)
         } else if self.counts.bytes.load(Ordering::Relaxed) + size > self.max_bytes {
-            Some("max_bytes")
+            Some(Bound::MaxBytes)
         } else {
             None
         }
@@ -202,7 +206,9 @@ impl Shared {
         let size = RECORD_OVERHEAD as u64;
         let mut inner = self.shard(key);
         if let Some(e) = inner.live(key, now, &self.counts) {
-            return Ok(Reservation::Existing(e.held.record()?));
+            return Ok(Reservation::Existing(
+                e.held.record()?.checked_lease(now_ms()),
+            ));
         }
         if let Some(which) = self.over_bound(size) {
             return Err(StoreError::Full(which));
@@ -380,7 +386,10 @@ impl Store for MemoryStore {
         let counts = &self.shared.counts;
         let mut inner = self.shared.shard(key);
         match inner.live(key, Instant::now(), counts) {
-            Some(e) if e.held.record().is_ok_and(|r| r == *expected) => {}
+            Some(e)
+                if e.held
+                    .record()
+                    .is_ok_and(|r| r.checked_lease(now_ms()) == *expected) => {}
             _ => return Ok(None),
         }
         let (owner, record) = super::pending(fingerprint, lease);
@@ -398,8 +407,15 @@ impl Store for MemoryStore {
         let mut inner = self.shared.shard(key);
         inner
             .live(key, Instant::now(), &self.shared.counts)
-            .map(|e| e.held.record())
+            .map(|e| e.held.record().map(|r| r.checked_lease(now_ms())))
             .transpose()
+    }
+
+    async fn watch(&self, key: &StoreKey) -> Result<Watch, StoreError> {
+        // Every change here wakes the key's waiters, so subscribing is all watching takes.
+        let changes = self.shared.waiters.subscribe(key);
+        let record = self.get(key).await?;
+        Ok(Watch { record, changes })
     }
 
     async fn complete(
@@ -494,16 +510,18 @@ impl Store for MemoryStore {
         Ok(removed)
     }
 
-    fn subscribe(&self, key: &StoreKey) -> Subscription {
-        self.shared.waiters.subscribe(key)
-    }
-
     async fn ping(&self) -> Result<(), StoreError> {
         Ok(())
     }
 
-    fn purged(&self) -> u64 {
-        self.shared.counts.purged.load(Ordering::Relaxed)
+    fn stats(&self) -> StoreStats {
+        StoreStats {
+            purged: self.shared.counts.purged.load(Ordering::Relaxed),
+        }
+    }
+
+    fn for_worker(&self) -> Arc<dyn Store> {
+        Arc::new(self.clone())
     }
 }
 
@@ -576,7 +594,7 @@ mod tests {
         // Purge runs on its own timer; give it a tick.
         tokio::time::sleep(PURGE_INTERVAL).await;
         assert_eq!(s.len(), 0, "the purge task removed the expired record");
-        assert_eq!(s.purged(), 1);
+        assert_eq!(s.stats().purged, 1);
         assert!(s.get(&key("a")).await.unwrap().is_none());
     }
 
@@ -610,7 +628,7 @@ mod tests {
         tokio::time::advance(Duration::from_secs(11)).await;
         tokio::time::sleep(PURGE_INTERVAL).await;
         assert_eq!(s.len(), 0);
-        assert_eq!(s.purged(), 1);
+        assert_eq!(s.stats().purged, 1);
     }
 
     #[tokio::test(start_paused = true)]
@@ -648,7 +666,7 @@ mod tests {
             )
             .await
             .unwrap_err();
-        assert_eq!(err, StoreError::Full("max_keys"));
+        assert_eq!(err, StoreError::Full(Bound::MaxKeys));
         assert!(s.get(&key("a")).await.unwrap().is_some());
         assert!(s.get(&key("b")).await.unwrap().is_some());
     }

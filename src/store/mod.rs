@@ -9,14 +9,17 @@
 //!   return [`StoreError::NotOwner`] for anyone else, so a late owner can never overwrite;
 //! - a pending record lives for the full `ttl`, not just its lease, so a crashed owner's key never
 //!   silently vanishes and lets a retry execute again;
-//! - [`Store::subscribe`] lets a duplicate wait for the key to change without polling.
+//! - a pending record whose lease ran out is read as [`RecordState::Abandoned`]: the store
+//!   decides it, on every read, so no caller compares clocks;
+//! - [`Store::watch`] reads a record for a caller that will wait on it, and wakes that caller
+//!   when the record changes, without polling.
 //!
 //! Backends: [`memory::MemoryStore`] (embedded, one instance) and [`redis::RedisStore`]
-//! (shared, one Redis or a Redis Cluster), whose records use [`codec`]. The contract tests in
-//! `tests/store_contract.rs` run against every backend.
+//! (shared, one Redis or a Redis Cluster), whose records use [`codec`]. A new backend is one
+//! module implementing [`Store`], one arm in [`open`], and one more run of the contract suite
+//! (`tests/e2e/store_contract.rs`).
 
 pub mod codec;
-pub mod instrumented;
 pub mod memory;
 pub mod redis;
 pub mod wait;
@@ -28,6 +31,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue, StatusCode};
 
+use crate::config::StoreConfig;
 use crate::fingerprint::Fingerprint;
 use crate::key::StoreKey;
 pub use wait::Subscription;
@@ -58,6 +62,13 @@ pub enum RecordState {
         owner: OwnerToken,
         lease_until_ms: u64,
     },
+    /// Stored as pending, but the owner's lease ran out without a result (its gateway died
+    /// mid-flight): the outcome is unknown. The store decides this when it reads the record
+    /// ([`Record::checked_lease`]); it is never written as such.
+    Abandoned {
+        owner: OwnerToken,
+        lease_until_ms: u64,
+    },
     /// The upstream answered; this is what every retry gets.
     Completed(Arc<StoredResponse>),
     /// The request was sent but no complete answer came back: it may or may not have run.
@@ -65,6 +76,27 @@ pub enum RecordState {
         since_ms: u64,
         reason: UnknownReason,
     },
+}
+
+impl Record {
+    /// The record as every backend returns it: a pending record whose lease ran out before
+    /// `now_ms` reads as [`RecordState::Abandoned`]. Backends call this on every record they
+    /// return, and nothing outside the store compares leases with clocks.
+    pub fn checked_lease(mut self, now_ms: u64) -> Record {
+        if let RecordState::Pending {
+            owner,
+            lease_until_ms,
+        } = self.state
+        {
+            if lease_until_ms < now_ms {
+                self.state = RecordState::Abandoned {
+                    owner,
+                    lease_until_ms,
+                };
+            }
+        }
+        self
+    }
 }
 
 /// Why an outcome is unknown, as retries are told.
@@ -123,6 +155,36 @@ pub enum Reservation {
     Existing(Record),
 }
 
+/// A record read by a caller that will wait for it to change ([`Store::watch`]).
+pub struct Watch {
+    /// The record at the moment of the read (`None`: there is none).
+    pub record: Option<Record>,
+    /// Fires at the record's next change after the read.
+    pub changes: Subscription,
+}
+
+/// Which bound of the embedded store refused a new key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Bound {
+    MaxKeys,
+    MaxBytes,
+}
+
+impl Bound {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Bound::MaxKeys => "max_keys",
+            Bound::MaxBytes => "max_bytes",
+        }
+    }
+}
+
+impl std::fmt::Display for Bound {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum StoreError {
     /// The caller's token no longer owns the key (it was completed, released or taken over).
@@ -130,13 +192,74 @@ pub enum StoreError {
     NotOwner,
     /// The embedded store is at its configured bound and refuses new keys.
     #[error("store is full ({0})")]
-    Full(&'static str),
+    Full(Bound),
     /// The backend could not be reached or did not answer in time.
     #[error("store unavailable: {0}")]
     Unavailable(String),
     /// A stored record could not be decoded.
     #[error("stored record is corrupt: {0}")]
     Corrupt(String),
+}
+
+impl StoreError {
+    /// Whether the store failed (for metrics), as opposed to answering that the caller lost
+    /// ownership, which is an answer.
+    pub fn is_failure(&self) -> bool {
+        !matches!(self, StoreError::NotOwner)
+    }
+}
+
+/// Why a store could not be opened (a bad setting: nothing remote is contacted at open).
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    #[error("invalid Redis URL: {0}")]
+    RedisUrl(String),
+    #[error("cannot read tls_ca_file {path}: {source}")]
+    TlsCaFile {
+        path: std::path::PathBuf,
+        source: std::io::Error,
+    },
+}
+
+/// The store calls, as timed and counted in `/metrics` (`op` label).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StoreOp {
+    Reserve,
+    /// [`Store::get`] and [`Store::watch`].
+    Get,
+    Complete,
+    MarkUnknown,
+    Release,
+    Renew,
+    TakeOver,
+    Delete,
+    Ping,
+}
+
+impl StoreOp {
+    /// For handles indexed by `op as usize` (`Ping` stays the last variant).
+    pub const COUNT: usize = StoreOp::Ping as usize + 1;
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StoreOp::Reserve => "reserve",
+            StoreOp::Get => "get",
+            StoreOp::Complete => "complete",
+            StoreOp::MarkUnknown => "mark_unknown",
+            StoreOp::Release => "release",
+            StoreOp::Renew => "renew",
+            StoreOp::TakeOver => "take_over",
+            StoreOp::Delete => "delete",
+            StoreOp::Ping => "ping",
+        }
+    }
+}
+
+/// What a store reports about itself for `/metrics`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StoreStats {
+    /// Expired records this process removed (0 where the backend expires records itself).
+    pub purged: u64,
 }
 
 /// Every backend implements this; see the module doc for the contract.
@@ -155,13 +278,11 @@ pub trait Store: Send + Sync + 'static {
     /// The current record, if any.
     async fn get(&self, key: &StoreKey) -> Result<Option<Record>, StoreError>;
 
-    /// [`Store::get`] for a caller that holds a [`Store::subscribe`] subscription and will wait:
-    /// if the record is pending, the store is told someone waits, so the end of the pending
-    /// state is announced. A shared store announces only then, which spares a message per
-    /// request when, as usual, nobody waits. The embedded store always wakes its waiters.
-    async fn get_watched(&self, key: &StoreKey) -> Result<Option<Record>, StoreError> {
-        self.get(key).await
-    }
+    /// The current record, for a caller that will wait for it to change: the subscription is
+    /// made before the read, so a change in between is never missed, and the end of a pending
+    /// state is announced to it (a shared store announces only to records read this way, which
+    /// spares a message per request when, as usual, nobody waits).
+    async fn watch(&self, key: &StoreKey) -> Result<Watch, StoreError>;
 
     /// Stores the response and keeps it for `ttl` from now. Owner only.
     async fn complete(
@@ -192,8 +313,9 @@ pub trait Store: Send + Sync + 'static {
     ) -> Result<(), StoreError>;
 
     /// Replaces the record with a new pending one owned by a new token, if it is still exactly
-    /// `expected` (compare and set): how a retry takes over an abandoned or unknown key when the
-    /// route allows it (`on_unknown = "retry"`). `None` when the record changed meanwhile.
+    /// `expected` as this store returned it (compare and set): how a retry takes over an
+    /// abandoned or unknown key when the route allows it (`on_unknown = "retry"`). `None` when
+    /// the record changed meanwhile.
     async fn take_over(
         &self,
         key: &StoreKey,
@@ -206,17 +328,16 @@ pub trait Store: Send + Sync + 'static {
     /// Deletes a record whoever owns it: for operators, after checking the upstream's records.
     async fn delete(&self, key: &StoreKey) -> Result<bool, StoreError>;
 
-    /// Registers interest in changes to `key`. Subscribe *before* reading the record, so a change
-    /// between the read and the wait is never missed.
-    fn subscribe(&self, key: &StoreKey) -> Subscription;
-
     /// Whether the backend can serve requests now (for readiness).
     async fn ping(&self) -> Result<(), StoreError>;
 
-    /// Expired records this process removed so far (backends that expire on their own: 0).
-    fn purged(&self) -> u64 {
-        0
-    }
+    /// Counters for `/metrics`.
+    fn stats(&self) -> StoreStats;
+
+    /// A handle to this same store for one worker thread, made on that thread and used only
+    /// there: a backend whose connections are driven by the runtime that made them (Redis)
+    /// gives each worker its own, so no command hops threads; the others share themselves.
+    fn for_worker(&self) -> Arc<dyn Store>;
 }
 
 /// A new pending record for a fresh owner.
@@ -247,12 +368,51 @@ pub fn ms_after(d: Duration) -> u64 {
 }
 
 /// Opens the backend named in the config. Never waits for a remote store to be reachable.
-pub fn open(config: &crate::config::StoreConfig) -> Result<Arc<dyn Store>, redis::RedisUrlError> {
+pub fn open(config: &StoreConfig) -> Result<Arc<dyn Store>, OpenError> {
     Ok(match config {
-        crate::config::StoreConfig::Memory {
+        StoreConfig::Memory {
             max_keys,
             max_bytes,
         } => Arc::new(memory::MemoryStore::new(*max_keys, *max_bytes)),
-        crate::config::StoreConfig::Redis(settings) => Arc::new(redis::RedisStore::new(settings)?),
+        StoreConfig::Redis(settings) => Arc::new(redis::RedisStore::new(settings)?),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pending_until(lease_until_ms: u64) -> Record {
+        Record {
+            fingerprint: Fingerprint([1; 32]),
+            created_ms: 1,
+            state: RecordState::Pending {
+                owner: OwnerToken(9),
+                lease_until_ms,
+            },
+        }
+    }
+
+    #[test]
+    fn a_lease_that_ran_out_reads_as_abandoned() {
+        let live = pending_until(1_000).checked_lease(1_000);
+        assert!(matches!(live.state, RecordState::Pending { .. }));
+        let gone = pending_until(1_000).checked_lease(1_001);
+        assert_eq!(
+            gone.state,
+            RecordState::Abandoned {
+                owner: OwnerToken(9),
+                lease_until_ms: 1_000
+            }
+        );
+        // Other states are not touched.
+        let unknown = Record {
+            state: RecordState::Unknown {
+                since_ms: 5,
+                reason: UnknownReason::Timeout,
+            },
+            ..pending_until(0)
+        };
+        assert_eq!(unknown.clone().checked_lease(u64::MAX), unknown);
+    }
 }

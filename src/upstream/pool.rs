@@ -1,34 +1,15 @@
-//! The upstream side: a pool of HTTP/1.1 connections per worker, request rewriting, and
-//! failure classification.
-//!
-//! Failures are sorted by what they mean for idempotency: [`UpstreamError::NotSent`] (the
-//! request certainly did not reach the upstream: no connection could be made, or hyper handed the
-//! request back unwritten, so the key can be released) versus [`UpstreamError::Failed`] and
-//! [`UpstreamError::Timeout`] (the request may have reached the upstream, so the outcome is
-//! unknown).
-//!
-//! The pool is ours rather than hyper-util's legacy client: that one hashes its pool key with
-//! SipHash several times a request and spawns a task per request to return the connection, which
-//! came to about a sixth of a pass-through request's instructions. Here each worker thread has
-//! its own short list of idle connections per upstream, and a connection goes back when its
-//! response body has been read to the end and it is ready for another request (under load,
-//! always at once; a connection still sending a request body that was answered early goes back
-//! when it is done). A body still streaming to a slow client keeps its connection; a body
-//! dropped half-read takes its connection down with it. What hyper-util did that matters is
-//! kept: a request that a reused connection hands back unwritten (the upstream closed it while
-//! it sat idle) is sent again on another one, and idle connections are dropped after 60 s.
+//! The per-worker pool of HTTP/1.1 upstream connections (see the module doc of [`super`]).
 
 use std::collections::VecDeque;
-use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::header::{self, HeaderMap, HeaderName, HeaderValue};
-use http::uri::{self, Authority, PathAndQuery, Scheme};
-use http::{request, Request, Response, Uri, Version};
+use http::header::{self, HeaderValue};
+use http::uri::{Authority, PathAndQuery};
+use http::{Request, Response, Uri};
 use http_body::{Body as HttpBody, Frame, SizeHint};
 use hyper::body::Incoming;
 use hyper::client::conn::http1::{self, SendRequest};
@@ -36,34 +17,19 @@ use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
+use super::rewrite::strip_hop_by_hop;
+use super::{UpstreamError, MAX_CONNECT_TIMEOUT};
 use crate::body::{Body, BoxError};
-use crate::config::UpstreamUrl;
 
-/// How long establishing a TCP connection to the upstream may take at most.
-pub const MAX_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Idle connections older than this are closed rather than reused, as hyper-util's pool did:
 /// below nginx's 75 s keep-alive timeout, so such an upstream never closes one under a request.
 const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 /// Idle connections kept per upstream and worker; more are closed when they come back.
 const MAX_IDLE_PER_UPSTREAM: usize = 256;
 
-#[derive(Debug, thiserror::Error)]
-pub enum UpstreamError {
-    /// The request certainly did not reach the upstream.
-    #[error("upstream not reached: {0}")]
-    NotSent(BoxError),
-    /// The exchange failed after the connection was made: the request may have been executed.
-    #[error("upstream exchange failed: {0}")]
-    Failed(BoxError),
-    /// No answer within the timeout (the head, or on idempotent routes the whole response): the
-    /// request may have been executed.
-    #[error("upstream did not answer within {0:?}")]
-    Timeout(Duration),
-}
-
-/// A pooled HTTP/1.1 client; each worker thread has its own ([`crate::gateway::Gateway::upstream_pool`]).
+/// A pooled HTTP/1.1 client; each worker thread has its own (see [`crate::server`]).
 #[derive(Clone)]
-pub struct UpstreamClient {
+pub struct UpstreamPool {
     pool: Arc<Pool>,
 }
 
@@ -79,15 +45,35 @@ struct Idle {
     since: Instant,
 }
 
-impl UpstreamClient {
+impl UpstreamPool {
     /// `connect_timeout` is capped at [`MAX_CONNECT_TIMEOUT`].
     pub fn new(connect_timeout: Duration) -> Self {
-        UpstreamClient {
+        UpstreamPool {
             pool: Arc::new(Pool {
                 connect_timeout: connect_timeout.min(MAX_CONNECT_TIMEOUT),
                 idle: Mutex::new(Vec::new()),
             }),
         }
+    }
+
+    /// Closes connections idle for longer than the idle timeout, to every upstream, and forgets
+    /// upstreams with none left: an upstream that a reload removed is never checked out again,
+    /// so checkout alone would keep its connections open for ever. The worker calls this now
+    /// and then.
+    pub fn prune_idle(&self) {
+        let Some(stale) = Instant::now().checked_sub(IDLE_TIMEOUT) else {
+            return;
+        };
+        let mut idle = self.pool.idle();
+        for (_, conns) in idle.iter_mut() {
+            conns.retain(|c| c.since >= stale);
+        }
+        idle.retain(|(_, conns)| !conns.is_empty());
+    }
+
+    /// Upstreams with idle connections now (for tests).
+    pub fn idle_upstreams(&self) -> usize {
+        self.pool.idle().len()
     }
 
     /// Sends `req` and waits for the response head for at most `timeout`; the response comes back
@@ -102,7 +88,7 @@ impl UpstreamClient {
             .unwrap_or(Err(UpstreamError::Timeout(timeout)))
     }
 
-    /// [`UpstreamClient::send`] with no timeout: for a caller whose own deadline covers more
+    /// [`UpstreamPool::send`] with no timeout: for a caller whose own deadline covers more
     /// than the response head (one timer per request, not one per step). `req` carries the
     /// upstream in its URI ([`prepare_request`]); it goes on the wire in origin form.
     pub async fn exchange(
@@ -310,139 +296,10 @@ impl HttpBody for UpstreamBody {
     }
 }
 
-/// The client end of a connection, its address already formatted for `X-Forwarded-For`: built
-/// once per connection rather than once per request.
-#[derive(Clone, Debug)]
-pub struct Peer {
-    ip: HeaderValue,
-}
-
-impl Peer {
-    pub fn new(addr: SocketAddr) -> Self {
-        // An IP address always formats to a valid header value; the fallback is unreachable.
-        let ip = HeaderValue::from_str(&addr.ip().to_string())
-            .unwrap_or(HeaderValue::from_static("unknown"));
-        Peer { ip }
-    }
-}
-
-const KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
-const PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection");
-const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
-const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
-const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
-
-/// Rewrites the client's request head for the upstream: target URI, HTTP/1.1, hop-by-hop headers
-/// removed (RFC 9110 7.6.1) and `X-Forwarded-For/-Proto/-Host` set as a reverse proxy does.
-///
-/// The original `Host` is kept, so the upstream sees the name the client used; an existing
-/// `X-Forwarded-Proto`/`-Host` (from a load balancer in front) is kept too, and the client's
-/// address is appended to `X-Forwarded-For`.
-pub fn prepare_request(
-    parts: &mut request::Parts,
-    target: &UpstreamUrl,
-    peer: &Peer,
-) -> Result<(), http::Error> {
-    // Taken apart rather than re-parsed: this runs on every forwarded request.
-    let original = std::mem::take(&mut parts.uri).into_parts();
-    let path_and_query = match (target.prefix.as_str(), original.path_and_query) {
-        ("", Some(pq)) => pq,
-        ("", None) => PathAndQuery::from_static("/"),
-        (prefix, pq) => {
-            let pq = pq.as_ref().map_or("/", PathAndQuery::as_str);
-            PathAndQuery::try_from(format!("{prefix}{pq}"))?
-        }
-    };
-    let mut uri = uri::Parts::default();
-    uri.scheme = Some(Scheme::HTTP);
-    uri.authority = Some(target.authority.clone());
-    uri.path_and_query = Some(path_and_query);
-    parts.uri = Uri::from_parts(uri)?;
-    parts.version = Version::HTTP_11;
-
-    let headers = &mut parts.headers;
-    strip_hop_by_hop(headers);
-    if !headers.contains_key(header::HOST) {
-        // HTTP/2 clients send :authority instead of Host.
-        if let Some(a) = &original.authority {
-            if let Ok(v) = HeaderValue::from_str(a.as_str()) {
-                headers.insert(header::HOST, v);
-            }
-        }
-    }
-    let forwarded_for = match headers.get(X_FORWARDED_FOR) {
-        None => peer.ip.clone(),
-        Some(prior) => {
-            let mut v = Vec::with_capacity(prior.len() + 2 + peer.ip.len());
-            v.extend_from_slice(prior.as_bytes());
-            v.extend_from_slice(b", ");
-            v.extend_from_slice(peer.ip.as_bytes());
-            HeaderValue::from_bytes(&v)?
-        }
-    };
-    headers.insert(X_FORWARDED_FOR, forwarded_for);
-    if !headers.contains_key(X_FORWARDED_PROTO) {
-        headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
-    }
-    if !headers.contains_key(X_FORWARDED_HOST) {
-        if let Some(host) = headers.get(header::HOST).cloned() {
-            headers.insert(X_FORWARDED_HOST, host);
-        }
-    }
-    Ok(())
-}
-
-/// Whether a header is connection-specific by definition (RFC 9110 7.6.1, plus the legacy
-/// `Keep-Alive` and `Proxy-Connection`).
-fn is_hop_by_hop(name: &HeaderName) -> bool {
-    name == header::CONNECTION
-        || name == header::TE
-        || name == header::TRAILER
-        || name == header::TRANSFER_ENCODING
-        || name == header::UPGRADE
-        || name == header::PROXY_AUTHENTICATE
-        || name == header::PROXY_AUTHORIZATION
-        || name == KEEP_ALIVE
-        || name == PROXY_CONNECTION
-}
-
-/// Removes connection-specific headers: the fixed list of RFC 9110 and any header the
-/// `Connection` header names.
-fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    // One pass over the names; most messages carry none of these (or only `Connection`), so
-    // nothing is allocated or hashed again for them.
-    let mut doomed: Vec<HeaderName> = headers
-        .keys()
-        .filter(|name| is_hop_by_hop(name))
-        .cloned()
-        .collect();
-    if doomed.is_empty() {
-        return;
-    }
-    doomed.extend(
-        headers
-            .get_all(header::CONNECTION)
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-            .flat_map(|v| v.split(','))
-            .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok()),
-    );
-    for name in doomed {
-        headers.remove(name);
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn parts(uri: &str, headers: &[(&str, &str)]) -> request::Parts {
-        let mut b = Request::builder().method("POST").uri(uri);
-        for (k, v) in headers {
-            b = b.header(*k, *v);
-        }
-        b.body(()).unwrap().into_parts().0
-    }
+    use std::net::SocketAddr;
 
     /// A raw HTTP/1.1 upstream on loopback that counts its connections and answers each request
     /// by `answer(path)`: (response bytes, close after it).
@@ -510,7 +367,7 @@ mod tests {
     #[tokio::test]
     async fn sequential_requests_share_one_connection() {
         let up = RawUpstream::start(|_| (OK.to_vec(), false)).await;
-        let client = UpstreamClient::new(Duration::from_secs(1));
+        let client = UpstreamPool::new(Duration::from_secs(1));
         for _ in 0..3 {
             let resp = client.exchange(up.request("/x")).await.unwrap();
             assert_eq!(read_all(resp).await, "ok");
@@ -523,7 +380,7 @@ mod tests {
         // Closes after every answer without saying so: each pooled connection is dead when
         // reused, and the request must still go through, on a new one.
         let up = RawUpstream::start(|_| (OK.to_vec(), true)).await;
-        let client = UpstreamClient::new(Duration::from_secs(1));
+        let client = UpstreamPool::new(Duration::from_secs(1));
         for _ in 0..3 {
             let resp = client.exchange(up.request("/x")).await.unwrap();
             assert_eq!(read_all(resp).await, "ok");
@@ -544,7 +401,7 @@ mod tests {
             }
         }
         let up = RawUpstream::start(answer).await;
-        let client = UpstreamClient::new(Duration::from_secs(1));
+        let client = UpstreamPool::new(Duration::from_secs(1));
         let mut streaming = client.exchange(up.request("/stream")).await.unwrap();
         {
             use http_body_util::BodyExt;
@@ -593,7 +450,7 @@ mod tests {
     async fn a_connection_still_sending_its_request_body_is_not_handed_out() {
         // The upstream answers as soon as it has the head, as one refusing an upload does.
         let up = RawUpstream::start(|_| (OK.to_vec(), false)).await;
-        let client = UpstreamClient::new(Duration::from_secs(1));
+        let client = UpstreamPool::new(Duration::from_secs(1));
         let (tx, rx) = tokio::sync::mpsc::channel(1);
         tx.send(Bytes::from_static(b"part")).await.unwrap();
         let upload = Request::post(format!("http://{}/upload", up.addr))
@@ -614,11 +471,34 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn idle_connections_of_an_upstream_no_longer_used_are_closed() {
+        let up = RawUpstream::start(|_| (OK.to_vec(), false)).await;
+        let client = UpstreamPool::new(Duration::from_secs(1));
+        let resp = client.exchange(up.request("/a")).await.unwrap();
+        assert_eq!(read_all(resp).await, "ok");
+        assert_eq!(client.idle_upstreams(), 1);
+        client.prune_idle();
+        assert_eq!(
+            client.idle_upstreams(),
+            1,
+            "a fresh idle connection is kept"
+        );
+        tokio::time::pause();
+        tokio::time::advance(IDLE_TIMEOUT + Duration::from_secs(1)).await;
+        client.prune_idle();
+        assert_eq!(
+            client.idle_upstreams(),
+            0,
+            "the stale one is closed, the upstream forgotten"
+        );
+    }
+
+    #[tokio::test]
     async fn nothing_listening_means_not_sent() {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
         drop(listener);
-        let client = UpstreamClient::new(Duration::from_secs(1));
+        let client = UpstreamPool::new(Duration::from_secs(1));
         let req = Request::get(format!("http://{addr}/x"))
             .body(crate::body::full(Bytes::new()))
             .unwrap();
@@ -632,90 +512,12 @@ mod tests {
     #[tokio::test]
     async fn a_response_without_a_body_returns_its_connection_at_once() {
         let up = RawUpstream::start(|_| (b"HTTP/1.1 204 No Content\r\n\r\n".to_vec(), false)).await;
-        let client = UpstreamClient::new(Duration::from_secs(1));
+        let client = UpstreamPool::new(Duration::from_secs(1));
         for _ in 0..3 {
             let resp = client.exchange(up.request("/x")).await.unwrap();
             assert_eq!(resp.status(), 204);
             // The body is never polled, as hyper's server does for a 204.
         }
         assert_eq!(up.connections(), 1);
-    }
-
-    #[test]
-    fn rewrites_target_and_forwarding_headers() {
-        let mut p = parts(
-            "/payments?x=1",
-            &[
-                ("host", "api.example"),
-                ("connection", "keep-alive, x-secret-hop"),
-                ("x-secret-hop", "1"),
-                ("te", "trailers"),
-                ("x-forwarded-for", "10.0.0.1"),
-                ("x-kept", "yes"),
-            ],
-        );
-        let target = UpstreamUrl::parse("upstream.url", "http://127.0.0.1:3000/api").unwrap();
-        prepare_request(
-            &mut p,
-            &target,
-            &Peer::new("192.0.2.7:5555".parse().unwrap()),
-        )
-        .unwrap();
-        assert_eq!(p.uri.to_string(), "http://127.0.0.1:3000/api/payments?x=1");
-        assert!(p.headers.get("connection").is_none());
-        assert!(p.headers.get("x-secret-hop").is_none());
-        assert!(p.headers.get("te").is_none());
-        assert_eq!(p.headers["x-forwarded-for"], "10.0.0.1, 192.0.2.7");
-        assert_eq!(p.headers["x-forwarded-proto"], "http");
-        assert_eq!(p.headers["x-forwarded-host"], "api.example");
-        assert_eq!(p.headers["host"], "api.example");
-        assert_eq!(p.headers["x-kept"], "yes");
-    }
-
-    #[test]
-    fn keeps_forwarded_proto_set_by_a_load_balancer() {
-        let mut p = parts("/", &[("x-forwarded-proto", "https")]);
-        let target = UpstreamUrl::parse("upstream.url", "http://127.0.0.1:3000").unwrap();
-        prepare_request(&mut p, &target, &Peer::new("[::1]:5555".parse().unwrap())).unwrap();
-        assert_eq!(p.headers["x-forwarded-proto"], "https");
-        assert_eq!(p.headers["x-forwarded-for"], "::1");
-    }
-
-    #[test]
-    fn keeps_path_and_query_as_sent_without_a_prefix() {
-        let mut p = parts("/payments/p%2F1?a=1&b=%20", &[("host", "api.example")]);
-        let target = UpstreamUrl::parse("upstream.url", "http://127.0.0.1:3000").unwrap();
-        prepare_request(&mut p, &target, &Peer::new("192.0.2.7:1".parse().unwrap())).unwrap();
-        assert_eq!(
-            p.uri.to_string(),
-            "http://127.0.0.1:3000/payments/p%2F1?a=1&b=%20"
-        );
-        assert_eq!(p.headers["x-forwarded-for"], "192.0.2.7");
-    }
-
-    #[test]
-    fn strips_every_hop_by_hop_header_and_nothing_else() {
-        let mut h = HeaderMap::new();
-        for (k, v) in [
-            ("keep-alive", "timeout=5"),
-            ("proxy-connection", "keep-alive"),
-            ("transfer-encoding", "chunked"),
-            ("upgrade", "h2c"),
-            ("trailer", "x-sum"),
-            ("proxy-authorization", "Basic eA=="),
-            ("x-request-id", "r1"),
-            ("content-type", "application/json"),
-        ] {
-            h.insert(HeaderName::from_static(k), HeaderValue::from_static(v));
-        }
-        strip_hop_by_hop(&mut h);
-        let mut left: Vec<&str> = h.keys().map(HeaderName::as_str).collect();
-        left.sort_unstable();
-        assert_eq!(left, ["content-type", "x-request-id"]);
-
-        // Without any of them the map is left exactly as it was.
-        let before = h.clone();
-        strip_hop_by_hop(&mut h);
-        assert_eq!(h, before);
     }
 }

@@ -1,15 +1,13 @@
 //! End-to-end behaviour of the gateway on the embedded store: a real upstream, the real gateway,
 //! real HTTP over loopback. Each test names the numbered behaviour of the core issue it covers.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
-mod support;
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use support::*;
 use tokio::sync::Semaphore;
+
+use crate::support::*;
 
 // 1. Key parsing -------------------------------------------------------------------------------
 

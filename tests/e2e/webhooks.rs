@@ -1,10 +1,7 @@
 //! At-least-once deliveries deduplicated by message id or business id, with the documented
 //! sender configurations of `examples/webhooks.toml` and realistic deliveries from each sender.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod support;
-
-use support::*;
+use crate::support::*;
 
 /// The shipped example config, pointed at the test upstream and a free port.
 async fn webhook_gateway(up: &Upstream) -> Running {

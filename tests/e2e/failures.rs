@@ -1,9 +1,6 @@
 //! Failure semantics with real processes: gateways killed mid-flight, upstreams that reset or
 //! hang, lease renewal, SIGTERM with requests in flight, operator release, and a chaos run.
 //! Invariant everywhere: no key executes twice unless the route or an operator says it may.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
-mod support;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -11,9 +8,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rand::Rng;
-use support::redis::RedisServer;
-use support::*;
 use tokio::sync::Semaphore;
+
+use crate::support::redis::{free_port, RedisServer};
+use crate::support::*;
 
 fn redis_config(upstream: &str, redis_url: &str, listen: &str, extra: &str) -> String {
     format!(
@@ -266,7 +264,7 @@ async fn chaos() {
         }
     })
     .await;
-    let ports: Vec<u16> = (0..2).map(|_| support::redis::free_port(false)).collect();
+    let ports: Vec<u16> = (0..2).map(|_| free_port(false)).collect();
     let configs: Vec<String> = ports
         .iter()
         .map(|p| {

@@ -1,11 +1,8 @@
 //! The real binary: `idemgate check` and `idemgate run`, as an operator uses them.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
-mod support;
 
 use std::process::Command;
 
-use support::*;
+use crate::support::*;
 
 const BIN: &str = env!("CARGO_BIN_EXE_idemgate");
 

@@ -1,16 +1,14 @@
 //! The gateway on a shared Redis: several real gateway processes, Redis outages, and startup
 //! without Redis. Real `redis-server`, real upstream, real gateways, over loopback.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
-mod support;
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use support::redis::{free_port, RedisServer};
-use support::*;
 use tokio::sync::Semaphore;
+
+use crate::support::redis::{free_port, RedisServer};
+use crate::support::*;
 
 fn redis_config(upstream: &str, redis_url: &str, extra: &str) -> String {
     format!(
@@ -322,7 +320,7 @@ impl RoundTrips {
     fn take(&mut self) -> Vec<String> {
         self.marks += 1;
         let mark = format!("round-trip-mark-{}", self.marks);
-        support::redis::cli(self.port, &["echo", &mark]);
+        crate::support::redis::cli(self.port, &["echo", &mark]);
         let mut seen = Vec::new();
         self.in_scripts.clear();
         loop {

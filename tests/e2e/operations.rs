@@ -1,16 +1,14 @@
 //! Operations: metrics move per outcome, readiness follows the store and shutdown, SIGHUP reloads
 //! under traffic, JSON logs never carry keys or credentials.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-
-mod support;
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use support::redis::RedisServer;
-use support::*;
 use tokio::sync::Semaphore;
+
+use crate::support::redis::RedisServer;
+use crate::support::*;
 
 fn delta(before: &HashMap<String, f64>, after: &HashMap<String, f64>, name: &str) -> f64 {
     after.get(name).copied().unwrap_or(0.0) - before.get(name).copied().unwrap_or(0.0)

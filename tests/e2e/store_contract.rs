@@ -2,11 +2,9 @@
 //!
 //! Each check is a plain async function over `&dyn Store`, so a new backend gets the whole suite
 //! by adding one module that runs `all_checks!`.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod support;
-
-use support::redis::{RedisCluster, RedisServer};
+use crate::support::eventually;
+use crate::support::redis::{RedisCluster, RedisServer};
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -18,9 +16,9 @@ use idemgate::fingerprint::Fingerprint;
 use idemgate::key::{ClientScope, StoreKey};
 use idemgate::store::memory::MemoryStore;
 use idemgate::store::redis::RedisStore;
-use idemgate::store::wait::Subscription;
 use idemgate::store::{
-    OwnerToken, Record, RecordState, Reservation, Store, StoreError, StoredResponse, UnknownReason,
+    OwnerToken, Record, RecordState, Reservation, Store, StoreError, StoredResponse, Subscription,
+    UnknownReason,
 };
 
 const FP: Fingerprint = Fingerprint([7; 32]);
@@ -199,12 +197,13 @@ async fn woken(sub: &mut Subscription, why: &str) {
 async fn waiters_are_woken_by_completion(store: Arc<dyn Store>) {
     let k = key("wake");
     let t = own(&*store, &k).await;
-    let mut sub = store.subscribe(&k);
-    // As a waiting request does: subscribe, then read saying it waits.
+    // As a waiting request does: read saying it waits, subscribed from before the read.
+    let watch = store.watch(&k).await.unwrap();
     assert!(matches!(
-        store.get_watched(&k).await.unwrap().unwrap().state,
+        watch.record.unwrap().state,
         RecordState::Pending { .. }
     ));
+    let mut sub = watch.changes;
     let (s2, k2) = (Arc::clone(&store), k);
     let completer =
         tokio::spawn(async move { s2.complete(&k2, t, response(), TTL).await.unwrap() });
@@ -219,8 +218,7 @@ async fn waiters_are_woken_by_completion(store: Arc<dyn Store>) {
 async fn waiters_are_woken_by_release(store: Arc<dyn Store>) {
     let k = key("wake-release");
     let t = own(&*store, &k).await;
-    let mut sub = store.subscribe(&k);
-    store.get_watched(&k).await.unwrap();
+    let mut sub = store.watch(&k).await.unwrap().changes;
     store.release(&k, t).await.unwrap();
     woken(&mut sub, "a release must wake the subscriber").await;
 }
@@ -229,8 +227,7 @@ async fn waiters_are_woken_by_release(store: Arc<dyn Store>) {
 async fn waiters_are_woken_after_a_renewal(store: Arc<dyn Store>) {
     let k = key("wake-renewed");
     let t = own(&*store, &k).await;
-    let mut sub = store.subscribe(&k);
-    store.get_watched(&k).await.unwrap();
+    let mut sub = store.watch(&k).await.unwrap().changes;
     store.renew(&k, t, LEASE * 10).await.unwrap();
     store.renew(&k, t, LEASE * 10).await.unwrap();
     store.complete(&k, t, response(), TTL).await.unwrap();
@@ -244,8 +241,7 @@ async fn waiters_are_woken_after_a_renewal(store: Arc<dyn Store>) {
 async fn waiters_are_woken_by_an_operator_delete(store: Arc<dyn Store>) {
     let k = key("wake-delete");
     own(&*store, &k).await;
-    let mut sub = store.subscribe(&k);
-    store.get_watched(&k).await.unwrap();
+    let mut sub = store.watch(&k).await.unwrap().changes;
     assert!(store.delete(&k).await.unwrap());
     woken(
         &mut sub,
@@ -259,8 +255,8 @@ async fn waiters_are_woken_by_an_operator_delete(store: Arc<dyn Store>) {
 async fn take_over_accepts_a_record_a_waiter_reads(store: Arc<dyn Store>) {
     let k = key("take-over-watched");
     own(&*store, &k).await;
-    let mut sub = store.subscribe(&k);
-    let seen = store.get_watched(&k).await.unwrap().unwrap();
+    let watch = store.watch(&k).await.unwrap();
+    let (seen, mut sub) = (watch.record.unwrap(), watch.changes);
     let t2 = store
         .take_over(&k, &seen, FP, LEASE, TTL)
         .await
@@ -321,6 +317,68 @@ async fn take_over_is_compare_and_set(store: Arc<dyn Store>) {
     );
 }
 
+/// The store decides that a lease ran out: the record reads as abandoned (never as pending
+/// for ever, never as gone), and a take-over of what was read succeeds once.
+async fn a_lease_that_runs_out_reads_as_abandoned(store: Arc<dyn Store>) {
+    let k = key("abandoned");
+    let t = match store
+        .reserve(&k, FP, Duration::from_millis(1), TTL)
+        .await
+        .unwrap()
+    {
+        Reservation::Owner(t) => t,
+        other => panic!("expected ownership, got {other:?}"),
+    };
+    let abandoned =
+        |r: &Record| matches!(r.state, RecordState::Abandoned { owner, .. } if owner == t);
+    assert!(
+        eventually(|| {
+            let store = Arc::clone(&store);
+            async move { abandoned(&store.get(&k).await.unwrap().unwrap()) }
+        })
+        .await,
+        "a pending record past its lease reads as abandoned"
+    );
+    let Reservation::Existing(seen) = store.reserve(&k, FP, LEASE, TTL).await.unwrap() else {
+        panic!("an abandoned key must not be reservable again");
+    };
+    assert!(abandoned(&seen), "{seen:?}");
+    let t2 = store
+        .take_over(&k, &seen, FP, LEASE, TTL)
+        .await
+        .unwrap()
+        .expect("an abandoned record is taken over as read");
+    assert_eq!(
+        store.take_over(&k, &seen, FP, LEASE, TTL).await.unwrap(),
+        None
+    );
+    assert!(
+        matches!(store.get(&k).await.unwrap().unwrap().state, RecordState::Pending { owner, .. } if owner == t2)
+    );
+}
+
+/// A worker's handle is the same store: what one handle reserves, another sees and cannot own.
+async fn worker_handles_share_one_store(store: Arc<dyn Store>) {
+    let k = key("workers");
+    let (a, b) = (store.for_worker(), store.for_worker());
+    let t = own(&*a, &k).await;
+    assert!(matches!(
+        b.reserve(&k, FP, LEASE, TTL).await.unwrap(),
+        Reservation::Existing(_)
+    ));
+    let mut sub = b.watch(&k).await.unwrap().changes;
+    store.complete(&k, t, response(), TTL).await.unwrap();
+    woken(
+        &mut sub,
+        "a completion through one handle wakes a waiter on another",
+    )
+    .await;
+    assert!(matches!(
+        b.get(&k).await.unwrap().unwrap().state,
+        RecordState::Completed(_)
+    ));
+}
+
 async fn keys_are_independent(store: Arc<dyn Store>) {
     let (a, b) = (key("ind-a"), key("ind-b"));
     let ta = own(&*store, &a).await;
@@ -349,6 +407,8 @@ macro_rules! all_checks {
             take_over_accepts_a_record_a_waiter_reads,
             operators_can_delete_any_record,
             take_over_is_compare_and_set,
+            a_lease_that_runs_out_reads_as_abandoned,
+            worker_handles_share_one_store,
             keys_are_independent,
         );
     };
@@ -423,9 +483,9 @@ async fn redis_a_waiter_flags_the_pending_record_itself() {
     assert_eq!(len(), "66", "nobody waits: the record only");
     store.get(&k).await.unwrap();
     assert_eq!(len(), "66", "a plain read does not flag");
-    store.get_watched(&k).await.unwrap();
+    store.watch(&k).await.unwrap();
     assert_eq!(len(), "67", "a waiter flags it");
-    store.get_watched(&k).await.unwrap();
+    store.watch(&k).await.unwrap();
     assert_eq!(len(), "67", "once");
     store.renew(&k, t, LEASE).await.unwrap();
     assert_eq!(len(), "67", "a renewal keeps the flag");
@@ -491,7 +551,7 @@ async fn redis_cluster_passes_every_check() {
     // The keys really were spread over the masters (so slots, not luck, kept them atomic).
     let mut masters_with_keys = 0;
     for port in &cluster.ports {
-        let n: usize = support::redis::cli(*port, &["dbsize"])
+        let n: usize = crate::support::redis::cli(*port, &["dbsize"])
             .trim()
             .parse()
             .unwrap_or(0);

@@ -1,0 +1,361 @@
+//! Configuration: `proxy.toml` -> raw serde structs ([`raw`], unknown keys rejected) ->
+//! validated [`Config`] ([`validate`]). What is here is data: the running gateway keeps its live
+//! state (metric handles, connections) beside it, never in it.
+//!
+//! Precedence for every policy field: the route's own value, else `[defaults]`, else the built-in
+//! default listed in [`Policy::builtin`]. Every rejection is a [`ConfigError`] naming the field, the
+//! bad value and what is allowed, and happens before anything listens.
+
+mod raw;
+mod validate;
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use http::{HeaderName, Method, StatusCode, Uri};
+
+use crate::fingerprint::IgnoredFields;
+use crate::key::KeySource;
+use crate::route::RoutePattern;
+
+/// Why a configuration was refused. Each message names the field, the value and what is allowed.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {reason}")]
+    Read { path: String, reason: String },
+    #[error("config is not valid TOML or has an unknown or mistyped key: {0}")]
+    Syntax(String),
+    #[error("{field} = {value:?} is invalid: {allowed}")]
+    Invalid {
+        field: String,
+        value: String,
+        allowed: String,
+    },
+    #[error("{field} is required")]
+    Missing { field: String },
+    #[error("routes {first:?} and {second:?} overlap for method {method}: a request to {example:?} would match both; make one of them more specific or split the methods")]
+    Overlap {
+        first: String,
+        second: String,
+        method: String,
+        example: String,
+    },
+    #[error(
+        "routes[{index}].name = {name:?} is used by another route; route names must be unique"
+    )]
+    DuplicateName { index: usize, name: String },
+}
+
+impl ConfigError {
+    fn invalid(
+        field: impl Into<String>,
+        value: impl Into<String>,
+        allowed: impl Into<String>,
+    ) -> Self {
+        ConfigError::Invalid {
+            field: field.into(),
+            value: value.into(),
+            allowed: allowed.into(),
+        }
+    }
+}
+
+/// The whole validated configuration.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub server: ServerConfig,
+    pub store: StoreConfig,
+    pub upstream: UpstreamUrl,
+    /// `[defaults]` over the built-ins: what pass-through traffic outside any route uses.
+    pub defaults: Policy,
+    pub routes: Vec<RouteConfig>,
+}
+
+impl Config {
+    /// The shortest `upstream_timeout` of any route or the defaults.
+    pub fn shortest_upstream_timeout(&self) -> Duration {
+        self.routes
+            .iter()
+            .map(|r| r.policy.upstream_timeout)
+            .fold(self.defaults.upstream_timeout, Duration::min)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServerConfig {
+    pub listen: SocketAddr,
+    pub admin: Option<SocketAddr>,
+    /// How long in-flight requests get to finish (and store their results) after SIGTERM.
+    pub shutdown_grace: Duration,
+    /// Connections beyond this wait in the accept queue: with `max_body` this bounds buffered memory.
+    pub max_connections: usize,
+    /// Threads serving requests, each with its own runtime and upstream pool.
+    pub workers: usize,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreConfig {
+    /// The embedded store: one process, lost on restart, bounded by keys and bytes.
+    Memory { max_keys: usize, max_bytes: u64 },
+    /// A Redis server or cluster shared by every instance.
+    Redis(RedisSettings),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RedisSettings {
+    pub target: RedisTarget,
+    /// Prepended to every key and to the pub/sub channel; lets several gateways share a Redis.
+    pub key_prefix: String,
+    /// Upper bound for one Redis command, so a slow Redis cannot stall requests.
+    pub command_timeout: Duration,
+    /// PEM file of the CA that signed Redis's certificate (rediss:// with a private CA); `None`
+    /// trusts the system's roots.
+    pub tls_ca_file: Option<std::path::PathBuf>,
+}
+
+#[derive(Clone, PartialEq, Eq)]
+pub enum RedisTarget {
+    /// `redis://[user:password@]host:port[/db]`.
+    Single(String),
+    /// Seed nodes of a Redis Cluster.
+    Cluster(Vec<String>),
+}
+
+impl std::fmt::Debug for RedisTarget {
+    // URLs may carry a password: never print it.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RedisTarget::Single(u) => write!(f, "Single({})", redact_url(u)),
+            RedisTarget::Cluster(nodes) => {
+                let shown: Vec<String> = nodes.iter().map(|u| redact_url(u)).collect();
+                write!(f, "Cluster({shown:?})")
+            }
+        }
+    }
+}
+
+/// What an idempotent route does when the store cannot be used.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnStoreError {
+    /// 503 problem with `Retry-After`: nothing is forwarded without idempotency (fail closed).
+    Reject,
+    /// Forward without idempotency: availability over duplicates (fail open).
+    Pass,
+}
+
+/// What happens to a key whose request reached the upstream without a complete answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnUnknown {
+    /// Keep the key as `unknown`: retries get `outcome-unknown` and never execute (the default).
+    Reject,
+    /// Release the key (and take over abandoned ones): for upstreams that are safe to run again.
+    Retry,
+}
+
+/// `redis://user:secret@host` -> `redis://user:***@host`, for messages and logs. Everything
+/// between `://` and the last `@` is user info, whatever characters a password holds.
+pub fn redact_url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_string();
+    };
+    match rest.rsplit_once('@') {
+        Some((userinfo, host)) => {
+            let masked = match userinfo.split_once(':') {
+                Some((user, _)) => format!("{user}:***"),
+                None => "***".to_string(),
+            };
+            format!("{scheme}://{masked}@{host}")
+        }
+        None => url.to_string(),
+    }
+}
+
+/// An `http://host:port[/prefix]` upstream. Requests go to `prefix + original path`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UpstreamUrl {
+    pub authority: http::uri::Authority,
+    /// Path prefix without a trailing slash ("" for none).
+    pub prefix: String,
+}
+
+impl UpstreamUrl {
+    pub fn parse(field: &str, raw: &str) -> Result<Self, ConfigError> {
+        let allowed = "an absolute http:// URL such as \"http://127.0.0.1:3000\" or \"http://payments:3000/api\", without query";
+        let uri: Uri = raw
+            .parse()
+            .map_err(|_| ConfigError::invalid(field, raw, allowed))?;
+        match uri.scheme_str() {
+            Some("http") => {}
+            Some("https") => {
+                return Err(ConfigError::invalid(
+                    field,
+                    raw,
+                    "an http:// URL; https upstreams are not supported yet (terminate TLS in front of the upstream, or run idemgate as a sidecar next to it)",
+                ))
+            }
+            _ => return Err(ConfigError::invalid(field, raw, allowed)),
+        }
+        let authority = uri
+            .authority()
+            .cloned()
+            .ok_or_else(|| ConfigError::invalid(field, raw, allowed))?;
+        if uri.query().is_some() || authority.as_str().contains('@') {
+            return Err(ConfigError::invalid(field, raw, allowed));
+        }
+        let prefix = uri.path().trim_end_matches('/').to_string();
+        Ok(UpstreamUrl { authority, prefix })
+    }
+}
+
+impl std::fmt::Display for UpstreamUrl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "http://{}{}", self.authority, self.prefix)
+    }
+}
+
+/// Idempotency behaviour of one route, after defaults were applied.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Policy {
+    pub key_header: HeaderName,
+    pub require_key: bool,
+    pub ttl: Duration,
+    pub lock_timeout: Duration,
+    pub wait: Duration,
+    pub mismatch_status: StatusCode,
+    pub replay_header: HeaderName,
+    /// `None` when `client_header = ""`: every caller shares one scope.
+    pub client_header: Option<HeaderName>,
+    pub max_body: usize,
+    pub max_stored_response: usize,
+    pub upstream_timeout: Duration,
+    pub store_server_errors: bool,
+    pub on_store_error: OnStoreError,
+    pub on_unknown: OnUnknown,
+}
+
+impl Policy {
+    /// Built-in defaults, used where neither the route nor `[defaults]` sets a field.
+    pub fn builtin() -> Self {
+        Policy {
+            key_header: HeaderName::from_static("idempotency-key"),
+            require_key: true,
+            ttl: Duration::from_secs(24 * 3600),
+            lock_timeout: Duration::from_secs(30),
+            wait: Duration::from_secs(10),
+            mismatch_status: StatusCode::CONFLICT,
+            replay_header: HeaderName::from_static("idempotent-replayed"),
+            client_header: Some(http::header::AUTHORIZATION),
+            max_body: 1 << 20,
+            max_stored_response: 1 << 20,
+            upstream_timeout: Duration::from_secs(30),
+            store_server_errors: false,
+            on_store_error: OnStoreError::Reject,
+            on_unknown: OnUnknown::Reject,
+        }
+    }
+}
+
+/// One `[[routes]]` entry, validated.
+#[derive(Debug, Clone)]
+pub struct RouteConfig {
+    /// Stable identity of the route: part of every stored key, and how operators name it.
+    pub name: String,
+    pub pattern: RoutePattern,
+    pub methods: Vec<Method>,
+    pub upstream: UpstreamUrl,
+    /// JSON pointers removed from a JSON body before it is fingerprinted.
+    pub fingerprint_ignore: IgnoredFields,
+    /// Where the key comes from (default: the policy's `key_header`).
+    pub key: KeySource,
+    /// False for deliveries deduplicated by business id: a later, different message with the
+    /// same key gets the stored response instead of a mismatch.
+    pub check_fingerprint: bool,
+    pub policy: Policy,
+}
+
+impl Config {
+    /// Reads and validates a config file.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Read {
+            path: path.display().to_string(),
+            reason: e.to_string(),
+        })?;
+        Config::parse(&text)
+    }
+
+    /// Parses and validates config text.
+    pub fn parse(text: &str) -> Result<Config, ConfigError> {
+        let raw: raw::RawConfig =
+            toml::from_str(text).map_err(|e| validate::syntax_error(text, &e))?;
+        raw.validate()
+    }
+
+    /// A human-readable list of the resolved routes, for `idemgate check`.
+    pub fn describe(&self) -> String {
+        use std::fmt::Write;
+        let mut out = String::new();
+        let _ = writeln!(out, "listen {}", self.server.listen);
+        match &self.store {
+            StoreConfig::Memory {
+                max_keys,
+                max_bytes,
+            } => {
+                let _ = writeln!(
+                    out,
+                    "store memory (max_keys {max_keys}, max_bytes {max_bytes})"
+                );
+            }
+            StoreConfig::Redis(r) => {
+                let target = match &r.target {
+                    RedisTarget::Single(u) => redact_url(u),
+                    RedisTarget::Cluster(nodes) => format!(
+                        "cluster [{}]",
+                        nodes
+                            .iter()
+                            .map(|u| redact_url(u))
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
+                };
+                let _ = writeln!(
+                    out,
+                    "store redis {target} (key_prefix {:?}, command_timeout {})",
+                    r.key_prefix,
+                    humantime::format_duration(r.command_timeout)
+                );
+            }
+        }
+        let _ = writeln!(out, "default upstream {}", self.upstream);
+        for r in &self.routes {
+            let methods: Vec<&str> = r.methods.iter().map(Method::as_str).collect();
+            let p = &r.policy;
+            let _ = writeln!(
+                out,
+                "route {:?}: {} {} -> {} (key from {}, require_key {}, ttl {}, lock_timeout {}, wait {}, mismatch {}, client scope {}, max_body {}, max_stored_response {}, upstream_timeout {}, store_server_errors {}, on_store_error {:?}, on_unknown {:?})",
+                r.name,
+                methods.join(","),
+                r.pattern,
+                r.upstream,
+                r.key.describe(),
+                p.require_key,
+                humantime::format_duration(p.ttl),
+                humantime::format_duration(p.lock_timeout),
+                humantime::format_duration(p.wait),
+                p.mismatch_status.as_u16(),
+                p.client_header.as_ref().map(HeaderName::as_str).unwrap_or("(one scope)"),
+                p.max_body,
+                p.max_stored_response,
+                humantime::format_duration(p.upstream_timeout),
+                p.store_server_errors,
+                p.on_store_error,
+                p.on_unknown,
+            );
+        }
+        let _ = writeln!(out, "everything else: passed through to {}", self.upstream);
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,121 @@
+//! The config file as written: serde structs that refuse unknown keys, every field optional,
+//! nothing checked yet. [`super::validate`] turns them into a [`super::Config`].
+
+use serde::Deserialize;
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawConfig {
+    pub(super) server: Option<RawServer>,
+    #[serde(default)]
+    pub(super) store: RawStore,
+    pub(super) upstream: Option<RawUpstream>,
+    #[serde(default)]
+    pub(super) defaults: RawPolicy,
+    #[serde(default)]
+    pub(super) routes: Vec<toml::Table>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawServer {
+    pub(super) listen: Option<String>,
+    pub(super) admin: Option<String>,
+    pub(super) shutdown_grace: Option<String>,
+    pub(super) max_connections: Option<i64>,
+    pub(super) workers: Option<i64>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawStore {
+    pub(super) backend: Option<String>,
+    pub(super) max_keys: Option<i64>,
+    pub(super) max_bytes: Option<RawSize>,
+    pub(super) url: Option<String>,
+    pub(super) cluster: Option<Vec<String>>,
+    pub(super) key_prefix: Option<String>,
+    pub(super) command_timeout: Option<String>,
+    pub(super) tls_ca_file: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawUpstream {
+    pub(super) url: Option<String>,
+}
+
+/// A size written as a byte count (`1048576`) or with a unit (`"1MiB"`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub(super) enum RawSize {
+    Bytes(i64),
+    Text(String),
+}
+
+#[derive(Debug, Default, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawPolicy {
+    pub(super) key_header: Option<String>,
+    pub(super) require_key: Option<bool>,
+    pub(super) ttl: Option<String>,
+    pub(super) lock_timeout: Option<String>,
+    pub(super) wait: Option<String>,
+    pub(super) mismatch_status: Option<i64>,
+    pub(super) replay_header: Option<String>,
+    pub(super) client_header: Option<String>,
+    pub(super) max_body: Option<RawSize>,
+    pub(super) max_stored_response: Option<RawSize>,
+    pub(super) upstream_timeout: Option<String>,
+    pub(super) store_server_errors: Option<bool>,
+    pub(super) on_store_error: Option<String>,
+    pub(super) on_unknown: Option<String>,
+}
+
+/// The route-only keys of a `[[routes]]` table; the rest of the table is a [`RawPolicy`].
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawRouteOwn {
+    pub(super) name: Option<String>,
+    pub(super) path: Option<String>,
+    pub(super) methods: Option<Vec<String>>,
+    pub(super) upstream: Option<String>,
+    #[serde(default)]
+    pub(super) fingerprint_ignore: Vec<String>,
+    pub(super) key: Option<RawKey>,
+    pub(super) check_fingerprint: Option<bool>,
+}
+
+/// `key = { header = "webhook-id" }`, `key = { json = ["/data/object/id", "/type"] }`, or both.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawKey {
+    pub(super) header: Option<OneOrMany>,
+    pub(super) json: Option<OneOrMany>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub(super) enum OneOrMany {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl OneOrMany {
+    pub(super) fn into_vec(self) -> Vec<String> {
+        match self {
+            OneOrMany::One(s) => vec![s],
+            OneOrMany::Many(v) => v,
+        }
+    }
+}
+
+pub(super) const ROUTE_OWN_KEYS: &[&str] = &[
+    "name",
+    "path",
+    "methods",
+    "upstream",
+    "fingerprint_ignore",
+    "key",
+    "check_fingerprint",
+];

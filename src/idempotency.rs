@@ -1,0 +1,683 @@
+//! The idempotency core: what happens to one keyed operation, whichever front it came from (an
+//! HTTP request today, a broker message next). No HTTP server types: a front brings a scoped key,
+//! a fingerprint, the rules of its route and a way to execute ([`Execute`]), and gets a typed
+//! [`Decision`] back.
+//!
+//! ```text
+//! reserve ───── store down/full ─▶ Refused(StoreUnavailable | StoreFull), or Bypass (on_store_error = "pass")
+//!    ├─ Owner ──▶ execute (lease renewed) ─▶ settle: complete | release | mark_unknown
+//!    │            ─▶ Owned { Stored | Released | NotSent | Unknown }
+//!    └─ Existing ▶ decide: other fingerprint ─▶ Refused(KeyReused) (record untouched)
+//!                  completed ─▶ Replay (byte for byte)
+//!                  unknown, abandoned ─▶ Refused(OutcomeUnknown) (never re-executed), or take
+//!                                        over when on_unknown = "retry"
+//!                  pending ───▶ wait (woken by the store) ─▶ decide again | Refused(InFlight)
+//!                               | reserve again (the key was released meanwhile)
+//! ```
+//! The owner's execution outlives its caller: if the caller goes away (an HTTP client hangs up),
+//! the execution moves to a task of its own ([`Detachable`]), still finishes, and its result is
+//! still stored for the retry that is surely coming. [`decide`] and [`not_executed`] are the
+//! pure decisions, tested on their own below.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{ready, Context, Poll};
+use std::time::Duration;
+
+use tokio::time::Instant;
+use tokio_util::task::TaskTracker;
+
+use crate::body::BoxError;
+use crate::config::{OnStoreError, OnUnknown, Policy};
+use crate::fingerprint::Fingerprint;
+use crate::key::StoreKey;
+use crate::metrics::Metrics;
+use crate::store::{
+    now_ms, OwnerToken, Record, RecordState, Reservation, Store, StoreError, StoreOp,
+    StoredResponse, UnknownReason,
+};
+
+/// How often a waiting duplicate re-reads the record even without a signal: a last resort
+/// should a signal be lost.
+const RECHECK: Duration = Duration::from_secs(1);
+/// A waiter whose key keeps being released and re-taken gives up after this many rounds.
+const MAX_RESERVE_ROUNDS: usize = 8;
+
+/// The rules of one route that the core applies (from its [`Policy`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Rules {
+    /// False for deliveries deduplicated by business id: a later, different message with the
+    /// same key gets the stored response instead of a mismatch.
+    pub check_fingerprint: bool,
+    /// The owner's lease (`lock_timeout`), renewed while it executes.
+    pub lease: Duration,
+    pub ttl: Duration,
+    /// How long a duplicate waits for the original's result.
+    pub wait: Duration,
+    pub store_server_errors: bool,
+    pub on_store_error: OnStoreError,
+    pub on_unknown: OnUnknown,
+}
+
+impl Rules {
+    pub fn new(policy: &Policy, check_fingerprint: bool) -> Self {
+        Rules {
+            check_fingerprint,
+            lease: policy.lock_timeout,
+            ttl: policy.ttl,
+            wait: policy.wait,
+            store_server_errors: policy.store_server_errors,
+            on_store_error: policy.on_store_error,
+            on_unknown: policy.on_unknown,
+        }
+    }
+}
+
+/// How a front runs its operation once this call owns the key.
+pub trait Execute: Send + 'static {
+    /// What the front's caller gets (an HTTP response).
+    type Output: Send + 'static;
+
+    /// Runs the operation, once, within the front's own deadline.
+    fn execute(self) -> impl Future<Output = Attempt<Self::Output>> + Send;
+}
+
+/// What became of an execution.
+pub enum Attempt<R> {
+    /// The operation ran and answered: `response` is what retries get (its `completed_ms` is
+    /// set by the core), `output` what this caller gets.
+    Answered { response: StoredResponse, output: R },
+    /// The operation certainly did not run (nothing was sent).
+    NotSent(BoxError),
+    /// It was sent and may have run, but no complete answer came back.
+    Unknown {
+        reason: UnknownReason,
+        error: BoxError,
+    },
+}
+
+/// The core's answer for one operation.
+pub enum Decision<E: Execute> {
+    /// This call owned the key and ran the operation for `took`; `settled` says what became of
+    /// it.
+    Owned {
+        settled: Settled<E::Output>,
+        took: Duration,
+    },
+    /// An earlier execution's stored result.
+    Replay {
+        response: Arc<StoredResponse>,
+        /// The original was still running when this call came, and this call waited for it.
+        waited: bool,
+    },
+    /// Refused without running.
+    Refused(Refusal),
+    /// The store cannot be used and the rules say to run without idempotency
+    /// (`on_store_error = "pass"`): the operation is handed back to the front.
+    Bypass(E),
+}
+
+/// How the owner's execution was written down (phase `settle`).
+pub enum Settled<R> {
+    /// It ran and answered; the answer is stored for retries.
+    Stored(R),
+    /// It ran, and its answer says it did not execute (408, 425, 429, or a 5xx the rules do
+    /// not store): the answer is passed on and the key released.
+    Released(R),
+    /// It could not be sent: the key was released.
+    NotSent,
+    /// It was sent without a complete answer. The key is kept as unknown, or released when
+    /// `retryable` (on_unknown = "retry").
+    Unknown {
+        reason: UnknownReason,
+        retryable: bool,
+    },
+}
+
+/// Why an operation was refused without running.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// The key was used with other parameters (another fingerprint); the record is untouched.
+    KeyReused,
+    /// The original is still running after `wait`.
+    InFlight,
+    /// An earlier attempt's outcome is unknown: never executed again automatically.
+    OutcomeUnknown(UnknownReason),
+    StoreUnavailable,
+    StoreFull,
+}
+
+/// What an existing record means for this call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Resolved {
+    Replay(Arc<StoredResponse>),
+    /// Abandoned or unknown, and the rules allow running it again: take over this record.
+    TakeOver(Record),
+}
+
+/// Runs keyed operations; one per process, shared by every worker and front.
+pub struct Core {
+    metrics: Arc<Metrics>,
+    /// Owner executions whose caller went away; shutdown waits for them.
+    tasks: TaskTracker,
+}
+
+impl Core {
+    pub fn new(metrics: Arc<Metrics>) -> Self {
+        Core {
+            metrics,
+            tasks: TaskTracker::new(),
+        }
+    }
+
+    /// Owner executions still running on their own (their callers went away).
+    pub fn tasks(&self) -> &TaskTracker {
+        &self.tasks
+    }
+
+    /// One keyed operation, from reservation to decision. `store` is the calling worker's
+    /// handle ([`Store::for_worker`]).
+    pub async fn run<E: Execute>(
+        &self,
+        store: &Arc<dyn Store>,
+        key: &StoreKey,
+        fingerprint: Fingerprint,
+        rules: Rules,
+        exec: E,
+    ) -> Decision<E> {
+        let records = Records {
+            store: Arc::clone(store),
+            metrics: Arc::clone(&self.metrics),
+        };
+        let wait_until = Instant::now() + rules.wait;
+        for _ in 0..MAX_RESERVE_ROUNDS {
+            let reservation = match records.reserve(key, fingerprint, rules).await {
+                Ok(r) => r,
+                // A record that exists but cannot be read: its outcome is unknown, and it must
+                // never be run, whatever on_store_error says.
+                Err(StoreError::Corrupt(e)) => {
+                    tracing::error!(key = key.short(), error = %e, "unreadable record");
+                    return Decision::Refused(Refusal::OutcomeUnknown(UnknownReason::Interrupted));
+                }
+                Err(e) if rules.on_store_error == OnStoreError::Pass => {
+                    // The operator chose availability over duplicates for this route.
+                    tracing::warn!(key = key.short(), error = %e, "store unavailable; forwarding without idempotency (on_store_error = \"pass\")");
+                    return Decision::Bypass(exec);
+                }
+                Err(e) => return Decision::Refused(store_refusal(key, e)),
+            };
+            let record = match reservation {
+                Reservation::Owner(token) => {
+                    return self.execute(records, *key, token, rules, exec).await;
+                }
+                Reservation::Existing(record) => record,
+            };
+            let old = match records
+                .resolve(key, fingerprint, rules, record, wait_until)
+                .await
+            {
+                Ok(Some(Resolved::Replay(response))) => {
+                    return Decision::Replay {
+                        response,
+                        waited: false,
+                    }
+                }
+                Ok(Some(Resolved::TakeOver(old))) => old,
+                // Released while we waited: this call may run it now.
+                Ok(None) => continue,
+                Err(Waited::Replay(response)) => {
+                    return Decision::Replay {
+                        response,
+                        waited: true,
+                    }
+                }
+                Err(Waited::Refused(r)) => return Decision::Refused(r),
+            };
+            let taken = match records.take_over(key, &old, fingerprint, rules).await {
+                Ok(taken) => taken,
+                Err(e) => return Decision::Refused(store_refusal(key, e)),
+            };
+            if let Some(token) = taken {
+                tracing::warn!(
+                    key = key.short(),
+                    "taking over an abandoned or unknown key (on_unknown = \"retry\")"
+                );
+                return self.execute(records, *key, token, rules, exec).await;
+            }
+        }
+        Decision::Refused(Refusal::InFlight)
+    }
+
+    /// Phase `execute`: the owner runs the operation and stores the result. Runs in the caller's
+    /// own task while it waits, and on its own if the caller goes away ([`Detachable`]).
+    async fn execute<E: Execute>(
+        &self,
+        records: Records,
+        key: StoreKey,
+        token: OwnerToken,
+        rules: Rules,
+        exec: E,
+    ) -> Decision<E> {
+        let run = async move {
+            let started = Instant::now();
+            let forward = exec.execute();
+            tokio::pin!(forward);
+            let attempt = tokio::select! {
+                a = &mut forward => a,
+                () = records.renew_lease(&key, token, rules.lease) => forward.await,
+            };
+            let took = started.elapsed();
+            let settled = records.settle(&key, token, rules, attempt).await;
+            Decision::Owned { settled, took }
+        };
+        Detachable::new(run, self.tasks.clone()).await
+    }
+}
+
+/// The outcome of waiting on a pending record, when it is an answer.
+enum Waited {
+    Replay(Arc<StoredResponse>),
+    Refused(Refusal),
+}
+
+/// The store as the core uses it: the worker's handle, every call timed and counted.
+struct Records {
+    store: Arc<dyn Store>,
+    metrics: Arc<Metrics>,
+}
+
+impl Records {
+    async fn timed<T>(
+        &self,
+        op: StoreOp,
+        call: impl Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        let started = Instant::now();
+        let result = call.await;
+        let failed = result.as_ref().is_err_and(StoreError::is_failure);
+        self.metrics.store_call(op, started.elapsed(), failed);
+        result
+    }
+
+    async fn reserve(
+        &self,
+        key: &StoreKey,
+        fingerprint: Fingerprint,
+        rules: Rules,
+    ) -> Result<Reservation, StoreError> {
+        self.timed(
+            StoreOp::Reserve,
+            self.store.reserve(key, fingerprint, rules.lease, rules.ttl),
+        )
+        .await
+    }
+
+    async fn take_over(
+        &self,
+        key: &StoreKey,
+        old: &Record,
+        fingerprint: Fingerprint,
+        rules: Rules,
+    ) -> Result<Option<OwnerToken>, StoreError> {
+        self.timed(
+            StoreOp::TakeOver,
+            self.store
+                .take_over(key, old, fingerprint, rules.lease, rules.ttl),
+        )
+        .await
+    }
+
+    /// Phase `resolve`: what an existing record means, waiting while it is pending. `Ok(None)`:
+    /// the key was released meanwhile. Answers found by waiting come back as `Err(Waited)`, so
+    /// the caller can tell them from immediate ones.
+    async fn resolve(
+        &self,
+        key: &StoreKey,
+        fingerprint: Fingerprint,
+        rules: Rules,
+        record: Record,
+        wait_until: Instant,
+    ) -> Result<Option<Resolved>, Waited> {
+        if let Some(done) = decide(rules, fingerprint, &record).map_err(Waited::Refused)? {
+            return Ok(Some(done));
+        }
+        loop {
+            // Each read subscribes first, so a change between the read and the wait wakes us.
+            let watch = self
+                .timed(StoreOp::Get, self.store.watch(key))
+                .await
+                .map_err(|e| Waited::Refused(store_refusal(key, e)))?;
+            let Some(record) = watch.record else {
+                return Ok(None);
+            };
+            match decide(rules, fingerprint, &record).map_err(Waited::Refused)? {
+                Some(Resolved::Replay(response)) => return Err(Waited::Replay(response)),
+                Some(take_over) => return Ok(Some(take_over)),
+                None => {}
+            }
+            let now = Instant::now();
+            if now >= wait_until {
+                return Err(Waited::Refused(Refusal::InFlight));
+            }
+            let wake = wait_until.min(now + RECHECK);
+            let mut changes = watch.changes;
+            tokio::select! {
+                () = changes.changed() => {}
+                () = tokio::time::sleep_until(wake) => {}
+            }
+        }
+    }
+
+    /// Keeps the lease alive while the operation runs; returns only if ownership was lost.
+    async fn renew_lease(&self, key: &StoreKey, token: OwnerToken, lease: Duration) {
+        let period = (lease / 3).max(Duration::from_millis(10));
+        let mut tick = tokio::time::interval_at(Instant::now() + period, period);
+        loop {
+            tick.tick().await;
+            match self
+                .timed(StoreOp::Renew, self.store.renew(key, token, lease))
+                .await
+            {
+                Ok(()) => {}
+                Err(StoreError::NotOwner) => {
+                    tracing::warn!(
+                        key = key.short(),
+                        "lease lost while the upstream was working"
+                    );
+                    return;
+                }
+                Err(e) => tracing::warn!(key = key.short(), error = %e, "lease renewal failed"),
+            }
+        }
+    }
+
+    /// Phase `settle`: writes down what the execution did.
+    async fn settle<R>(
+        &self,
+        key: &StoreKey,
+        token: OwnerToken,
+        rules: Rules,
+        attempt: Attempt<R>,
+    ) -> Settled<R> {
+        let (mut response, output) = match attempt {
+            Attempt::Answered { response, output } => (response, output),
+            Attempt::NotSent(e) => {
+                tracing::warn!(key = key.short(), error = %e, "upstream unreachable; key released");
+                self.release(key, token).await;
+                return Settled::NotSent;
+            }
+            Attempt::Unknown { reason, error } => {
+                let retryable = rules.on_unknown == OnUnknown::Retry;
+                if retryable {
+                    tracing::warn!(key = key.short(), error = %error, "outcome unknown; key released (on_unknown = \"retry\")");
+                    self.release(key, token).await;
+                } else {
+                    tracing::warn!(key = key.short(), error = %error, "outcome unknown; key kept");
+                    let marked = self
+                        .timed(
+                            StoreOp::MarkUnknown,
+                            self.store.mark_unknown(key, token, reason),
+                        )
+                        .await;
+                    if let Err(e) = marked {
+                        tracing::error!(key = key.short(), error = %e, "cannot mark outcome unknown; the lease will expire instead");
+                    }
+                }
+                return Settled::Unknown { reason, retryable };
+            }
+        };
+        if not_executed(response.status.as_u16(), rules.store_server_errors) {
+            self.release(key, token).await;
+            return Settled::Released(output);
+        }
+        response.completed_ms = now_ms();
+        let stored = self
+            .timed(
+                StoreOp::Complete,
+                self.store.complete(key, token, response, rules.ttl),
+            )
+            .await;
+        if let Err(e) = stored {
+            // The caller still gets the real answer; retries will see the pending record,
+            // then (lease expired) an unknown outcome: never a second execution.
+            tracing::error!(key = key.short(), error = %e, "cannot store the response");
+        }
+        Settled::Stored(output)
+    }
+
+    async fn release(&self, key: &StoreKey, token: OwnerToken) {
+        let released = self
+            .timed(StoreOp::Release, self.store.release(key, token))
+            .await;
+        if let Err(e) = released {
+            tracing::error!(key = key.short(), error = %e, "cannot release the key; it stays pending until its lease expires");
+        }
+    }
+}
+
+/// What an existing record means: `Ok(None)` while it is pending with a live lease (wait).
+pub fn decide(
+    rules: Rules,
+    fingerprint: Fingerprint,
+    record: &Record,
+) -> Result<Option<Resolved>, Refusal> {
+    if rules.check_fingerprint && record.fingerprint != fingerprint {
+        return Err(Refusal::KeyReused);
+    }
+    match &record.state {
+        RecordState::Completed(stored) => Ok(Some(Resolved::Replay(Arc::clone(stored)))),
+        RecordState::Unknown { .. } | RecordState::Abandoned { .. }
+            if rules.on_unknown == OnUnknown::Retry =>
+        {
+            Ok(Some(Resolved::TakeOver(record.clone())))
+        }
+        RecordState::Unknown { reason, .. } => Err(Refusal::OutcomeUnknown(*reason)),
+        RecordState::Abandoned { .. } => Err(Refusal::OutcomeUnknown(UnknownReason::Abandoned)),
+        RecordState::Pending { .. } => Ok(None),
+    }
+}
+
+/// Statuses that say the upstream did not execute the request: the key is released so a retry
+/// runs. 5xx only when `store_server_errors = false`; 408, 425 and 429 always (the request was
+/// refused before it was processed, and storing it would make every retry fail).
+pub fn not_executed(status: u16, store_server_errors: bool) -> bool {
+    ((500..600).contains(&status) && !store_server_errors) || matches!(status, 408 | 425 | 429)
+}
+
+fn store_refusal(key: &StoreKey, e: StoreError) -> Refusal {
+    tracing::warn!(key = key.short(), error = %e, "store error");
+    match e {
+        StoreError::Full(_) => Refusal::StoreFull,
+        _ => Refusal::StoreUnavailable,
+    }
+}
+
+/// An owner's execution, run inside the caller's task while the caller waits. If the caller
+/// goes away first (hyper then drops the request's future), the execution moves to a task of its
+/// own, so the operation still completes and its result is still stored; shutdown waits for such
+/// tasks ([`Core::tasks`]). Spawning every execution up front would cost a task, a wake-up and a
+/// hand-off per request for the rare caller that hangs up.
+struct Detachable<F>
+where
+    F: Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    /// `None` once finished. Boxed so that, half-run, it can still be moved to a task.
+    run: Option<Pin<Box<F>>>,
+    tasks: TaskTracker,
+}
+
+impl<F> Detachable<F>
+where
+    F: Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    fn new(run: F, tasks: TaskTracker) -> Self {
+        Detachable {
+            run: Some(Box::pin(run)),
+            tasks,
+        }
+    }
+}
+
+impl<F> Future for Detachable<F>
+where
+    F: Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    type Output = F::Output;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        let Some(run) = self.run.as_mut() else {
+            // Polled again after finishing: a caller's bug, and nothing left to give.
+            return Poll::Pending;
+        };
+        let done = ready!(run.as_mut().poll(cx));
+        self.run = None;
+        Poll::Ready(done)
+    }
+}
+
+impl<F> Drop for Detachable<F>
+where
+    F: Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    fn drop(&mut self) {
+        let Some(run) = self.run.take() else { return };
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                self.tasks.spawn_on(run, &runtime);
+            }
+            // Only when the runtime itself is being torn down, past the shutdown grace: the
+            // record stays pending until its lease runs out, then reads as abandoned.
+            Err(_) => tracing::warn!("an upstream call was cut off by the end of its runtime"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::OwnerToken;
+
+    const FP: Fingerprint = Fingerprint([1; 32]);
+    const OTHER: Fingerprint = Fingerprint([2; 32]);
+
+    fn rules() -> Rules {
+        Rules::new(&Policy::builtin(), true)
+    }
+
+    fn retrying() -> Rules {
+        Rules {
+            on_unknown: OnUnknown::Retry,
+            ..rules()
+        }
+    }
+
+    fn record(state: RecordState) -> Record {
+        Record {
+            fingerprint: FP,
+            created_ms: 1,
+            state,
+        }
+    }
+
+    fn completed() -> Record {
+        record(RecordState::Completed(Arc::new(StoredResponse {
+            status: http::StatusCode::CREATED,
+            headers: vec![],
+            body: bytes::Bytes::from_static(b"{}"),
+            body_kept: true,
+            completed_ms: 2,
+        })))
+    }
+
+    fn pending() -> Record {
+        record(RecordState::Pending {
+            owner: OwnerToken(1),
+            lease_until_ms: u64::MAX,
+        })
+    }
+
+    fn abandoned() -> Record {
+        record(RecordState::Abandoned {
+            owner: OwnerToken(1),
+            lease_until_ms: 5,
+        })
+    }
+
+    fn unknown() -> Record {
+        record(RecordState::Unknown {
+            since_ms: 3,
+            reason: UnknownReason::Timeout,
+        })
+    }
+
+    #[test]
+    fn a_completed_record_is_replayed() {
+        let Ok(Some(Resolved::Replay(r))) = decide(rules(), FP, &completed()) else {
+            panic!("expected a replay");
+        };
+        assert_eq!(r.status, http::StatusCode::CREATED);
+    }
+
+    #[test]
+    fn another_fingerprint_is_refused_before_anything_else_unless_unchecked() {
+        for r in [completed(), pending(), abandoned(), unknown()] {
+            assert_eq!(decide(rules(), OTHER, &r), Err(Refusal::KeyReused));
+        }
+        let unchecked = Rules {
+            check_fingerprint: false,
+            ..rules()
+        };
+        assert!(matches!(
+            decide(unchecked, OTHER, &completed()),
+            Ok(Some(Resolved::Replay(_)))
+        ));
+    }
+
+    #[test]
+    fn a_pending_record_is_waited_on() {
+        assert_eq!(decide(rules(), FP, &pending()), Ok(None));
+        assert_eq!(decide(retrying(), FP, &pending()), Ok(None));
+    }
+
+    #[test]
+    fn unknown_and_abandoned_are_never_run_again_by_default() {
+        assert_eq!(
+            decide(rules(), FP, &unknown()),
+            Err(Refusal::OutcomeUnknown(UnknownReason::Timeout))
+        );
+        assert_eq!(
+            decide(rules(), FP, &abandoned()),
+            Err(Refusal::OutcomeUnknown(UnknownReason::Abandoned))
+        );
+    }
+
+    #[test]
+    fn unknown_and_abandoned_are_taken_over_when_the_route_allows_it() {
+        for r in [unknown(), abandoned()] {
+            assert_eq!(
+                decide(retrying(), FP, &r),
+                Ok(Some(Resolved::TakeOver(r.clone())))
+            );
+        }
+    }
+
+    #[test]
+    fn statuses_that_release_the_key() {
+        assert!(not_executed(500, false));
+        assert!(!not_executed(500, true));
+        assert!(not_executed(503, false));
+        assert!(not_executed(429, true));
+        assert!(not_executed(408, true));
+        assert!(not_executed(425, true));
+        assert!(!not_executed(201, false));
+        assert!(!not_executed(400, false));
+        assert!(!not_executed(409, false));
+        assert!(!not_executed(499, false));
+        assert!(!not_executed(600, false));
+    }
+}

@@ -1,0 +1,146 @@
+//! Connections to Redis: one multiplexed connection per worker on a single Redis, one shared
+//! connection to a cluster; and `EVALSHA` with its fallback.
+//!
+//! A multiplexed connection is driven by a task on the runtime that first used it. Shared by the
+//! gateway's worker threads, every command would hop to that one thread and back, and that
+//! thread would carry all the Redis traffic; so on a single Redis each worker gets a connection
+//! of its own ([`crate::store::Store::for_worker`]) and talks to Redis on its own event loop,
+//! and a worker that stops at shutdown takes no one else's connection with it. Redis sees one
+//! connection per worker, plus one for readiness and one for pub/sub.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::cluster_async::ClusterConnection;
+use redis::{Cmd, Pipeline, RedisFuture, Script, Value};
+use tokio::sync::OnceCell;
+
+use crate::store::StoreError;
+
+/// One connection handle for either deployment; cheap to clone (both are multiplexed).
+#[derive(Clone)]
+pub enum RedisConn {
+    Single(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+impl ConnectionLike for RedisConn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            RedisConn::Single(c) => c.req_packed_command(cmd),
+            RedisConn::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            RedisConn::Single(c) => c.req_packed_commands(pipeline, offset, count),
+            RedisConn::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            RedisConn::Single(c) => c.get_db(),
+            RedisConn::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+/// How a store handle gets connections: the deployment, as the store was opened.
+// One per store, made once: the size of the single variant costs nothing.
+#[allow(clippy::large_enum_variant)]
+pub enum Connector {
+    /// A single Redis: each handle makes its own connection, lazily, on first use.
+    Single {
+        client: redis::Client,
+        config: ConnectionManagerConfig,
+    },
+    /// A cluster: one shared connection, set once the cluster first answers
+    /// ([`connect_cluster`]).
+    Cluster(Arc<OnceCell<RedisConn>>),
+}
+
+/// One handle's connection.
+pub enum HandleConn {
+    Single(ConnectionManager),
+    Cluster(Arc<OnceCell<RedisConn>>),
+}
+
+impl Connector {
+    /// A connection for a new handle. Connects on first use, so it may be made on any thread
+    /// and is bound to the runtime that first uses it.
+    pub fn handle(&self) -> Result<HandleConn, StoreError> {
+        match self {
+            Connector::Single { client, config } => {
+                ConnectionManager::new_lazy_with_config(client.clone(), config.clone())
+                    .map(HandleConn::Single)
+                    .map_err(|e| StoreError::Unavailable(format!("connect: {e}")))
+            }
+            Connector::Cluster(cell) => Ok(HandleConn::Cluster(Arc::clone(cell))),
+        }
+    }
+}
+
+impl HandleConn {
+    pub fn get(&self) -> Result<RedisConn, StoreError> {
+        match self {
+            HandleConn::Single(c) => Ok(RedisConn::Single(c.clone())),
+            HandleConn::Cluster(cell) => cell.get().cloned().ok_or_else(|| {
+                StoreError::Unavailable("not connected to the Redis cluster yet".into())
+            }),
+        }
+    }
+}
+
+/// `EVALSHA` of a script on its one key (every script here takes the record, KEYS[1]) with
+/// `args`, loading the script first if Redis does not know it (a restarted or new Redis). Built
+/// as one command, where redis-rs's `ScriptInvocation` copies every key and argument into a
+/// vector of its own first.
+pub async fn eval<T: redis::FromRedisValue>(
+    conn: &mut RedisConn,
+    script: &Script,
+    key: &[u8],
+    args: &[&[u8]],
+) -> redis::RedisResult<T> {
+    let size = 80 + key.len() + args.iter().map(|a| a.len() + 16).sum::<usize>();
+    let mut cmd = Cmd::with_capacity(4 + args.len(), size);
+    cmd.arg("EVALSHA").arg(script.get_hash()).arg(1).arg(key);
+    for a in args {
+        cmd.arg(*a);
+    }
+    match cmd.query_async(conn).await {
+        Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+            script.load_async(conn).await?;
+            cmd.query_async(conn).await
+        }
+        other => other,
+    }
+}
+
+/// Keeps trying to reach the cluster until it answers once; the connection then reconnects by
+/// itself.
+pub async fn connect_cluster(
+    client: redis::cluster::ClusterClient,
+    cell: Arc<OnceCell<RedisConn>>,
+) {
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        match client.get_async_connection().await {
+            Ok(c) => {
+                let _ = cell.set(RedisConn::Cluster(c));
+                tracing::info!("connected to the Redis cluster");
+                return;
+            }
+            Err(e) => tracing::warn!(error = %e, "cannot reach the Redis cluster yet; retrying"),
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_secs(5));
+    }
+}

@@ -1,0 +1,46 @@
+//! The upstream side: a pool of HTTP/1.1 connections per worker ([`pool`]), the rewriting of a
+//! client's request for the upstream ([`rewrite`]), and failure classification (here).
+//!
+//! Failures are sorted by what they mean for idempotency: [`UpstreamError::NotSent`] (the
+//! request certainly did not reach the upstream: no connection could be made, or hyper handed the
+//! request back unwritten, so the key can be released) versus [`UpstreamError::Failed`] and
+//! [`UpstreamError::Timeout`] (the request may have reached the upstream, so the outcome is
+//! unknown).
+//!
+//! The pool is ours rather than hyper-util's legacy client: that one hashes its pool key with
+//! SipHash several times a request and spawns a task per request to return the connection, which
+//! came to about a sixth of a pass-through request's instructions. Here each worker thread has
+//! its own short list of idle connections per upstream, and a connection goes back when its
+//! response body has been read to the end and it is ready for another request (under load,
+//! always at once; a connection still sending a request body that was answered early goes back
+//! when it is done). A body still streaming to a slow client keeps its connection; a body
+//! dropped half-read takes its connection down with it. What hyper-util did that matters is
+//! kept: a request that a reused connection hands back unwritten (the upstream closed it while
+//! it sat idle) is sent again on another one, and idle connections are dropped after 60 s.
+
+mod pool;
+mod rewrite;
+
+use std::time::Duration;
+
+use crate::body::BoxError;
+
+pub use pool::{UpstreamBody, UpstreamPool};
+pub use rewrite::{prepare_request, ClientAddr};
+
+/// How long establishing a TCP connection to the upstream may take at most.
+pub const MAX_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+#[derive(Debug, thiserror::Error)]
+pub enum UpstreamError {
+    /// The request certainly did not reach the upstream.
+    #[error("upstream not reached: {0}")]
+    NotSent(BoxError),
+    /// The exchange failed after the connection was made: the request may have been executed.
+    #[error("upstream exchange failed: {0}")]
+    Failed(BoxError),
+    /// No answer within the timeout (the head, or on idempotent routes the whole response): the
+    /// request may have been executed.
+    #[error("upstream did not answer within {0:?}")]
+    Timeout(Duration),
+}

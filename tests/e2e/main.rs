@@ -1,0 +1,18 @@
+//! The end-to-end suite: a real upstream, the real gateway (in-process or the `idemgate` binary)
+//! and real `redis-server` processes, all on free loopback ports, talking real HTTP and RESP.
+//!
+//! One test binary with a module per area, so `support` compiles and links once. Every test runs
+//! as a thread of this one process: nothing here may rely on process-global state of its own
+//! (environment variables, a global subscriber, fixed file names): scratch directories are
+//! unique per call, and every listener is on a port free when it was chosen.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod support;
+
+mod cli;
+mod failures;
+mod gateway;
+mod operations;
+mod redis_gateway;
+mod store_contract;
+mod webhooks;
