@@ -206,9 +206,7 @@ impl Shared {
         let size = RECORD_OVERHEAD as u64;
         let mut inner = self.shard(key);
         if let Some(e) = inner.live(key, now, &self.counts) {
-            return Ok(Reservation::Existing(
-                e.held.record()?.checked_lease(now_ms()),
-            ));
+            return Ok(Reservation::Existing(e.held.record()?.checked_lease()));
         }
         if let Some(which) = self.over_bound(size) {
             return Err(StoreError::Full(which));
@@ -389,7 +387,7 @@ impl Store for MemoryStore {
             Some(e)
                 if e.held
                     .record()
-                    .is_ok_and(|r| r.checked_lease(now_ms()) == *expected) => {}
+                    .is_ok_and(|r| r.checked_lease() == *expected) => {}
             _ => return Ok(None),
         }
         let (owner, record) = super::pending(fingerprint, lease);
@@ -407,7 +405,7 @@ impl Store for MemoryStore {
         let mut inner = self.shared.shard(key);
         inner
             .live(key, Instant::now(), &self.shared.counts)
-            .map(|e| e.held.record().map(|r| r.checked_lease(now_ms())))
+            .map(|e| e.held.record().map(|r| r.checked_lease()))
             .transpose()
     }
 

@@ -79,10 +79,18 @@ pub enum RecordState {
 }
 
 impl Record {
-    /// The record as every backend returns it: a pending record whose lease ran out before
-    /// `now_ms` reads as [`RecordState::Abandoned`]. Backends call this on every record they
-    /// return, and nothing outside the store compares leases with clocks.
-    pub fn checked_lease(mut self, now_ms: u64) -> Record {
+    /// The record as every backend returns it: a pending record whose lease ran out reads as
+    /// [`RecordState::Abandoned`]. Backends call this on every record they return, and nothing
+    /// outside the store compares leases with clocks. Only a pending record reads the clock.
+    pub fn checked_lease(self) -> Record {
+        match self.state {
+            RecordState::Pending { .. } => self.checked_lease_at(now_ms()),
+            _ => self,
+        }
+    }
+
+    /// [`Record::checked_lease`] at `now_ms`.
+    pub fn checked_lease_at(mut self, now_ms: u64) -> Record {
         if let RecordState::Pending {
             owner,
             lease_until_ms,
@@ -395,9 +403,9 @@ mod tests {
 
     #[test]
     fn a_lease_that_ran_out_reads_as_abandoned() {
-        let live = pending_until(1_000).checked_lease(1_000);
+        let live = pending_until(1_000).checked_lease_at(1_000);
         assert!(matches!(live.state, RecordState::Pending { .. }));
-        let gone = pending_until(1_000).checked_lease(1_001);
+        let gone = pending_until(1_000).checked_lease_at(1_001);
         assert_eq!(
             gone.state,
             RecordState::Abandoned {
@@ -413,6 +421,14 @@ mod tests {
             },
             ..pending_until(0)
         };
-        assert_eq!(unknown.clone().checked_lease(u64::MAX), unknown);
+        assert_eq!(unknown.clone().checked_lease_at(u64::MAX), unknown);
+        assert!(matches!(
+            pending_until(u64::MAX).checked_lease().state,
+            RecordState::Pending { .. }
+        ));
+        assert!(matches!(
+            pending_until(1).checked_lease().state,
+            RecordState::Abandoned { .. }
+        ));
     }
 }

@@ -9,6 +9,7 @@
 
 mod support;
 
+mod architecture;
 mod cli;
 mod failures;
 mod gateway;

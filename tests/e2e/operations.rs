@@ -25,6 +25,7 @@ async fn metrics_count_every_outcome() {
     let up = Upstream::start(move |seen, n| match seen.path_and_query.as_str() {
         "/slow" | "/busy" => Reply::json(201, "{}").gated(&g),
         "/reset" => Reply::Reset,
+        "/limited" => Reply::json(429, "{}"),
         _ => Reply::json(201, &format!("{{\"n\":{n}}}")),
     })
     .await;
@@ -37,7 +38,8 @@ async fn metrics_count_every_outcome() {
              [[routes]]\nname = \"slow\"\npath = \"/slow\"\n\
              [[routes]]\nname = \"busy\"\npath = \"/busy\"\nupstream = \"{}\"\nwait = \"0s\"\n\
              [[routes]]\nname = \"down\"\npath = \"/down\"\nupstream = \"http://{closed}\"\n\
-             [[routes]]\nname = \"reset\"\npath = \"/reset\"\n",
+             [[routes]]\nname = \"reset\"\npath = \"/reset\"\n\
+             [[routes]]\nname = \"limited\"\npath = \"/limited\"\n",
                 up.url()
             ),
         )
@@ -63,7 +65,8 @@ async fn metrics_count_every_outcome() {
     http.request("GET", "/elsewhere").send().await; // passthrough
     http.post("/down", "d", "{}").await; // upstream_error
     http.post("/reset", "r", "{}").await; // unknown
-                                          // waited: a duplicate that waits for the original.
+    http.post("/limited", "l", "{}").await; // released
+                                            // waited: a duplicate that waits for the original.
     let (h1, h2) = (http.clone(), http.clone());
     let original = tokio::spawn(async move { h1.post("/slow", "s", "{}").await });
     up.arrival_at("/slow").await;
@@ -99,6 +102,8 @@ async fn metrics_count_every_outcome() {
         ("", "passthrough", 1.0),
         ("down", "upstream_error", 1.0),
         ("reset", "unknown", 1.0),
+        ("limited", "released", 1.0),
+        ("limited", "upstream_error", 0.0),
         ("slow", "executed", 1.0),
         ("slow", "waited", 1.0),
         ("busy", "in_flight_rejected", 1.0),

@@ -229,7 +229,7 @@ fn record_key(prefix: &str, key: &StoreKey) -> Vec<u8> {
 
 /// A record as Redis returned it, as the contract returns it (its lease checked).
 fn decode(raw: Vec<u8>) -> Result<Record, StoreError> {
-    Ok(codec::decode(&Bytes::from(raw))?.checked_lease(now_ms()))
+    Ok(codec::decode(&Bytes::from(raw))?.checked_lease())
 }
 
 /// [`decode`] of a reply that may be `nil` (no record).
