@@ -297,6 +297,8 @@ impl Gateway {
             parts,
             body,
             conn: Arc::clone(conn),
+            metrics: Arc::clone(&self.metrics),
+            key: *key,
         };
         let decision = self
             .core
@@ -304,7 +306,6 @@ impl Gateway {
             .await;
         match decision {
             Decision::Owned { settled, took } => {
-                self.metrics.upstream(&route.metrics, took);
                 let (mut response, outcome) = match settled {
                     Settled::Stored(r) => (r, Outcome::Executed),
                     Settled::Released(r) => (r, Outcome::Released),
@@ -447,6 +448,11 @@ struct Forward {
     parts: request::Parts,
     body: Bytes,
     conn: Arc<ClientConn>,
+    /// Upstream time is counted here, inside the execution, so it is counted too when the
+    /// execution finishes on its own after its client left.
+    metrics: Arc<Metrics>,
+    /// For the log, should the request not even be made.
+    key: StoreKey,
 }
 
 impl Execute for Forward {
@@ -458,13 +464,19 @@ impl Execute for Forward {
             mut parts,
             body,
             conn,
+            metrics,
+            key,
         } = self;
         let policy = &route.config.policy;
         if let Err(e) = prepare_request(&mut parts, &route.config.upstream, &conn.addr) {
+            tracing::error!(key = key.short(), error = %e, "cannot build upstream request");
             return Attempt::NotSent(Box::new(e));
         }
         let req = Request::from_parts(parts, body::full(body));
-        let forwarded = match forward_and_capture(&conn.worker.upstream, req, policy).await {
+        let started = Instant::now();
+        let forwarded = forward_and_capture(&conn.worker.upstream, req, policy).await;
+        metrics.upstream(&route.metrics, started.elapsed());
+        let forwarded = match forwarded {
             Ok(f) => f,
             Err(UpstreamError::NotSent(e)) => return Attempt::NotSent(e),
             Err(e) => {

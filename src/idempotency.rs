@@ -38,8 +38,8 @@ use crate::store::{
     StoredResponse, UnknownReason,
 };
 
-/// How often a waiting duplicate re-reads the record even without a signal: a last resort
-/// should a signal be lost.
+/// How often a waiting duplicate re-reads the record even without a signal: catches an owner
+/// whose lease ran out (a dead owner sends no signal), and any signal that was lost.
 const RECHECK: Duration = Duration::from_secs(1);
 /// A waiter whose key keeps being released and re-taken gives up after this many rounds.
 const MAX_RESERVE_ROUNDS: usize = 8;

@@ -279,6 +279,11 @@ impl StoreKey {
     }
 
     /// The 64 lowercase hex digits, as Redis keys and pub/sub messages carry it.
+    /// The 32 bytes, as embedded stores key their records.
+    pub fn as_bytes(&self) -> &[u8; 32] {
+        &self.0
+    }
+
     pub fn hex(&self) -> String {
         String::from_utf8_lossy(&self.hex_digits()).into_owned()
     }

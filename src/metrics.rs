@@ -40,8 +40,8 @@ pub enum Outcome {
     TooLarge,
     BadRequest,
     StoreError,
-    /// The upstream could not be reached, timed out or failed on a request no key protects,
-    /// or could not be reached at all for a keyed one (the key was released).
+    /// The upstream could not be reached for a keyed request: nothing was sent and the key was
+    /// released.
     UpstreamError,
     /// The upstream answered that it did not execute the request (408, 425, 429, or a 5xx
     /// with `store_server_errors = false`): its answer was passed on and the key released.

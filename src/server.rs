@@ -263,7 +263,7 @@ impl Drop for Slot {
     }
 }
 
-/// How far ahead a worker always has a timer armed: see [`keep_a_timer_armed`].
+/// How far ahead a worker always has a timer armed: see [`heartbeat`].
 const HEARTBEAT: Duration = Duration::from_millis(100);
 
 /// How often a worker closes its upstream connections that sat idle too long.
@@ -287,7 +287,7 @@ async fn heartbeat(worker: Arc<WorkerContext>) {
     loop {
         tick.tick().await;
         beats = beats.wrapping_add(1);
-        if beats % PRUNE_EVERY == 0 {
+        if beats.is_multiple_of(PRUNE_EVERY) {
             worker.upstream.prune_idle();
         }
     }

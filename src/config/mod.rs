@@ -98,8 +98,29 @@ pub struct ServerConfig {
 pub enum StoreConfig {
     /// The embedded store: one process, lost on restart, bounded by keys and bytes.
     Memory { max_keys: usize, max_bytes: u64 },
+    /// The durable embedded store: one process, every key kept across restarts and crashes.
+    Disk(DiskSettings),
     /// A Redis server or cluster shared by every instance.
     Redis(RedisSettings),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DiskSettings {
+    /// The directory of the store's file (created if missing).
+    pub path: std::path::PathBuf,
+    pub sync: SyncMode,
+    /// Bytes of records kept at most; new keys are refused beyond.
+    pub max_disk: u64,
+}
+
+/// When a result reaches the disk, relative to its client's answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SyncMode {
+    /// Before the answer (the default): every result a client received survives a crash.
+    Always,
+    /// Within `interval` after it: a crash in that window turns those results into
+    /// `outcome-unknown` answers (never into a second execution), for fewer fsyncs.
+    Batch { interval: Duration },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -304,6 +325,20 @@ impl Config {
                 let _ = writeln!(
                     out,
                     "store memory (max_keys {max_keys}, max_bytes {max_bytes})"
+                );
+            }
+            StoreConfig::Disk(d) => {
+                let sync = match d.sync {
+                    SyncMode::Always => "always".to_string(),
+                    SyncMode::Batch { interval } => {
+                        format!("batch every {}", humantime::format_duration(interval))
+                    }
+                };
+                let _ = writeln!(
+                    out,
+                    "store disk {} (sync {sync}, max_disk {})",
+                    d.path.display(),
+                    d.max_disk
                 );
             }
             StoreConfig::Redis(r) => {

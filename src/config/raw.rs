@@ -37,6 +37,10 @@ pub(super) struct RawStore {
     pub(super) key_prefix: Option<String>,
     pub(super) command_timeout: Option<String>,
     pub(super) tls_ca_file: Option<String>,
+    pub(super) path: Option<String>,
+    pub(super) sync: Option<String>,
+    pub(super) sync_interval: Option<String>,
+    pub(super) max_disk: Option<RawSize>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -558,3 +558,77 @@ fn the_deployment_configs_are_valid() {
     assert!(matches!(k.store, StoreConfig::Redis(_)));
     assert_eq!(k.routes[0].name, "payments");
 }
+
+#[test]
+fn disk_store_settings() {
+    let c = store("backend = \"disk\"\npath = \"data\"").unwrap();
+    assert_eq!(
+        c.store,
+        StoreConfig::Disk(DiskSettings {
+            path: "data".into(),
+            sync: SyncMode::Always,
+            max_disk: 1 << 30,
+        })
+    );
+    let c = store(
+        "backend = \"disk\"\npath = \"/var/lib/idemgate\"\nsync = \"batch\"\nsync_interval = \"20ms\"\nmax_disk = \"64MiB\"",
+    )
+    .unwrap();
+    assert_eq!(
+        c.store,
+        StoreConfig::Disk(DiskSettings {
+            path: "/var/lib/idemgate".into(),
+            sync: SyncMode::Batch {
+                interval: Duration::from_millis(20)
+            },
+            max_disk: 64 << 20,
+        })
+    );
+    assert!(c
+        .describe()
+        .contains("store disk /var/lib/idemgate (sync batch every 20ms"));
+}
+
+#[test]
+fn bad_disk_settings_are_refused() {
+    assert_eq!(
+        store("backend = \"disk\"").unwrap_err(),
+        ConfigError::Missing {
+            field: "store.path".into()
+        }
+    );
+    for (section, field) in [
+        ("backend = \"disk\"\npath = \" \"", "store.path"),
+        (
+            "backend = \"disk\"\npath = \"d\"\nsync = \"sometimes\"",
+            "store.sync",
+        ),
+        (
+            "backend = \"disk\"\npath = \"d\"\nsync_interval = \"1s\"",
+            "store.sync_interval",
+        ),
+        (
+            "backend = \"disk\"\npath = \"d\"\nsync = \"batch\"\nsync_interval = \"0s\"",
+            "store.sync_interval",
+        ),
+        (
+            "backend = \"disk\"\npath = \"d\"\nmax_disk = \"1KiB\"",
+            "store.max_disk",
+        ),
+        (
+            "backend = \"disk\"\npath = \"d\"\nmax_keys = 5",
+            "store.max_keys",
+        ),
+        (
+            "backend = \"disk\"\npath = \"d\"\nurl = \"redis://h:1\"",
+            "store.url",
+        ),
+        ("backend = \"memory\"\npath = \"d\"", "store.path"),
+        (
+            "backend = \"redis\"\nurl = \"redis://h:1\"\nsync = \"always\"",
+            "store.sync",
+        ),
+    ] {
+        assert_eq!(invalid_field(store(section)).0, field, "{section}");
+    }
+}

@@ -13,8 +13,8 @@ use super::raw::{
     ROUTE_OWN_KEYS,
 };
 use super::{
-    redact_url, Config, ConfigError, OnStoreError, OnUnknown, Policy, RedisSettings, RedisTarget,
-    RouteConfig, ServerConfig, StoreConfig, UpstreamUrl,
+    redact_url, Config, ConfigError, DiskSettings, OnStoreError, OnUnknown, Policy, RedisSettings,
+    RedisTarget, RouteConfig, ServerConfig, StoreConfig, SyncMode, UpstreamUrl,
 };
 use crate::fingerprint::IgnoredFields;
 use crate::key::KeySource;
@@ -147,8 +147,86 @@ fn validate_store(raw: RawStore) -> Result<StoreConfig, ConfigError> {
             Ok(())
         }
     };
+    let not_disk = |raw: &RawStore| -> Result<(), ConfigError> {
+        only("path", raw.path.is_some(), "disk")?;
+        only("sync", raw.sync.is_some(), "disk")?;
+        only("sync_interval", raw.sync_interval.is_some(), "disk")?;
+        only("max_disk", raw.max_disk.is_some(), "disk")
+    };
     match backend.as_str() {
+        "disk" => {
+            only("url", raw.url.is_some(), "redis")?;
+            only("cluster", raw.cluster.is_some(), "redis")?;
+            only("key_prefix", raw.key_prefix.is_some(), "redis")?;
+            only("command_timeout", raw.command_timeout.is_some(), "redis")?;
+            only("tls_ca_file", raw.tls_ca_file.is_some(), "redis")?;
+            only("max_keys", raw.max_keys.is_some(), "memory")?;
+            only("max_bytes", raw.max_bytes.is_some(), "memory")?;
+            let path = match raw.path {
+                Some(p) if !p.trim().is_empty() => std::path::PathBuf::from(p),
+                Some(p) => {
+                    return Err(ConfigError::invalid(
+                        "store.path",
+                        p,
+                        "the directory that keeps the records, such as \"data\" or \"/var/lib/idemgate\"",
+                    ))
+                }
+                None => {
+                    return Err(ConfigError::Missing {
+                        field: "store.path".into(),
+                    })
+                }
+            };
+            let interval = match &raw.sync_interval {
+                None => Duration::from_millis(100),
+                Some(s) => parse_duration("store.sync_interval", s)?,
+            };
+            if interval.is_zero() || interval > Duration::from_secs(10) {
+                return Err(ConfigError::invalid(
+                    "store.sync_interval",
+                    humantime::format_duration(interval).to_string(),
+                    "more than 0s and at most 10s",
+                ));
+            }
+            let sync = match raw.sync.as_deref() {
+                None | Some("always") => {
+                    if raw.sync_interval.is_some() {
+                        return Err(ConfigError::invalid(
+                            "store.sync_interval",
+                            "(set)",
+                            "only with sync = \"batch\"",
+                        ));
+                    }
+                    SyncMode::Always
+                }
+                Some("batch") => SyncMode::Batch { interval },
+                Some(other) => {
+                    return Err(ConfigError::invalid(
+                        "store.sync",
+                        other,
+                        "\"always\" (a result is on disk before its client gets it) or \"batch\" (within sync_interval after)",
+                    ))
+                }
+            };
+            let max_disk = match raw.max_disk {
+                None => 1 << 30,
+                Some(s) => parse_size("store.max_disk", &s, u64::MAX)?,
+            };
+            if max_disk < 1 << 20 {
+                return Err(ConfigError::invalid(
+                    "store.max_disk",
+                    max_disk.to_string(),
+                    "at least 1MiB",
+                ));
+            }
+            Ok(StoreConfig::Disk(DiskSettings {
+                path,
+                sync,
+                max_disk,
+            }))
+        }
         "memory" => {
+            not_disk(&raw)?;
             only("url", raw.url.is_some(), "redis")?;
             only("cluster", raw.cluster.is_some(), "redis")?;
             only("key_prefix", raw.key_prefix.is_some(), "redis")?;
@@ -175,6 +253,7 @@ fn validate_store(raw: RawStore) -> Result<StoreConfig, ConfigError> {
             })
         }
         "redis" => {
+            not_disk(&raw)?;
             only("max_keys", raw.max_keys.is_some(), "memory")?;
             only("max_bytes", raw.max_bytes.is_some(), "memory")?;
             let target = match (raw.url, raw.cluster) {
@@ -254,7 +333,7 @@ fn validate_store(raw: RawStore) -> Result<StoreConfig, ConfigError> {
         other => Err(ConfigError::invalid(
             "store.backend",
             other,
-            "\"memory\" (embedded, one instance) or \"redis\" (shared)",
+            "\"disk\" (embedded and durable, one instance), \"memory\" (embedded, lost on restart) or \"redis\" (shared by several instances)",
         )),
     }
 }

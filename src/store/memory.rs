@@ -515,6 +515,7 @@ impl Store for MemoryStore {
     fn stats(&self) -> StoreStats {
         StoreStats {
             purged: self.shared.counts.purged.load(Ordering::Relaxed),
+            syncs: 0,
         }
     }
 

@@ -14,12 +14,14 @@
 //! - [`Store::watch`] reads a record for a caller that will wait on it, and wakes that caller
 //!   when the record changes, without polling.
 //!
-//! Backends: [`memory::MemoryStore`] (embedded, one instance) and [`redis::RedisStore`]
-//! (shared, one Redis or a Redis Cluster), whose records use [`codec`]. A new backend is one
+//! Backends: [`disk::DiskStore`] (embedded and durable, one instance), [`memory::MemoryStore`]
+//! (embedded, lost on restart) and [`redis::RedisStore`] (shared, one Redis or a Redis Cluster);
+//! the disk and Redis stores keep records in the [`codec`]'s form. A new backend is one
 //! module implementing [`Store`], one arm in [`open`], and one more run of the contract suite
 //! (`tests/e2e/store_contract.rs`).
 
 pub mod codec;
+pub mod disk;
 pub mod memory;
 pub mod redis;
 pub mod wait;
@@ -171,11 +173,12 @@ pub struct Watch {
     pub changes: Subscription,
 }
 
-/// Which bound of the embedded store refused a new key.
+/// Which bound of an embedded store refused a new key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Bound {
     MaxKeys,
     MaxBytes,
+    MaxDisk,
 }
 
 impl Bound {
@@ -183,6 +186,7 @@ impl Bound {
         match self {
             Bound::MaxKeys => "max_keys",
             Bound::MaxBytes => "max_bytes",
+            Bound::MaxDisk => "max_disk",
         }
     }
 }
@@ -198,7 +202,7 @@ pub enum StoreError {
     /// The caller's token no longer owns the key (it was completed, released or taken over).
     #[error("not the owner of this key (any more)")]
     NotOwner,
-    /// The embedded store is at its configured bound and refuses new keys.
+    /// An embedded store is at its configured bound and refuses new keys.
     #[error("store is full ({0})")]
     Full(Bound),
     /// The backend could not be reached or did not answer in time.
@@ -222,6 +226,13 @@ impl StoreError {
 pub enum OpenError {
     #[error("invalid Redis URL: {0}")]
     RedisUrl(String),
+    #[error("cannot set up a Redis connection: {0}")]
+    RedisConnection(String),
+    #[error("cannot open the disk store at {path}: {reason}")]
+    Disk {
+        path: std::path::PathBuf,
+        reason: String,
+    },
     #[error("cannot read tls_ca_file {path}: {source}")]
     TlsCaFile {
         path: std::path::PathBuf,
@@ -268,6 +279,8 @@ impl StoreOp {
 pub struct StoreStats {
     /// Expired records this process removed (0 where the backend expires records itself).
     pub purged: u64,
+    /// Durable commits (fsyncs) this process made (0 where nothing is written to a local disk).
+    pub syncs: u64,
 }
 
 /// Every backend implements this; see the module doc for the contract.
@@ -382,6 +395,7 @@ pub fn open(config: &StoreConfig) -> Result<Arc<dyn Store>, OpenError> {
             max_keys,
             max_bytes,
         } => Arc::new(memory::MemoryStore::new(*max_keys, *max_bytes)),
+        StoreConfig::Disk(settings) => Arc::new(disk::DiskStore::open(settings)?),
         StoreConfig::Redis(settings) => Arc::new(redis::RedisStore::new(settings)?),
     })
 }

@@ -26,20 +26,60 @@ fn module_graph() -> BTreeMap<String, BTreeSet<String>> {
         }
         let deps = graph.entry(top.clone()).or_default();
         let text = std::fs::read_to_string(&file).unwrap();
-        for line in text.lines() {
-            let code = line.split("//").next().unwrap_or("");
-            for (i, _) in code.match_indices("crate::") {
-                let name: String = code[i + "crate::".len()..]
-                    .chars()
-                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
-                    .collect();
-                if !name.is_empty() && name != top {
-                    deps.insert(name);
-                }
+        for name in crate_paths(&text) {
+            if name != top {
+                deps.insert(name);
             }
         }
     }
     graph
+}
+
+/// The top-level modules named by `crate::` paths in `text`, also inside grouped imports
+/// (`use crate::{a, b::c}`); comment lines and trailing comments are left out.
+fn crate_paths(text: &str) -> BTreeSet<String> {
+    let code: String = text
+        .lines()
+        .filter(|l| !l.trim_start().starts_with("//"))
+        .map(|l| l.split(" // ").next().unwrap_or(""))
+        .collect::<Vec<_>>()
+        .join("\n");
+    let ident = |s: &str| -> String {
+        s.trim_start()
+            .chars()
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+            .collect()
+    };
+    let mut names = BTreeSet::new();
+    for (i, _) in code.match_indices("crate::") {
+        let rest = &code[i + "crate::".len()..];
+        if let Some(group) = rest.strip_prefix('{') {
+            // Top level of the group only: `a`, `b` in `{a, b::{c, d}}`.
+            let mut depth = 0;
+            let mut item = String::new();
+            for c in group.chars() {
+                match c {
+                    '{' => depth += 1,
+                    '}' if depth == 0 => break,
+                    '}' => depth -= 1,
+                    ',' if depth == 0 => {
+                        names.insert(ident(&item));
+                        item.clear();
+                        continue;
+                    }
+                    _ => {}
+                }
+                if depth == 0 {
+                    item.push(c);
+                }
+            }
+            names.insert(ident(&item));
+        } else {
+            names.insert(ident(rest));
+        }
+    }
+    names.remove("");
+    names
 }
 
 fn collect(dir: &Path, out: &mut Vec<std::path::PathBuf>) {
@@ -92,6 +132,13 @@ fn the_module_graph_has_no_cycle() {
             panic!("import cycle among {cycle:?}:\n{}", edges.join("\n"));
         }
     }
+}
+
+#[test]
+fn crate_paths_are_found_in_every_form() {
+    let text = "use crate::a::X;\nuse crate::{b, c::{D, E}, d::F};\n// crate::commented\nlet u = \"http://x\"; crate::e::f(); // crate::trailing\n";
+    let found: Vec<String> = crate_paths(text).into_iter().collect();
+    assert_eq!(found, ["a", "b", "c", "d", "e"]);
 }
 
 #[test]

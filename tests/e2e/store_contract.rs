@@ -428,6 +428,54 @@ mod memory {
     all_checks!(each);
 }
 
+/// The disk store, syncing every result, and in batches: one fresh directory per check.
+mod disk {
+    use super::*;
+    use crate::support::TempDir;
+    use idemgate::config::{DiskSettings, SyncMode};
+    use idemgate::store::disk::DiskStore;
+
+    pub fn open(dir: &TempDir, sync: SyncMode) -> Arc<dyn Store> {
+        Arc::new(
+            DiskStore::open(&DiskSettings {
+                path: dir.path.clone(),
+                sync,
+                max_disk: 64 << 20,
+            })
+            .unwrap(),
+        )
+    }
+
+    mod always {
+        use super::*;
+        macro_rules! each {
+            ($($name:ident),* $(,)?) => {$(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    let dir = TempDir::new("contract-disk");
+                    super::super::$name(open(&dir, SyncMode::Always)).await;
+                }
+            )*};
+        }
+        all_checks!(each);
+    }
+
+    mod batch {
+        use super::*;
+        macro_rules! each {
+            ($($name:ident),* $(,)?) => {$(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    let dir = TempDir::new("contract-disk");
+                    let sync = SyncMode::Batch { interval: Duration::from_millis(50) };
+                    super::super::$name(open(&dir, sync)).await;
+                }
+            )*};
+        }
+        all_checks!(each);
+    }
+}
+
 async fn redis_store(settings: RedisSettings) -> Arc<dyn Store> {
     let store = Arc::new(RedisStore::new(&settings).unwrap());
     // The connections are made in the background: wait until the store answers and its

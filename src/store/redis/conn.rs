@@ -74,8 +74,8 @@ pub enum HandleConn {
 }
 
 impl Connector {
-    /// A connection for a new handle. Connects on first use, so it may be made on any thread
-    /// and is bound to the runtime that first uses it.
+    /// A connection for a new handle, made on the runtime that will use it (redis-rs starts its
+    /// driver there); it connects on first use.
     pub fn handle(&self) -> Result<HandleConn, StoreError> {
         match self {
             Connector::Single { client, config } => {

@@ -138,7 +138,7 @@ impl RedisStore {
         // open rather than in every worker later.
         let conn = connector
             .handle()
-            .map_err(|e| OpenError::RedisUrl(e.to_string()))?;
+            .map_err(|e| OpenError::RedisConnection(e.to_string()))?;
         let subscribed = Arc::new(AtomicBool::new(false));
         tasks.push(
             tokio::spawn(subscriber::listen(

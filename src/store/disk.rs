@@ -1,0 +1,869 @@
+//! The disk store: one instance, durable. Every key survives a restart, `kill -9` and an OOM
+//! kill, with no server to run. Built on redb, an embedded B-tree with crash-safe ACID
+//! transactions (chosen over fjall on this workload: see the README's embedded store section).
+//!
+//! - One file, `<path>/records.redb`, opened by one process at a time (redb locks it; a second
+//!   process is refused at startup with a message that says why).
+//! - Every change goes through one writer thread, which applies whatever has queued up as one
+//!   transaction with one fsync (group commit) and only then answers: under concurrent load, many
+//!   requests share one fsync. The writer is also what makes `reserve` atomic (insert if absent).
+//! - What reaches the disk before the caller hears back: a new pending record always (the
+//!   request is forwarded only after); a result, an unknown outcome, a release or a delete with
+//!   `sync = "always"`; with `sync = "batch"`, those within `sync_interval`, so a crash in that
+//!   window reads back as the pending record it was, then as abandoned (`outcome-unknown`), never
+//!   as "no record". Lease renewals are never synced: after a crash every lease is over anyway.
+//! - Reads (get, watch, and `reserve` of a key that already exists: every replay) run on the
+//!   caller's thread in a read transaction, without a hop to the writer.
+//! - Each record is kept with its expiry (wall clock, so it holds across restarts) and filed in
+//!   an expiry index; the writer purges what expired once a second, and redb reuses the pages.
+//!   `max_disk` bounds the bytes of the records kept: at the bound new keys are refused (503),
+//!   live ones never evicted, and room comes back as records expire.
+//! - A read or write error fails the call (`Unavailable`: the route's `on_store_error` decides),
+//!   and a record that cannot be decoded is `Corrupt` (`outcome-unknown`): neither ever reads as
+//!   "no record".
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant as StdInstant};
+
+use async_trait::async_trait;
+use bytes::{BufMut, Bytes, BytesMut};
+use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
+use tokio::sync::{mpsc, oneshot};
+
+use super::codec;
+use super::wait::Waiters;
+use super::{
+    ms_after, now_ms, Bound, OpenError, OwnerToken, Record, RecordState, Reservation, Store,
+    StoreError, StoreStats, StoredResponse, UnknownReason, Watch,
+};
+use crate::config::{DiskSettings, SyncMode};
+use crate::fingerprint::Fingerprint;
+use crate::key::StoreKey;
+
+/// Key -> expiry (ms since the epoch, big endian) then the record's codec bytes.
+const RECORDS: TableDefinition<&[u8], &[u8]> = TableDefinition::new("records");
+/// Expiry (big endian) then key -> nothing: records in the order they expire.
+const EXPIRY: TableDefinition<&[u8], &[u8]> = TableDefinition::new("expiry");
+/// The database file inside the configured directory.
+pub const FILE_NAME: &str = "records.redb";
+
+/// Bytes counted per record against `max_disk` besides its key and value: its expiry entry and
+/// the B-tree's bookkeeping.
+const RECORD_OVERHEAD: u64 = 128;
+/// Changes queued for the writer at most; past that, callers wait for room.
+const QUEUE: usize = 4096;
+/// Changes applied in one transaction at most, so one batch never holds the others up for long.
+const MAX_BATCH: usize = 1024;
+/// How often the writer purges expired records (and, with `sync = "batch"`, how often at least
+/// it checks whether a sync is due).
+const TICK: Duration = Duration::from_secs(1);
+/// Expired records removed in one purge at most; the rest wait for the next tick.
+const PURGE_BATCH: usize = 10_000;
+
+/// A handle to the store; every clone is the same store.
+#[derive(Clone)]
+pub struct DiskStore {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    db: Arc<Database>,
+    /// To the writer thread; closed when the last handle goes, which ends the writer.
+    writer: mpsc::Sender<Job>,
+    waiters: Waiters,
+    counters: Arc<Counters>,
+    /// Joined when the last handle goes, so the file is released once the store is dropped
+    /// (a process may open the directory again, as the restart tests do).
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+#[derive(Default)]
+struct Counters {
+    purged: AtomicU64,
+    syncs: AtomicU64,
+    /// Bytes of records kept, as counted against `max_disk`.
+    used: AtomicU64,
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        // Dropping the sender (a field, dropped after this) ends the writer; close it first so
+        // the join below does not wait for ever.
+        let (closed, _) = mpsc::channel(1);
+        drop(std::mem::replace(&mut self.writer, closed));
+        let thread = self
+            .thread
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(t) = thread {
+            let _ = t.join();
+        }
+    }
+}
+
+/// What the writer is asked to do.
+enum Job {
+    /// One change, and where its answer goes.
+    Change {
+        key: StoreKey,
+        change: Change,
+        reply: oneshot::Sender<Result<Done, StoreError>>,
+    },
+    /// The ticker: time to purge, or to sync (`sync = "batch"`).
+    Tick,
+}
+
+enum Change {
+    Reserve {
+        fingerprint: Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    },
+    Complete {
+        owner: OwnerToken,
+        response: StoredResponse,
+        ttl: Duration,
+    },
+    MarkUnknown {
+        owner: OwnerToken,
+        reason: UnknownReason,
+    },
+    Release {
+        owner: OwnerToken,
+    },
+    Renew {
+        owner: OwnerToken,
+        lease: Duration,
+    },
+    TakeOver {
+        expected: Record,
+        fingerprint: Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    },
+    Delete,
+}
+
+enum Done {
+    Reserved(Reservation),
+    /// Owner-only changes: done (or `NotOwner` as an error).
+    Changed,
+    TakenOver(Option<OwnerToken>),
+    Deleted(bool),
+}
+
+impl DiskStore {
+    /// Opens (creating if need be) the store in `settings.path` and starts its writer thread and
+    /// ticker, so it must be called inside a tokio runtime.
+    pub fn open(settings: &DiskSettings) -> Result<Self, OpenError> {
+        let dir = &settings.path;
+        let fail = |reason: String| OpenError::Disk {
+            path: dir.clone(),
+            reason,
+        };
+        std::fs::create_dir_all(dir).map_err(|e| {
+            fail(format!(
+                "cannot create the directory ({e}); create it, or give the gateway's user write access to its parent"
+            ))
+        })?;
+        let file = dir.join(FILE_NAME);
+        let db = Database::create(&file).map_err(|e| match e {
+            redb::DatabaseError::DatabaseAlreadyOpen => fail(
+                "another process has it open: one directory serves one gateway process (stop the other one, give this one its own path, or use backend = \"redis\" for several instances)"
+                    .into(),
+            ),
+            e => fail(format!(
+                "cannot open {} ({e}); check its permissions and the disk, or move it aside to start with an empty store",
+                file.display()
+            )),
+        })?;
+        let used = prepare(&db).map_err(|e| fail(format!("cannot read the records ({e})")))?;
+        let db = Arc::new(db);
+        let counters = Arc::new(Counters {
+            used: AtomicU64::new(used),
+            ..Counters::default()
+        });
+        let waiters = Waiters::new();
+        let (tx, rx) = mpsc::channel(QUEUE);
+        let writer = Writer {
+            db: Arc::clone(&db),
+            counters: Arc::clone(&counters),
+            waiters: waiters.clone(),
+            sync: settings.sync,
+            max_disk: settings.max_disk,
+            unsynced_since: None,
+        };
+        let thread = std::thread::Builder::new()
+            .name("idemgate-disk".into())
+            .spawn(move || writer.run(rx))
+            .map_err(|e| fail(format!("cannot start the writer thread ({e})")))?;
+        tokio::spawn(tick(tx.downgrade(), settings.sync));
+        Ok(DiskStore {
+            shared: Arc::new(Shared {
+                db,
+                writer: tx,
+                waiters,
+                counters,
+                thread: Mutex::new(Some(thread)),
+            }),
+        })
+    }
+
+    /// The directory's database file, for operators.
+    pub fn file(dir: &Path) -> PathBuf {
+        dir.join(FILE_NAME)
+    }
+
+    /// Bytes of records kept, as counted against `max_disk`.
+    pub fn used(&self) -> u64 {
+        self.shared.counters.used.load(Ordering::Relaxed)
+    }
+
+    async fn submit(&self, key: &StoreKey, change: Change) -> Result<Done, StoreError> {
+        let (reply, answer) = oneshot::channel();
+        let job = Job::Change {
+            key: *key,
+            change,
+            reply,
+        };
+        if self.shared.writer.send(job).await.is_err() {
+            return Err(StoreError::Unavailable(
+                "the disk store's writer stopped".into(),
+            ));
+        }
+        answer.await.unwrap_or_else(|_| {
+            Err(StoreError::Unavailable(
+                "disk: the change was not kept (a write of its batch failed; see the log)".into(),
+            ))
+        })
+    }
+
+    /// The live record for `key`, read on the caller's thread.
+    fn read(&self, key: &StoreKey) -> Result<Option<Record>, StoreError> {
+        let txn = self.shared.db.begin_read().map_err(unavailable)?;
+        let table = txn.open_table(RECORDS).map_err(unavailable)?;
+        let Some(value) = table.get(key.as_bytes().as_slice()).map_err(unavailable)? else {
+            return Ok(None);
+        };
+        let (expires_at, raw) = split(value.value())?;
+        if expires_at <= now_ms() {
+            return Ok(None);
+        }
+        Ok(Some(
+            codec::decode(&Bytes::copy_from_slice(raw))?.checked_lease(),
+        ))
+    }
+}
+
+/// Creates the tables if need be and counts the bytes of the records kept.
+fn prepare(db: &Database) -> Result<u64, redb::Error> {
+    let txn = db.begin_write()?;
+    let mut used = 0;
+    {
+        let records = txn.open_table(RECORDS)?;
+        txn.open_table(EXPIRY)?;
+        for entry in records.iter()? {
+            let (k, v) = entry?;
+            used += cost(k.value().len(), v.value().len());
+        }
+    }
+    txn.commit()?;
+    Ok(used)
+}
+
+fn cost(key_len: usize, value_len: usize) -> u64 {
+    (key_len + value_len) as u64 + RECORD_OVERHEAD
+}
+
+/// Expiry and codec bytes of a stored value.
+fn split(value: &[u8]) -> Result<(u64, &[u8]), StoreError> {
+    if value.len() < 8 {
+        return Err(StoreError::Corrupt("record shorter than its expiry".into()));
+    }
+    let (at, raw) = value.split_at(8);
+    let mut be = [0u8; 8];
+    be.copy_from_slice(at);
+    Ok((u64::from_be_bytes(be), raw))
+}
+
+fn stored_value(expires_at: u64, raw: &[u8]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(8 + raw.len());
+    v.extend_from_slice(&expires_at.to_be_bytes());
+    v.extend_from_slice(raw);
+    v
+}
+
+fn expiry_key(expires_at: u64, key: &[u8]) -> Vec<u8> {
+    let mut k = BytesMut::with_capacity(8 + key.len());
+    k.put_u64(expires_at);
+    k.put_slice(key);
+    k.to_vec()
+}
+
+fn unavailable(e: impl std::fmt::Display) -> StoreError {
+    StoreError::Unavailable(format!("disk: {e}"))
+}
+
+/// Wakes the writer once a tick (purge; with `sync = "batch"`, the sync that is due) until the
+/// store is gone.
+async fn tick(writer: mpsc::WeakSender<Job>, sync: SyncMode) {
+    let period = match sync {
+        SyncMode::Always => TICK,
+        SyncMode::Batch { interval } => interval.min(TICK),
+    };
+    let mut timer = tokio::time::interval(period);
+    timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        timer.tick().await;
+        let Some(tx) = writer.upgrade() else { return };
+        // A full queue means the writer is busy and will look at the time soon anyway.
+        let _ = tx.try_send(Job::Tick);
+    }
+}
+
+/// The writer thread's state.
+struct Writer {
+    db: Arc<Database>,
+    counters: Arc<Counters>,
+    waiters: Waiters,
+    sync: SyncMode,
+    max_disk: u64,
+    /// When a change was last committed without a sync (`sync = "batch"`), if one is pending.
+    unsynced_since: Option<StdInstant>,
+}
+
+/// What one batch did, to apply once it is committed.
+#[derive(Default)]
+struct Effects {
+    purged: u64,
+    /// Keys whose waiters must re-read once the batch is visible.
+    wake: Vec<StoreKey>,
+    /// Some change in the batch must be on disk before its caller hears back.
+    sync: bool,
+}
+
+impl Writer {
+    fn run(mut self, mut rx: mpsc::Receiver<Job>) {
+        let mut last_purge = StdInstant::now();
+        while let Some(first) = rx.blocking_recv() {
+            let mut jobs = Vec::with_capacity(16);
+            jobs.push(first);
+            while jobs.len() < MAX_BATCH {
+                match rx.try_recv() {
+                    Ok(j) => jobs.push(j),
+                    Err(_) => break,
+                }
+            }
+            let purge = last_purge.elapsed() >= TICK;
+            if purge {
+                last_purge = StdInstant::now();
+            }
+            let ticked = jobs.iter().any(|j| matches!(j, Job::Tick));
+            self.batch(jobs, purge, ticked);
+        }
+        // Closing: whatever was committed without a sync goes to disk now.
+        if self.unsynced_since.is_some() {
+            let _ = self.sync_now();
+        }
+    }
+
+    fn sync_now(&mut self) -> Result<(), redb::Error> {
+        let txn = self.db.begin_write()?;
+        txn.commit()?;
+        self.counters.syncs.fetch_add(1, Ordering::Relaxed);
+        self.unsynced_since = None;
+        Ok(())
+    }
+
+    /// Applies `jobs` as one transaction, commits (with one fsync if any needs it), answers.
+    /// `ticked`: the ticker asked, so a sync that is pending is due whatever its age.
+    fn batch(&mut self, jobs: Vec<Job>, purge: bool, ticked: bool) {
+        type Reply = oneshot::Sender<Result<Done, StoreError>>;
+        let mut effects = Effects::default();
+        let mut answers: Vec<(Reply, Result<Done, StoreError>)> = Vec::with_capacity(jobs.len());
+        let mut used = self.counters.used.load(Ordering::Relaxed) as i64;
+        let committed = (|| -> Result<bool, String> {
+            let mut txn = self.db.begin_write().map_err(|e| e.to_string())?;
+            {
+                let mut records = txn.open_table(RECORDS).map_err(|e| e.to_string())?;
+                let mut expiry = txn.open_table(EXPIRY).map_err(|e| e.to_string())?;
+                let mut tables = Tables {
+                    records: &mut records,
+                    expiry: &mut expiry,
+                };
+                let now = now_ms();
+                for job in jobs {
+                    let Job::Change { key, change, reply } = job else {
+                        continue;
+                    };
+                    let result =
+                        self.apply(&mut tables, &key, change, now, &mut used, &mut effects);
+                    // A failed read or write leaves the transaction in doubt: none of it is kept.
+                    if let Err(StoreError::Unavailable(e)) = &result {
+                        return Err(e.clone());
+                    }
+                    answers.push((reply, result));
+                }
+                if purge {
+                    self.purge(&mut tables, now, &mut used, &mut effects)
+                        .map_err(|e| e.to_string())?;
+                }
+            }
+            let due = match self.sync {
+                SyncMode::Always => false,
+                SyncMode::Batch { interval } => self
+                    .unsynced_since
+                    .is_some_and(|t| ticked || t.elapsed() >= interval),
+            };
+            let durable = effects.sync || due;
+            txn.set_durability(if durable {
+                redb::Durability::Immediate
+            } else {
+                redb::Durability::None
+            })
+            .map_err(|e| e.to_string())?;
+            txn.commit().map_err(|e| e.to_string())?;
+            Ok(durable)
+        })();
+        match committed {
+            Ok(durable) => {
+                if durable {
+                    self.counters.syncs.fetch_add(1, Ordering::Relaxed);
+                    self.unsynced_since = None;
+                } else if self.unsynced_since.is_none() && !answers.is_empty() {
+                    self.unsynced_since = Some(StdInstant::now());
+                }
+                self.counters
+                    .used
+                    .store(used.max(0) as u64, Ordering::Relaxed);
+                self.counters
+                    .purged
+                    .fetch_add(effects.purged, Ordering::Relaxed);
+                for (reply, result) in answers {
+                    let _ = reply.send(result);
+                }
+                for key in &effects.wake {
+                    self.waiters.notify(key);
+                }
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "disk store: a write failed; nothing of it was kept");
+                let msg = format!("disk: {e}");
+                for (reply, _) in answers {
+                    let _ = reply.send(Err(StoreError::Unavailable(msg.clone())));
+                }
+            }
+        }
+    }
+
+    /// Whether a change of this kind must be on disk before its caller hears back.
+    fn must_sync(&self, change: &Change) -> bool {
+        match change {
+            // The request is forwarded right after: its pending record must survive a crash.
+            Change::Reserve { .. } | Change::TakeOver { .. } => true,
+            Change::Renew { .. } => false,
+            _ => self.sync == SyncMode::Always,
+        }
+    }
+
+    fn apply(
+        &self,
+        t: &mut Tables<'_, '_>,
+        key: &StoreKey,
+        change: Change,
+        now: u64,
+        used: &mut i64,
+        effects: &mut Effects,
+    ) -> Result<Done, StoreError> {
+        let k = key.as_bytes().as_slice();
+        let current = t.live(k, now, used, effects)?;
+        let sync = self.must_sync(&change);
+        let done = match change {
+            Change::Reserve {
+                fingerprint,
+                lease,
+                ttl,
+            } => {
+                if let Some((_, raw)) = current {
+                    let record = codec::decode(&Bytes::from(raw))?.checked_lease();
+                    return Ok(Done::Reserved(Reservation::Existing(record)));
+                }
+                let (owner, record) = super::pending(fingerprint, lease);
+                let raw = codec::encode(&record);
+                let size = cost(k.len(), 8 + raw.len()) as i64;
+                if *used + size > self.max_disk as i64 {
+                    return Err(StoreError::Full(Bound::MaxDisk));
+                }
+                t.put(k, None, ms_after(ttl), &raw, used)?;
+                Done::Reserved(Reservation::Owner(owner))
+            }
+            Change::Complete {
+                owner,
+                response,
+                ttl,
+            } => {
+                let (expires_at, pending) = owned(current, owner)?;
+                let record = Record {
+                    state: RecordState::Completed(Arc::new(response)),
+                    ..pending
+                };
+                t.put(
+                    k,
+                    Some(expires_at),
+                    ms_after(ttl),
+                    &codec::encode(&record),
+                    used,
+                )?;
+                effects.wake.push(*key);
+                Done::Changed
+            }
+            Change::MarkUnknown { owner, reason } => {
+                let (expires_at, pending) = owned(current, owner)?;
+                let record = Record {
+                    state: RecordState::Unknown {
+                        since_ms: now_ms(),
+                        reason,
+                    },
+                    ..pending
+                };
+                t.put(
+                    k,
+                    Some(expires_at),
+                    expires_at,
+                    &codec::encode(&record),
+                    used,
+                )?;
+                effects.wake.push(*key);
+                Done::Changed
+            }
+            Change::Release { owner } => {
+                let (expires_at, _) = owned(current, owner)?;
+                t.remove(k, expires_at, used)?;
+                effects.wake.push(*key);
+                Done::Changed
+            }
+            Change::Renew { owner, lease } => {
+                let (expires_at, pending) = owned(current, owner)?;
+                let record = Record {
+                    state: RecordState::Pending {
+                        owner,
+                        lease_until_ms: ms_after(lease),
+                    },
+                    ..pending
+                };
+                t.put(
+                    k,
+                    Some(expires_at),
+                    expires_at,
+                    &codec::encode(&record),
+                    used,
+                )?;
+                Done::Changed
+            }
+            Change::TakeOver {
+                expected,
+                fingerprint,
+                lease,
+                ttl,
+            } => {
+                let Some((expires_at, raw)) = current else {
+                    return Ok(Done::TakenOver(None));
+                };
+                if codec::decode(&Bytes::from(raw))?.checked_lease() != expected {
+                    return Ok(Done::TakenOver(None));
+                }
+                let (owner, record) = super::pending(fingerprint, lease);
+                t.put(
+                    k,
+                    Some(expires_at),
+                    ms_after(ttl),
+                    &codec::encode(&record),
+                    used,
+                )?;
+                Done::TakenOver(Some(owner))
+            }
+            Change::Delete => match current {
+                None => Done::Deleted(false),
+                Some((expires_at, _)) => {
+                    t.remove(k, expires_at, used)?;
+                    effects.wake.push(*key);
+                    Done::Deleted(true)
+                }
+            },
+        };
+        effects.sync |= sync;
+        Ok(done)
+    }
+
+    /// Removes what expired by `now`, oldest first, up to [`PURGE_BATCH`].
+    fn purge(
+        &self,
+        t: &mut Tables<'_, '_>,
+        now: u64,
+        used: &mut i64,
+        effects: &mut Effects,
+    ) -> Result<(), redb::Error> {
+        let due: Vec<Vec<u8>> = {
+            let end = expiry_key(now, &[0xff; 32]);
+            let mut due = Vec::new();
+            for entry in t.expiry.range(..=end.as_slice())? {
+                let (k, _) = entry?;
+                due.push(k.value().to_vec());
+                if due.len() >= PURGE_BATCH {
+                    break;
+                }
+            }
+            due
+        };
+        for entry in due {
+            t.expiry.remove(entry.as_slice())?;
+            let (at, key) = entry.split_at(8);
+            let mut be = [0u8; 8];
+            be.copy_from_slice(at);
+            let filed = u64::from_be_bytes(be);
+            // Only if the record still expires then: a rewritten one was filed again.
+            let current = t
+                .records
+                .get(key)?
+                .map(|v| split(v.value()).map(|(at, raw)| (at, raw.len())));
+            if let Some(Ok((at, len))) = current {
+                if at == filed {
+                    t.records.remove(key)?;
+                    *used -= cost(key.len(), 8 + len) as i64;
+                    effects.purged += 1;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The pending record `owner` owns, with its expiry, or `NotOwner`.
+fn owned(current: Option<(u64, Vec<u8>)>, owner: OwnerToken) -> Result<(u64, Record), StoreError> {
+    let Some((expires_at, raw)) = current else {
+        return Err(StoreError::NotOwner);
+    };
+    let record = codec::decode(&Bytes::from(raw))?;
+    match record.state {
+        RecordState::Pending { owner: o, .. } if o == owner => Ok((expires_at, record)),
+        _ => Err(StoreError::NotOwner),
+    }
+}
+
+/// The two tables of one write transaction.
+struct Tables<'a, 't> {
+    records: &'a mut redb::Table<'t, &'static [u8], &'static [u8]>,
+    expiry: &'a mut redb::Table<'t, &'static [u8], &'static [u8]>,
+}
+
+impl Tables<'_, '_> {
+    /// The live record under `k`: (expiry, codec bytes). An expired one is removed on the spot.
+    fn live(
+        &mut self,
+        k: &[u8],
+        now: u64,
+        used: &mut i64,
+        effects: &mut Effects,
+    ) -> Result<Option<(u64, Vec<u8>)>, StoreError> {
+        let found = match self.records.get(k).map_err(unavailable)? {
+            None => None,
+            Some(v) => {
+                let (at, raw) = split(v.value())?;
+                Some((at, raw.to_vec()))
+            }
+        };
+        match found {
+            Some((at, _)) if at <= now => {
+                self.remove(k, at, used)?;
+                effects.purged += 1;
+                Ok(None)
+            }
+            other => Ok(other),
+        }
+    }
+
+    /// Writes `raw` under `k`, expiring at `expires_at`; `old` is the expiry it was filed under.
+    fn put(
+        &mut self,
+        k: &[u8],
+        old: Option<u64>,
+        expires_at: u64,
+        raw: &[u8],
+        used: &mut i64,
+    ) -> Result<(), StoreError> {
+        let value = stored_value(expires_at, raw);
+        let previous = self
+            .records
+            .insert(k, value.as_slice())
+            .map_err(unavailable)?
+            .map(|v| v.value().len());
+        if let Some(len) = previous {
+            *used -= cost(k.len(), len) as i64;
+        }
+        *used += cost(k.len(), value.len()) as i64;
+        if old != Some(expires_at) {
+            if let Some(old) = old {
+                self.expiry
+                    .remove(expiry_key(old, k).as_slice())
+                    .map_err(unavailable)?;
+            }
+            self.expiry
+                .insert(expiry_key(expires_at, k).as_slice(), [].as_slice())
+                .map_err(unavailable)?;
+        }
+        Ok(())
+    }
+
+    fn remove(&mut self, k: &[u8], expires_at: u64, used: &mut i64) -> Result<(), StoreError> {
+        if let Some(v) = self.records.remove(k).map_err(unavailable)? {
+            *used -= cost(k.len(), v.value().len()) as i64;
+        }
+        self.expiry
+            .remove(expiry_key(expires_at, k).as_slice())
+            .map_err(unavailable)?;
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl Store for DiskStore {
+    async fn reserve(
+        &self,
+        key: &StoreKey,
+        fingerprint: Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<Reservation, StoreError> {
+        // A key that exists (every replay, every duplicate) is answered from a read, without
+        // waiting for the writer; only a new key needs the writer's insert-if-absent.
+        if let Some(record) = self.read(key)? {
+            return Ok(Reservation::Existing(record));
+        }
+        match self
+            .submit(
+                key,
+                Change::Reserve {
+                    fingerprint,
+                    lease,
+                    ttl,
+                },
+            )
+            .await?
+        {
+            Done::Reserved(r) => Ok(r),
+            _ => Err(StoreError::Unavailable("disk: unexpected answer".into())),
+        }
+    }
+
+    async fn get(&self, key: &StoreKey) -> Result<Option<Record>, StoreError> {
+        self.read(key)
+    }
+
+    async fn watch(&self, key: &StoreKey) -> Result<Watch, StoreError> {
+        // The writer wakes a key's waiters after every change that ends a pending state.
+        let changes = self.shared.waiters.subscribe(key);
+        let record = self.read(key)?;
+        Ok(Watch { record, changes })
+    }
+
+    async fn complete(
+        &self,
+        key: &StoreKey,
+        owner: OwnerToken,
+        response: StoredResponse,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        self.submit(
+            key,
+            Change::Complete {
+                owner,
+                response,
+                ttl,
+            },
+        )
+        .await
+        .map(drop)
+    }
+
+    async fn mark_unknown(
+        &self,
+        key: &StoreKey,
+        owner: OwnerToken,
+        reason: UnknownReason,
+    ) -> Result<(), StoreError> {
+        self.submit(key, Change::MarkUnknown { owner, reason })
+            .await
+            .map(drop)
+    }
+
+    async fn release(&self, key: &StoreKey, owner: OwnerToken) -> Result<(), StoreError> {
+        self.submit(key, Change::Release { owner }).await.map(drop)
+    }
+
+    async fn renew(
+        &self,
+        key: &StoreKey,
+        owner: OwnerToken,
+        lease: Duration,
+    ) -> Result<(), StoreError> {
+        self.submit(key, Change::Renew { owner, lease })
+            .await
+            .map(drop)
+    }
+
+    async fn take_over(
+        &self,
+        key: &StoreKey,
+        expected: &Record,
+        fingerprint: Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<Option<OwnerToken>, StoreError> {
+        match self
+            .submit(
+                key,
+                Change::TakeOver {
+                    expected: expected.clone(),
+                    fingerprint,
+                    lease,
+                    ttl,
+                },
+            )
+            .await?
+        {
+            Done::TakenOver(t) => Ok(t),
+            _ => Err(StoreError::Unavailable("disk: unexpected answer".into())),
+        }
+    }
+
+    async fn delete(&self, key: &StoreKey) -> Result<bool, StoreError> {
+        match self.submit(key, Change::Delete).await? {
+            Done::Deleted(d) => Ok(d),
+            _ => Err(StoreError::Unavailable("disk: unexpected answer".into())),
+        }
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        if self.shared.writer.is_closed() {
+            return Err(StoreError::Unavailable(
+                "the disk store's writer stopped".into(),
+            ));
+        }
+        self.shared.db.begin_read().map_err(unavailable)?;
+        Ok(())
+    }
+
+    fn stats(&self) -> StoreStats {
+        StoreStats {
+            purged: self.shared.counters.purged.load(Ordering::Relaxed),
+            syncs: self.shared.counters.syncs.load(Ordering::Relaxed),
+        }
+    }
+
+    fn for_worker(&self) -> Arc<dyn Store> {
+        Arc::new(self.clone())
+    }
+}
