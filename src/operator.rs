@@ -23,7 +23,7 @@ pub enum OperatorError {
     BadKey(crate::key::KeyError),
     #[error("this route's key has {0} part(s), {1}: give one --key per part, in that order")]
     Parts(usize, String),
-    #[error("backend = \"memory\" keeps records inside the running gateway process; `idemgate keys` needs a shared store (backend = \"redis\")")]
+    #[error("backend = \"memory\" keeps records inside the running gateway process; `idemgate keys` needs a store it can open (backend = \"disk\", with the gateway stopped, or \"redis\")")]
     MemoryStore,
     #[error("{0}")]
     Store(String),
@@ -64,10 +64,19 @@ pub fn locate(
 
 /// Opens the configured shared store and waits until it answers.
 pub async fn open_store(config: &Config) -> Result<std::sync::Arc<dyn Store>, OperatorError> {
-    if matches!(config.store, StoreConfig::Memory { .. }) {
-        return Err(OperatorError::MemoryStore);
-    }
-    let store = store::open(&config.store).map_err(|e| OperatorError::Store(e.to_string()))?;
+    let store = match &config.store {
+        StoreConfig::Memory { .. } => return Err(OperatorError::MemoryStore),
+        // The file is the running gateway's while it runs: redb lets one process at a time open
+        // it, and a second writer could not keep the gateway's view of its keys true.
+        StoreConfig::Disk(_) => store::open(&config.store).map_err(|e| {
+            OperatorError::Store(format!(
+                "{e}\nThe disk store is opened by one process at a time: stop the gateway, run `idemgate keys` again, then start the gateway."
+            ))
+        })?,
+        StoreConfig::Redis(_) => {
+            store::open(&config.store).map_err(|e| OperatorError::Store(e.to_string()))?
+        }
+    };
     let deadline = tokio::time::Instant::now() + CONNECT_WAIT;
     loop {
         match store.ping().await {

@@ -11,6 +11,8 @@ mod support;
 
 mod architecture;
 mod cli;
+mod disk_restarts;
+mod disk_store;
 mod failures;
 mod gateway;
 mod operations;

@@ -11,6 +11,8 @@
 //!     cargo run --release [-- REQUESTS CLIENTS]
 
 use std::path::Path;
+
+use redb::ReadableTable;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 

@@ -1,0 +1,331 @@
+//! The disk store's own promises, beyond the contract: records outlive the process, one process
+//! per directory, expiry gives the space back, the `max_disk` bound, shared fsyncs, and a
+//! corrupt record is never read as "no record".
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::StatusCode;
+use idemgate::config::{DiskSettings, SyncMode};
+use idemgate::fingerprint::Fingerprint;
+use idemgate::key::{ClientScope, StoreKey};
+use idemgate::store::disk::DiskStore;
+use idemgate::store::{
+    Bound, OwnerToken, RecordState, Reservation, Store, StoreError, StoredResponse, UnknownReason,
+};
+
+use crate::support::{eventually, TempDir};
+
+const FP: Fingerprint = Fingerprint([3; 32]);
+const LEASE: Duration = Duration::from_secs(30);
+const TTL: Duration = Duration::from_secs(3600);
+
+fn key(name: &str) -> StoreKey {
+    StoreKey::new(&ClientScope::from_value(b"disk"), "route", name)
+}
+
+fn settings(dir: &TempDir, sync: SyncMode, max_disk: u64) -> DiskSettings {
+    DiskSettings {
+        path: dir.path.join("store"),
+        sync,
+        max_disk,
+    }
+}
+
+fn open(dir: &TempDir) -> DiskStore {
+    DiskStore::open(&settings(dir, SyncMode::Always, 64 << 20)).unwrap()
+}
+
+fn response(body: &'static str) -> StoredResponse {
+    StoredResponse {
+        status: StatusCode::CREATED,
+        headers: vec![(
+            http::header::CONTENT_TYPE,
+            http::HeaderValue::from_static("application/json"),
+        )],
+        body: Bytes::from_static(body.as_bytes()),
+        body_kept: true,
+        completed_ms: 1_700_000_000_000,
+    }
+}
+
+async fn own(store: &DiskStore, k: &StoreKey, lease: Duration, ttl: Duration) -> OwnerToken {
+    match store.reserve(k, FP, lease, ttl).await.unwrap() {
+        Reservation::Owner(t) => t,
+        other => panic!("expected ownership, got {other:?}"),
+    }
+}
+
+fn dir_size(path: &std::path::Path) -> u64 {
+    std::fs::read_dir(path)
+        .unwrap()
+        .map(|e| {
+            let e = e.unwrap();
+            let m = e.metadata().unwrap();
+            if m.is_dir() {
+                dir_size(&e.path())
+            } else {
+                m.len()
+            }
+        })
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_state_survives_closing_and_reopening() {
+    let dir = TempDir::new("disk-reopen");
+    {
+        let store = open(&dir);
+        let t = own(&store, &key("done"), LEASE, TTL).await;
+        store
+            .complete(&key("done"), t, response("{\"id\":1}"), TTL)
+            .await
+            .unwrap();
+        let t = own(&store, &key("unknown"), LEASE, TTL).await;
+        store
+            .mark_unknown(&key("unknown"), t, UnknownReason::Timeout)
+            .await
+            .unwrap();
+        own(&store, &key("in-flight"), Duration::from_millis(1), TTL).await;
+        let t = own(&store, &key("released"), LEASE, TTL).await;
+        store.release(&key("released"), t).await.unwrap();
+    }
+    // Dropping the last handle releases the file: the same process may open it again.
+    let store = open(&dir);
+    match store.get(&key("done")).await.unwrap().unwrap().state {
+        RecordState::Completed(r) => assert_eq!(*r, response("{\"id\":1}")),
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(
+        store.get(&key("unknown")).await.unwrap().unwrap().state,
+        RecordState::Unknown {
+            reason: UnknownReason::Timeout,
+            ..
+        }
+    ));
+    // Its owner is gone and its lease ran out: never read as absent, never run again.
+    assert!(matches!(
+        store.get(&key("in-flight")).await.unwrap().unwrap().state,
+        RecordState::Abandoned { .. }
+    ));
+    assert_eq!(store.get(&key("released")).await.unwrap(), None);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_store_on_the_same_directory_is_refused_with_the_reason() {
+    let dir = TempDir::new("disk-lock");
+    let _first = open(&dir);
+    let err = match DiskStore::open(&settings(&dir, SyncMode::Always, 64 << 20)) {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("a second open of the same directory must fail"),
+    };
+    assert!(err.contains("another process has it open"), "{err}");
+    assert!(err.contains("redis"), "says what to do instead: {err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_directory_that_cannot_be_made_is_refused_with_what_to_do() {
+    let dir = TempDir::new("disk-bad-dir");
+    let file = dir.path.join("a-file");
+    std::fs::write(&file, b"not a directory").unwrap();
+    let settings = DiskSettings {
+        path: file.join("store"),
+        sync: SyncMode::Always,
+        max_disk: 64 << 20,
+    };
+    let err = match DiskStore::open(&settings) {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("a path under a file cannot be a store"),
+    };
+    assert!(err.contains("cannot create the directory"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expired_records_are_purged_and_their_space_reused() {
+    let dir = TempDir::new("disk-expiry");
+    let store = open(&dir);
+    let ttl = Duration::from_millis(200);
+    let body = "x".repeat(2000);
+    let body: &'static str = Box::leak(body.into_boxed_str());
+    let mut sizes = Vec::new();
+    for round in 0..4 {
+        for i in 0..300 {
+            let k = key(&format!("r{round}-{i}"));
+            let t = own(&store, &k, LEASE, ttl).await;
+            store.complete(&k, t, response(body), ttl).await.unwrap();
+        }
+        let purged = 300 * (round + 1);
+        assert!(
+            eventually(|| async { store.stats().purged >= purged }).await,
+            "round {round}: {} of {purged} purged",
+            store.stats().purged
+        );
+        assert!(
+            store.used() < 300 * 1000,
+            "{} bytes still counted",
+            store.used()
+        );
+        sizes.push(dir_size(&dir.path));
+    }
+    // A steady stream of short-lived keys: the directory stops growing.
+    eprintln!("disk store directory after each round: {sizes:?}");
+    assert!(
+        sizes[3] <= sizes[1] * 3 / 2,
+        "the directory keeps growing: {sizes:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_max_disk_new_keys_are_refused_live_ones_kept_and_room_comes_back() {
+    let dir = TempDir::new("disk-bound");
+    let store = DiskStore::open(&settings(&dir, SyncMode::Always, 64 << 10)).unwrap();
+    let ttl = Duration::from_millis(500);
+    let mut owned = Vec::new();
+    let refused = loop {
+        let k = key(&format!("k{}", owned.len()));
+        match store.reserve(&k, FP, LEASE, ttl).await {
+            Ok(Reservation::Owner(t)) => {
+                store
+                    .complete(&k, t, response("{\"ok\":true}"), ttl)
+                    .await
+                    .unwrap();
+                owned.push(k);
+            }
+            Err(e) => break e,
+            Ok(other) => panic!("{other:?}"),
+        }
+        assert!(owned.len() < 10_000, "the bound never came");
+    };
+    assert_eq!(refused, StoreError::Full(Bound::MaxDisk));
+    assert!(owned.len() > 50, "only {} keys fit", owned.len());
+    for k in &owned {
+        assert!(
+            matches!(
+                store.reserve(k, FP, LEASE, ttl).await.unwrap(),
+                Reservation::Existing(_)
+            ),
+            "a live key was evicted"
+        );
+    }
+    // Once they expire and are purged, new keys get in again without a restart.
+    assert!(
+        eventually(|| async {
+            matches!(
+                store.reserve(&key("later"), FP, LEASE, TTL).await,
+                Ok(Reservation::Owner(_))
+            )
+        })
+        .await,
+        "the store never made room again"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_requests_share_their_fsyncs() {
+    let dir = TempDir::new("disk-group");
+    let store = Arc::new(open(&dir));
+    let before = store.stats().syncs;
+    let requests = 400;
+    let mut tasks = Vec::new();
+    for i in 0..requests {
+        let store = Arc::clone(&store);
+        tasks.push(tokio::spawn(async move {
+            let k = key(&format!("g{i}"));
+            let t = own(&store, &k, LEASE, TTL).await;
+            store.complete(&k, t, response("{}"), TTL).await.unwrap();
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let syncs = store.stats().syncs - before;
+    let per_request = syncs as f64 / requests as f64;
+    eprintln!("disk store: {syncs} fsyncs for {requests} concurrent new keys ({per_request:.2} per request)");
+    // Two synced writes per request (reserve, complete) without group commit.
+    assert!(per_request < 1.0, "{per_request:.2} fsyncs per request");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_sync_batch_results_share_a_deferred_fsync_and_still_survive_a_reopen() {
+    let dir = TempDir::new("disk-batch");
+    let count = |sync: SyncMode| {
+        let dir = TempDir::new("disk-batch-count");
+        async move {
+            let store = DiskStore::open(&settings(&dir, sync, 64 << 20)).unwrap();
+            for i in 0..40 {
+                let k = key(&format!("b{i}"));
+                let t = own(&store, &k, LEASE, TTL).await;
+                store.complete(&k, t, response("{}"), TTL).await.unwrap();
+            }
+            store.stats().syncs
+        }
+    };
+    let always = count(SyncMode::Always).await;
+    let batch = count(SyncMode::Batch {
+        interval: Duration::from_secs(5),
+    })
+    .await;
+    assert!(
+        always >= 80,
+        "one-by-one requests sync every write: {always}"
+    );
+    assert!(batch < always * 3 / 4, "batch {batch} vs always {always}");
+
+    // Results not yet synced are synced when the store closes.
+    {
+        let store = DiskStore::open(&settings(
+            &dir,
+            SyncMode::Batch {
+                interval: Duration::from_secs(5),
+            },
+            64 << 20,
+        ))
+        .unwrap();
+        let t = own(&store, &key("late"), LEASE, TTL).await;
+        store
+            .complete(&key("late"), t, response("{\"late\":1}"), TTL)
+            .await
+            .unwrap();
+    }
+    let store = DiskStore::open(&settings(&dir, SyncMode::Always, 64 << 20)).unwrap();
+    assert!(matches!(
+        store.get(&key("late")).await.unwrap().unwrap().state,
+        RecordState::Completed(_)
+    ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupt_record_is_an_error_never_an_absent_key() {
+    let dir = TempDir::new("disk-corrupt");
+    {
+        let store = open(&dir);
+        let t = own(&store, &key("c"), LEASE, TTL).await;
+        store
+            .complete(&key("c"), t, response("{}"), TTL)
+            .await
+            .unwrap();
+    }
+    {
+        // Damage the record in place: a valid expiry, then bytes no codec version reads.
+        let db = fjall::Database::builder(dir.path.join("store"))
+            .open()
+            .unwrap();
+        let records = db
+            .keyspace("records", fjall::KeyspaceCreateOptions::default)
+            .unwrap();
+        let mut value = u64::MAX.to_be_bytes().to_vec();
+        value.extend_from_slice(&[0xee; 20]);
+        records.insert(key("c").as_bytes().to_vec(), value).unwrap();
+        db.persist(fjall::PersistMode::SyncAll).unwrap();
+    }
+    let store = open(&dir);
+    assert!(matches!(
+        store.get(&key("c")).await,
+        Err(StoreError::Corrupt(_))
+    ));
+    assert!(matches!(
+        store.reserve(&key("c"), FP, LEASE, TTL).await,
+        Err(StoreError::Corrupt(_))
+    ));
+}
