@@ -70,7 +70,7 @@ async fn handle(gw: &Gateway, req: Request<Incoming>) -> Response<Body> {
         }
         "/metrics" => {
             let metrics = gw.metrics();
-            metrics.set_records_purged(gw.store().stats().purged);
+            metrics.set_store_stats(gw.store().stats());
             let mut resp = Response::new(body::full(Bytes::from(metrics.encode())));
             resp.headers_mut().insert(
                 header::CONTENT_TYPE,

@@ -9,7 +9,9 @@
 //! - `idemgate_requests_in_flight`: requests being handled now.
 //! - `idemgate_worker_connections{worker}`: client connections each worker thread serves now (the
 //!   acceptor gives a new connection to the worker with the fewest).
-//! - `idemgate_records_purged_total`: expired records removed by the embedded store.
+//! - `idemgate_records_purged_total`: expired records removed by an embedded store.
+//! - `idemgate_store_syncs_total`: durable commits (fsyncs) of the disk store; divided by the
+//!   requests, the fsyncs per request (below 1 under concurrent load: group commit).
 
 use std::sync::atomic::Ordering;
 use std::sync::OnceLock;
@@ -22,7 +24,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
-use crate::store::StoreOp;
+use crate::store::{StoreOp, StoreStats};
 
 /// What became of a request, for logs and metrics (the `outcome` label).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -140,6 +142,7 @@ pub struct Metrics {
     in_flight: Gauge,
     worker_connections: Family<WorkerLabel, Gauge>,
     records_purged: Counter,
+    store_syncs: Counter,
     /// Requests outside any route.
     unrouted: RouteMetrics,
     store_ops: [OnceLock<Histogram>; StoreOp::COUNT],
@@ -163,6 +166,7 @@ impl Metrics {
         let in_flight = Gauge::default();
         let worker_connections = Family::<WorkerLabel, Gauge>::default();
         let records_purged = Counter::default();
+        let store_syncs = Counter::default();
         registry.register(
             "requests",
             "Requests by route and outcome",
@@ -195,8 +199,13 @@ impl Metrics {
         );
         registry.register(
             "records_purged",
-            "Expired records removed by the embedded store",
+            "Expired records removed by an embedded store",
             records_purged.clone(),
+        );
+        registry.register(
+            "store_syncs",
+            "Durable commits (fsyncs) of the disk store",
+            store_syncs.clone(),
         );
         Metrics {
             registry,
@@ -207,6 +216,7 @@ impl Metrics {
             in_flight,
             worker_connections,
             records_purged,
+            store_syncs,
             unrouted: RouteMetrics::new(""),
             store_ops: Default::default(),
         }
@@ -278,9 +288,14 @@ impl Metrics {
         self.in_flight.get()
     }
 
-    /// Sets the purge counter from the store's own running total.
-    pub fn set_records_purged(&self, total: u64) {
-        self.records_purged.inner().store(total, Ordering::Relaxed);
+    /// Sets the store's counters from its own running totals.
+    pub fn set_store_stats(&self, stats: StoreStats) {
+        self.records_purged
+            .inner()
+            .store(stats.purged, Ordering::Relaxed);
+        self.store_syncs
+            .inner()
+            .store(stats.syncs, Ordering::Relaxed);
     }
 
     /// The text exposition (OpenMetrics) of everything.

@@ -233,3 +233,37 @@ async fn repeated_kills_under_load_lose_no_answer_and_run_nothing_twice() {
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_requests_share_fsyncs_and_metrics_show_it() {
+    let data = TempDir::new("disk-data");
+    let up = Upstream::counting().await;
+    let gw = Running::start(
+        idemgate::config::Config::parse(&disk_config(
+            &up.url(),
+            &data.path,
+            "127.0.0.1:0",
+            "[[routes]]\npath = \"/payments\"\n",
+        ))
+        .unwrap()
+        .with_admin(),
+    )
+    .await
+    .unwrap();
+    let http = Http::new(gw.addr());
+    let mut tasks = Vec::new();
+    for i in 0..200 {
+        let http = http.clone();
+        tasks.push(tokio::spawn(async move {
+            http.post("/payments", &format!("m{i}"), "{}").await.status
+        }));
+    }
+    for t in tasks {
+        assert_eq!(t.await.unwrap(), 201);
+    }
+    let m = scrape(gw.admin_addr().unwrap()).await;
+    let syncs = m["idemgate_store_syncs_total"];
+    eprintln!("disk store through the gateway: {syncs} fsyncs for 200 concurrent new keys");
+    assert!(syncs >= 1.0, "new keys are synced");
+    assert!(syncs < 200.0, "{syncs} fsyncs for 200 requests: not shared");
+}
