@@ -89,8 +89,8 @@ pub fn main() -> ExitCode {
     match cli.command {
         Command::Check { config } => match Config::load(&config) {
             Ok(c) => {
-                print!("{}", c.describe());
-                println!("config OK");
+                say(&c.describe());
+                say("config OK\n");
                 ExitCode::SUCCESS
             }
             Err(e) => {
@@ -188,14 +188,14 @@ fn keys(action: KeysAction) -> ExitCode {
             }
         };
         let Some(record) = record else {
-            println!("no record for this key (never used, expired, or deleted)");
+            say("no record for this key (never used, expired, or deleted)\n");
             return ExitCode::from(1);
         };
-        print!("{}", operator::describe(&key, &args.route, &record));
+        say(&operator::describe(&key, &args.route, &record));
         if delete {
             match store.delete(&key).await {
-                Ok(true) => println!("deleted: the next request with this key executes"),
-                Ok(false) => println!("already gone"),
+                Ok(true) => say("deleted: the next request with this key executes\n"),
+                Ok(false) => say("already gone\n"),
                 Err(e) => {
                     eprintln!("idemgate: {e}");
                     return ExitCode::from(EXIT_CANNOT_START);
@@ -204,6 +204,13 @@ fn keys(action: KeysAction) -> ExitCode {
         }
         ExitCode::SUCCESS
     })
+}
+
+/// Writes to standard output; a reader that went away (`idemgate check | head`) is not an error
+/// worth a panic, unlike what `print!` does.
+fn say(text: &str) {
+    use std::io::Write;
+    let _ = std::io::stdout().write_all(text.as_bytes());
 }
 
 fn probe(url: &str) -> ExitCode {
@@ -224,19 +231,19 @@ fn probe(url: &str) -> ExitCode {
                 .build_http::<http_body_util::Empty<bytes::Bytes>>();
         match tokio::time::timeout(std::time::Duration::from_secs(3), client.get(uri)).await {
             Ok(Ok(resp)) if resp.status().is_success() => {
-                println!("{}", resp.status());
+                say(&format!("{}\n", resp.status()));
                 ExitCode::SUCCESS
             }
             Ok(Ok(resp)) => {
-                println!("{}", resp.status());
+                say(&format!("{}\n", resp.status()));
                 ExitCode::from(1)
             }
             Ok(Err(e)) => {
-                println!("unreachable: {e}");
+                say(&format!("unreachable: {e}\n"));
                 ExitCode::from(1)
             }
             Err(_) => {
-                println!("no answer within 3s");
+                say("no answer within 3s\n");
                 ExitCode::from(1)
             }
         }

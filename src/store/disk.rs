@@ -16,9 +16,10 @@
 //!   as "no record". Lease renewals are never synced: after a crash every lease is over anyway.
 //! - Reads (get, watch, and `reserve` of a key that already exists: every replay) run on the
 //!   caller's thread in a read transaction, without a hop to the writer.
-//! - Each record is kept with its expiry (wall clock, so it holds across restarts) and filed in
-//!   an expiry index; the writer purges what expired once a second, and fjall's compaction gives
-//!   the space back.
+//! - Each record is kept with its expiry (wall clock, so it holds across restarts) and filed once
+//!   in an expiry index (a rewrite that moves the expiry later is filed again when the old entry
+//!   comes up); the writer purges what expired in small passes between its batches, and fjall's
+//!   compaction gives the space back.
 //!   `max_disk` bounds the bytes of the records kept: at the bound new keys are refused (503),
 //!   live ones never evicted, and room comes back as records expire.
 //! - A read or write error fails the call (`Unavailable`: the route's `on_store_error` decides),
@@ -64,8 +65,10 @@ const MAX_BATCH: usize = 1024;
 /// How often the writer purges expired records (and, with `sync = "batch"`, how often at least
 /// it checks whether a sync is due).
 const TICK: Duration = Duration::from_secs(1);
-/// Expired records removed in one purge at most; the rest wait for the next tick.
-const PURGE_BATCH: usize = 10_000;
+/// Expired records removed in one purge pass at most. A pass runs after a batch once a tick, and
+/// after every batch while expired records are left over: small passes keep any one batch's
+/// callers from waiting behind a long purge, and keep up with new keys (a pass per batch).
+const PURGE_CHUNK: usize = 64;
 
 /// A handle to the store; every clone is the same store.
 #[derive(Clone)]
@@ -366,6 +369,8 @@ struct Effects {
 impl Writer {
     fn run(mut self, mut rx: mpsc::Receiver<Job>) {
         let mut last_purge = StdInstant::now();
+        // The last purge pass stopped at its chunk with more expired records left.
+        let mut backlog = false;
         while let Some(first) = rx.blocking_recv() {
             let mut jobs = Vec::with_capacity(16);
             jobs.push(first);
@@ -375,14 +380,11 @@ impl Writer {
                     Err(_) => break,
                 }
             }
-            let purge = last_purge.elapsed() >= TICK;
-            if purge {
-                last_purge = StdInstant::now();
-            }
             let ticked = jobs.iter().any(|j| matches!(j, Job::Tick));
             self.batch(jobs, ticked);
-            if purge {
-                self.purge();
+            if backlog || last_purge.elapsed() >= TICK {
+                last_purge = StdInstant::now();
+                backlog = self.purge();
             }
         }
         // Closing: whatever was committed without a sync goes to disk now.
@@ -392,7 +394,7 @@ impl Writer {
     }
 
     fn sync_now(&mut self) -> Result<(), fjall::Error> {
-        self.db.db.persist(PersistMode::SyncAll)?;
+        self.db.db.persist(PersistMode::SyncData)?;
         self.counters.syncs.fetch_add(1, Ordering::Relaxed);
         self.unsynced_since = None;
         Ok(())
@@ -432,9 +434,11 @@ impl Writer {
             let durable = effects.sync || due;
             tables.batch.commit().map_err(|e| e.to_string())?;
             if durable {
+                // fdatasync: the journal's data and what is needed to read it back (its size),
+                // without the metadata (times) a full fsync also writes.
                 self.db
                     .db
-                    .persist(PersistMode::SyncAll)
+                    .persist(PersistMode::SyncData)
                     .map_err(|e| e.to_string())?;
             }
             Ok(durable)
@@ -493,6 +497,8 @@ impl Writer {
     ) -> Result<Done, StoreError> {
         let k = key.as_bytes().as_slice();
         let current = t.live(k, now, used, effects)?;
+        // The stored value's length, for the `max_disk` count: known here, not read again.
+        let old_len = current.as_ref().map(|(_, raw)| 8 + raw.len());
         let sync = self.must_sync(&change);
         let done = match change {
             Change::Reserve {
@@ -510,7 +516,7 @@ impl Writer {
                 if *used + size > self.max_disk as i64 {
                     return Err(StoreError::Full(Bound::MaxDisk));
                 }
-                t.put(k, None, ms_after(ttl), &raw, used)?;
+                t.put(k, None, ms_after(ttl), &raw, used);
                 Done::Reserved(Reservation::Owner(owner))
             }
             Change::Complete {
@@ -525,11 +531,11 @@ impl Writer {
                 };
                 t.put(
                     k,
-                    Some(expires_at),
+                    Some((expires_at, old_len.unwrap_or(0))),
                     ms_after(ttl),
                     &codec::encode(&record),
                     used,
-                )?;
+                );
                 effects.wake.push(*key);
                 Done::Changed
             }
@@ -544,17 +550,17 @@ impl Writer {
                 };
                 t.put(
                     k,
-                    Some(expires_at),
+                    Some((expires_at, old_len.unwrap_or(0))),
                     expires_at,
                     &codec::encode(&record),
                     used,
-                )?;
+                );
                 effects.wake.push(*key);
                 Done::Changed
             }
             Change::Release { owner } => {
-                let (expires_at, _) = owned(current, owner)?;
-                t.remove(k, expires_at, used)?;
+                owned(current, owner)?;
+                t.remove(k, old_len, used);
                 effects.wake.push(*key);
                 Done::Changed
             }
@@ -569,11 +575,11 @@ impl Writer {
                 };
                 t.put(
                     k,
-                    Some(expires_at),
+                    Some((expires_at, old_len.unwrap_or(0))),
                     expires_at,
                     &codec::encode(&record),
                     used,
-                )?;
+                );
                 Done::Changed
             }
             Change::TakeOver {
@@ -591,17 +597,17 @@ impl Writer {
                 let (owner, record) = super::pending(fingerprint, lease);
                 t.put(
                     k,
-                    Some(expires_at),
+                    Some((expires_at, old_len.unwrap_or(0))),
                     ms_after(ttl),
                     &codec::encode(&record),
                     used,
-                )?;
+                );
                 Done::TakenOver(Some(owner))
             }
             Change::Delete => match current {
                 None => Done::Deleted(false),
-                Some((expires_at, _)) => {
-                    t.remove(k, expires_at, used)?;
+                Some(_) => {
+                    t.remove(k, old_len, used);
                     effects.wake.push(*key);
                     Done::Deleted(true)
                 }
@@ -611,28 +617,31 @@ impl Writer {
         Ok(done)
     }
 
-    /// Removes what expired, oldest first, up to [`PURGE_BATCH`], as a batch of its own.
-    fn purge(&mut self) {
+    /// Removes what expired, oldest first, up to [`PURGE_CHUNK`], as a batch of its own; says
+    /// whether it stopped at the chunk (more may be due).
+    fn purge(&mut self) -> bool {
         let now = now_ms();
         let end = expiry_key(now, &[0xff; 32]);
         let mut batch = self.db.db.batch();
         let mut purged = 0u64;
         let mut freed = 0u64;
+        let mut seen = 0;
         let scanned = (|| -> Result<(), fjall::Error> {
-            for entry in self.db.expiry.range(..=end.as_slice()).take(PURGE_BATCH) {
+            for entry in self.db.expiry.range(..=end.as_slice()).take(PURGE_CHUNK) {
+                seen += 1;
                 let filed_key = entry.key()?;
                 batch.remove(&self.db.expiry, filed_key.clone());
-                let (at, key) = filed_key.split_at(8);
-                let mut be = [0u8; 8];
-                be.copy_from_slice(at);
-                let filed = u64::from_be_bytes(be);
-                // Only if the record still expires then: a rewritten one was filed again.
+                let key = &filed_key[8..];
+                // The record as it is now: gone (released, deleted), expired, or rewritten since
+                // it was filed, with a later expiry: filed again then.
                 if let Some(v) = self.db.records.get(key)? {
                     if let Ok((at, _)) = split(&v) {
-                        if at == filed {
+                        if at <= now {
                             batch.remove(&self.db.records, key.to_vec());
                             freed += cost(key.len(), v.len());
                             purged += 1;
+                        } else {
+                            batch.insert(&self.db.expiry, expiry_key(at, key), Vec::new());
                         }
                     }
                 }
@@ -653,9 +662,11 @@ impl Writer {
                 }
             }
             Err(e) => {
-                tracing::warn!(error = %e, "disk store: purging expired records failed; retrying later")
+                tracing::warn!(error = %e, "disk store: purging expired records failed; retrying later");
+                return false;
             }
         }
+        seen == PURGE_CHUNK
     }
 }
 
@@ -706,8 +717,8 @@ impl Tables<'_> {
             }
         };
         match found {
-            Some((at, _)) if at <= now => {
-                self.remove(k, at, used)?;
+            Some((at, raw)) if at <= now => {
+                self.remove(k, Some(8 + raw.len()), used);
                 effects.purged += 1;
                 Ok(None)
             }
@@ -715,55 +726,41 @@ impl Tables<'_> {
         }
     }
 
-    /// The record's value as this batch sees it.
-    fn value_len(&self, k: &[u8]) -> Result<Option<usize>, StoreError> {
-        match self.written.get(k) {
-            Some(v) => Ok(v.as_ref().map(Vec::len)),
-            None => Ok(self
-                .db
-                .records
-                .get(k)
-                .map_err(unavailable)?
-                .map(|v| v.len())),
-        }
-    }
-
-    /// Writes `raw` under `k`, expiring at `expires_at`; `old` is the expiry it was filed under.
+    /// Writes `raw` under `k`, expiring at `expires_at`. `old`: the record's expiry and stored
+    /// length, if there is one (it is filed already).
     fn put(
         &mut self,
         k: &[u8],
-        old: Option<u64>,
+        old: Option<(u64, usize)>,
         expires_at: u64,
         raw: &[u8],
         used: &mut i64,
-    ) -> Result<(), StoreError> {
+    ) {
         let value = stored_value(expires_at, raw);
-        if let Some(len) = self.value_len(k)? {
+        if let Some((_, len)) = old {
             *used -= cost(k.len(), len) as i64;
         }
         *used += cost(k.len(), value.len()) as i64;
         self.batch
             .insert(&self.db.records, k.to_vec(), value.clone());
         self.written.insert(k.to_vec(), Some(value));
-        if old != Some(expires_at) {
-            if let Some(old) = old {
-                self.batch.remove(&self.db.expiry, expiry_key(old, k));
-            }
+        // A record already filed keeps its entry: a rewrite only moves the expiry later, and the
+        // purge files it again at its new expiry when the old one comes up. One index entry per
+        // key rather than one removal and one insertion per write.
+        if old.is_none() {
             self.batch
                 .insert(&self.db.expiry, expiry_key(expires_at, k), Vec::new());
         }
-        Ok(())
     }
 
-    fn remove(&mut self, k: &[u8], expires_at: u64, used: &mut i64) -> Result<(), StoreError> {
-        if let Some(len) = self.value_len(k)? {
+    /// Removes the record under `k` (stored length `old_len`). Its expiry entry stays until it
+    /// comes up, and the purge then finds no record (or a newer one, which it files again).
+    fn remove(&mut self, k: &[u8], old_len: Option<usize>, used: &mut i64) {
+        if let Some(len) = old_len {
             *used -= cost(k.len(), len) as i64;
         }
         self.batch.remove(&self.db.records, k.to_vec());
         self.written.insert(k.to_vec(), None);
-        self.batch
-            .remove(&self.db.expiry, expiry_key(expires_at, k));
-        Ok(())
     }
 }
 

@@ -124,3 +124,18 @@ async fn probe_exits_0_on_2xx_and_1_otherwise() {
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
 }
+
+/// `idemgate check | head -1`: a reader that goes away is no reason to panic.
+#[test]
+fn check_into_a_closed_pipe_exits_cleanly() {
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let status = std::process::Command::new(env!("CARGO_BIN_EXE_idemgate"))
+        .args(["check", "--config"])
+        .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/proxy.toml"))
+        .stdout(writer)
+        .stderr(std::process::Stdio::null())
+        .status()
+        .unwrap();
+    assert_eq!(status.code(), Some(0), "{status:?}");
+}

@@ -83,16 +83,7 @@ async fn a_gateway_killed_mid_flight_never_runs_the_request_again() {
     let config = disk_config(&up.url(), &data.path, "127.0.0.1:0", PAYMENTS_ROUTE);
     let gw = GatewayProcess::start(&config);
     let http = Http::new(gw.addr);
-    let doomed = {
-        let http = http.clone();
-        tokio::spawn(async move {
-            http.request("POST", "/payments")
-                .header("idempotency-key", "k")
-                .json("{}")
-                .try_send(Duration::from_secs(10))
-                .await
-        })
-    };
+    let doomed = spawn_post_to_be_killed(&http, "k");
     up.next_arrival().await;
     gw.signal_and_wait("-KILL");
     assert!(

@@ -32,18 +32,6 @@ async fn retry_while_in_flight(http: &Http, key: &str) -> Got {
     panic!("{key} stayed in flight for 20s");
 }
 
-/// POSTs `{}` to /payments with `key`, in the background, tolerating the gateway dying under it.
-fn spawn_post_to_be_killed(http: &Http, key: &str) -> tokio::task::JoinHandle<Option<Got>> {
-    let (http, key) = (http.clone(), key.to_string());
-    tokio::spawn(async move {
-        http.request("POST", "/payments")
-            .header("idempotency-key", &key)
-            .json("{}")
-            .try_send(Duration::from_secs(10))
-            .await
-    })
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gateway_killed_mid_request_never_leads_to_a_second_execution() {
     let redis = RedisServer::start();

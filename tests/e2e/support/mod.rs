@@ -668,3 +668,15 @@ impl Drop for TempDir {
         let _ = std::fs::remove_dir_all(&self.path);
     }
 }
+
+/// POSTs `{}` to /payments with `key`, in the background, tolerating the gateway dying under it.
+pub fn spawn_post_to_be_killed(http: &Http, key: &str) -> tokio::task::JoinHandle<Option<Got>> {
+    let (http, key) = (http.clone(), key.to_string());
+    tokio::spawn(async move {
+        http.request("POST", "/payments")
+            .header("idempotency-key", &key)
+            .json("{}")
+            .try_send(Duration::from_secs(10))
+            .await
+    })
+}
