@@ -223,6 +223,7 @@ impl DiskStore {
             sync: settings.sync,
             max_disk: settings.max_disk,
             unsynced_since: None,
+            purged_to: None,
         };
         let thread = std::thread::Builder::new()
             .name("idemgate-disk".into())
@@ -354,6 +355,11 @@ struct Writer {
     max_disk: u64,
     /// When a change was last committed without a sync (`sync = "batch"`), if one is pending.
     unsynced_since: Option<StdInstant>,
+    /// The last expiry entry purged: the next pass starts after it. From the start, every pass
+    /// would step over the tombstones of all it removed before (until compaction drops them),
+    /// which made purging quadratic. New entries always sort after it: they expire in the
+    /// future, and it is in the past.
+    purged_to: Option<Vec<u8>>,
 }
 
 /// What one batch did, to apply once it is committed.
@@ -626,10 +632,17 @@ impl Writer {
         let mut purged = 0u64;
         let mut freed = 0u64;
         let mut seen = 0;
+        let mut last = None;
+        let from = match &self.purged_to {
+            Some(k) => std::ops::Bound::Excluded(k.clone()),
+            None => std::ops::Bound::Unbounded,
+        };
         let scanned = (|| -> Result<(), fjall::Error> {
-            for entry in self.db.expiry.range(..=end.as_slice()).take(PURGE_CHUNK) {
+            let range: (std::ops::Bound<Vec<u8>>, _) = (from, std::ops::Bound::Included(end));
+            for entry in self.db.expiry.range(range).take(PURGE_CHUNK) {
                 seen += 1;
                 let filed_key = entry.key()?;
+                last = Some(filed_key.to_vec());
                 batch.remove(&self.db.expiry, filed_key.clone());
                 let key = &filed_key[8..];
                 // The record as it is now: gone (released, deleted), expired, or rewritten since
@@ -651,6 +664,9 @@ impl Writer {
         let done = scanned.and_then(|()| batch.commit());
         match done {
             Ok(()) => {
+                if last.is_some() {
+                    self.purged_to = last;
+                }
                 let used = self.counters.used.load(Ordering::Relaxed);
                 self.counters
                     .used
