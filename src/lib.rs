@@ -12,8 +12,9 @@
 //! - [`route`] - which route a request belongs to (pure matching, overlap detection).
 //! - [`key`] - the `Idempotency-Key` header, client scoping, the hashed store key.
 //! - [`fingerprint`] - "same request?": SHA-256 over method, path, query and canonical body.
-//! - [`store`] - the store contract and records; backends [`store::memory`] and
-//!   [`store::redis`] (connections, Lua scripts, pub/sub subscriber); the record codec; waiting.
+//! - [`store`] - the store contract and records; backends [`store::disk`] (durable, embedded),
+//!   [`store::memory`] (volatile) and [`store::redis`] (connections, Lua scripts, pub/sub
+//!   subscriber); the record codec; waiting.
 //!   A new backend goes here: one module, one arm in [`store::open`], one more contract run.
 //! - [`upstream`] - the per-worker connection pool, request rewriting, failure classification.
 //!   A new upstream protocol goes here.
