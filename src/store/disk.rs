@@ -93,6 +93,9 @@ struct Counters {
     syncs: AtomicU64,
     /// Bytes of records kept, as counted against `max_disk`.
     used: AtomicU64,
+    /// The last batch failed to write (a full disk, an I/O error): readiness says so until one
+    /// succeeds again.
+    failing: std::sync::atomic::AtomicBool,
 }
 
 impl Drop for Shared {
@@ -451,6 +454,7 @@ impl Writer {
         })();
         match committed {
             Ok(durable) => {
+                self.counters.failing.store(false, Ordering::Relaxed);
                 if durable {
                     self.counters.syncs.fetch_add(1, Ordering::Relaxed);
                     self.unsynced_since = None;
@@ -474,6 +478,7 @@ impl Writer {
                 // The batch may be applied (a failed fsync) or not (a failed write): either
                 // way its callers are told the store failed, and a retry re-reads what is there.
                 tracing::error!(error = %e, "disk store: a write failed");
+                self.counters.failing.store(true, Ordering::Relaxed);
                 let msg = format!("disk: {e}");
                 for (reply, _) in answers {
                     let _ = reply.send(Err(StoreError::Unavailable(msg.clone())));
@@ -902,6 +907,11 @@ impl Store for DiskStore {
         if self.shared.writer.is_closed() {
             return Err(StoreError::Unavailable(
                 "the disk store's writer stopped".into(),
+            ));
+        }
+        if self.shared.counters.failing.load(Ordering::Relaxed) {
+            return Err(StoreError::Unavailable(
+                "disk: the last write failed (is the disk full?)".into(),
             ));
         }
         // A read that goes to the keyspace: it fails once the store cannot be used.

@@ -329,3 +329,71 @@ async fn a_corrupt_record_is_an_error_never_an_absent_key() {
         Err(StoreError::Corrupt(_))
     ));
 }
+
+/// A small tmpfs mounted for one test, unmounted on drop: a disk that really fills up.
+struct SmallDisk {
+    dir: TempDir,
+}
+
+impl SmallDisk {
+    fn mount(size: &str) -> SmallDisk {
+        let dir = TempDir::new("disk-full");
+        let status = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(&dir.path)
+            .status()
+            .expect("the disk-full test needs `mount` (util-linux) and root");
+        assert!(
+            status.success(),
+            "the disk-full test mounts a small tmpfs: run the tests as root"
+        );
+        SmallDisk { dir }
+    }
+}
+
+impl Drop for SmallDisk {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg(&self.dir.path)
+            .status();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_disk_fails_closed_keeps_what_it_has_and_says_so() {
+    let disk = SmallDisk::mount("2m");
+    let store = DiskStore::open(&settings(&disk.dir, SyncMode::Always, 1 << 30)).unwrap();
+    let body: &'static str = Box::leak("y".repeat(64 << 10).into_boxed_str());
+    let mut kept = Vec::new();
+    let failure = loop {
+        let k = key(&format!("f{}", kept.len()));
+        let t = match store.reserve(&k, FP, LEASE, TTL).await {
+            Ok(Reservation::Owner(t)) => t,
+            Ok(other) => panic!("{other:?}"),
+            Err(e) => break e,
+        };
+        if let Err(e) = store.complete(&k, t, response(body), TTL).await {
+            break e;
+        }
+        kept.push(k);
+        assert!(kept.len() < 1000, "a 2 MiB disk never filled up");
+    };
+    assert!(
+        matches!(failure, StoreError::Unavailable(_)),
+        "a full disk is the store failing (fail closed), not {failure:?}"
+    );
+    assert!(
+        store.ping().await.is_err(),
+        "readiness says the store cannot write"
+    );
+    // What was stored before stays readable: never "no record".
+    assert!(!kept.is_empty());
+    for k in &kept {
+        assert!(matches!(
+            store.get(k).await.unwrap().unwrap().state,
+            RecordState::Completed(_)
+        ));
+    }
+    // New keys are refused while the disk is full: nothing runs without its record.
+    assert!(store.reserve(&key("later"), FP, LEASE, TTL).await.is_err());
+}
