@@ -96,7 +96,7 @@ pub struct ServerConfig {
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StoreConfig {
-    /// The embedded store: one process, lost on restart, bounded by keys and bytes.
+    /// The volatile embedded store: one process, lost on restart, bounded by keys and bytes.
     Memory { max_keys: usize, max_bytes: u64 },
     /// The durable embedded store: one process, every key kept across restarts and crashes.
     Disk(DiskSettings),

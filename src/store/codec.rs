@@ -1,5 +1,5 @@
 //! The compact, versioned binary form of a [`Record`], as the Redis store keeps every record and
-//! the embedded store a completed one.
+//! the disk store every record, and the memory store a completed one.
 //!
 //! ```text
 //! byte 0        version (1)
@@ -34,7 +34,7 @@ pub const HEADER_LEN: usize = 42;
 /// Length of a pending record; the Redis scripts read a longer one as flagged by a waiter.
 pub const PENDING_LEN: usize = HEADER_LEN + 16 + 8;
 
-/// Encodes a whole record, into a buffer of exactly its size (the embedded store keeps these).
+/// Encodes a whole record, into a buffer of exactly its size (the memory store keeps these).
 pub fn encode(record: &Record) -> Bytes {
     let mut out = BytesMut::with_capacity(HEADER_LEN + state_len(&record.state));
     out.put_u8(VERSION);

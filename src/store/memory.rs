@@ -1,4 +1,4 @@
-//! The embedded store: one process, records in hash maps split over shards.
+//! The memory store: one process, records in hash maps split over shards, lost on restart.
 //!
 //! 64 shards, each a map behind its own mutex, picked by the (uniformly distributed) hashed key:
 //! requests for different keys rarely wait on each other, and growing a map (a rehash) stalls one
