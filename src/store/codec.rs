@@ -1,5 +1,5 @@
-//! The compact, versioned binary form of a [`Record`], as the Redis store keeps every record and
-//! the disk store every record, and the memory store a completed one.
+//! The compact, versioned binary form of a [`Record`], as the Redis and disk stores keep every
+//! record and the memory store a completed one.
 //!
 //! ```text
 //! byte 0        version (1)
