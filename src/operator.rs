@@ -66,7 +66,7 @@ pub fn locate(
 pub async fn open_store(config: &Config) -> Result<std::sync::Arc<dyn Store>, OperatorError> {
     let store = match &config.store {
         StoreConfig::Memory { .. } => return Err(OperatorError::MemoryStore),
-        // The file is the running gateway's while it runs: redb lets one process at a time open
+        // The file is the running gateway's while it runs: fjall lets one process at a time open
         // it, and a second writer could not keep the gateway's view of its keys true.
         StoreConfig::Disk(_) => store::open(&config.store).map_err(|e| {
             OperatorError::Store(format!(

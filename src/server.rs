@@ -169,6 +169,11 @@ impl Server {
                 "grace period over with upstream calls still running; their keys stay pending"
             );
         }
+        // What the store answered but syncs later (the disk store with sync = "batch") reaches
+        // the disk before the process exits.
+        if let Err(e) = gateway.store().flush().await {
+            tracing::error!(error = %e, "the store could not sync its last changes");
+        }
         if let Some(t) = admin_task {
             t.abort();
         }
@@ -387,6 +392,10 @@ impl Worker {
             let _ = tokio::time::timeout_at(deadline, gateway.tasks().wait()).await;
             heartbeat.abort();
         });
+        // The runtime, and with it every task still holding this worker's context (its store
+        // handle), goes before `_done` tells the server this worker has stopped.
+        drop(runtime);
+        drop(_done);
     }
 }
 

@@ -296,13 +296,23 @@ pub struct RouteConfig {
 }
 
 impl Config {
-    /// Reads and validates a config file.
+    /// Reads and validates a config file. A relative disk store `path` is taken relative to
+    /// the file's directory, not to wherever the gateway was started: started from elsewhere,
+    /// it would open an empty store and forget every key.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Read {
             path: path.display().to_string(),
             reason: e.to_string(),
         })?;
-        Config::parse(&text)
+        let mut config = Config::parse(&text)?;
+        if let StoreConfig::Disk(disk) = &mut config.store {
+            if disk.path.is_relative() {
+                if let Some(dir) = path.parent() {
+                    disk.path = dir.join(&disk.path);
+                }
+            }
+        }
+        Ok(config)
     }
 
     /// Parses and validates config text.

@@ -26,6 +26,8 @@ const MAX_BUFFER_LIMIT: u64 = 1 << 30;
 const MIN_TTL: Duration = Duration::from_secs(1);
 /// Longer would overflow store expiry arithmetic, and no retry comes back after a year.
 const MAX_TTL: Duration = Duration::from_secs(365 * 24 * 3600);
+/// Largest accepted `max_disk` (1 PiB): counts stay far from overflowing.
+const MAX_DISK: u64 = 1 << 50;
 /// More worker threads than this would only add switching.
 const MAX_WORKERS: usize = 256;
 
@@ -210,7 +212,7 @@ fn validate_store(raw: RawStore) -> Result<StoreConfig, ConfigError> {
             };
             let max_disk = match raw.max_disk {
                 None => 1 << 30,
-                Some(s) => parse_size("store.max_disk", &s, u64::MAX)?,
+                Some(s) => parse_size("store.max_disk", &s, MAX_DISK)?,
             };
             if max_disk < 1 << 20 {
                 return Err(ConfigError::invalid(

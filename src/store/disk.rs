@@ -15,16 +15,20 @@
 //!   window reads back as the pending record it was, then as abandoned (`outcome-unknown`), never
 //!   as "no record". Lease renewals are never synced: after a crash every lease is over anyway.
 //! - Reads (get, watch, and `reserve` of a key that already exists: every replay) run on the
-//!   caller's thread in a read transaction, without a hop to the writer.
+//!   caller's thread, without a hop to the writer, on the snapshot the writer publishes after
+//!   each batch is as durable as promised: never on a result that a crash could take back.
+//! - A caller that goes away while its reservation is on its way releases it
+//!   ([`ReleaseOnDrop`]): nothing was forwarded, so the key must not stay pending.
 //! - Each record is kept with its expiry (wall clock, so it holds across restarts) and filed once
 //!   in an expiry index (a rewrite that moves the expiry later is filed again when the old entry
 //!   comes up); the writer purges what expired in small passes between its batches, and fjall's
 //!   compaction gives the space back.
 //!   `max_disk` bounds the bytes of the records kept: at the bound new keys are refused (503),
 //!   live ones never evicted, and room comes back as records expire.
-//! - A read or write error fails the call (`Unavailable`: the route's `on_store_error` decides),
-//!   and a record that cannot be decoded is `Corrupt` (`outcome-unknown`): neither ever reads as
-//!   "no record".
+//! - A read or write error fails the call (`Unavailable`: the route's `on_store_error` decides);
+//!   after a failed write (a full disk) fjall takes no more writes, so readiness stays false until
+//!   the gateway restarts and recovers the journal. A record that cannot be decoded, or data that
+//!   fails its checksum, is `Corrupt` (`outcome-unknown`): nothing ever reads as "no record".
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -69,6 +73,8 @@ const TICK: Duration = Duration::from_secs(1);
 /// after every batch while expired records are left over: small passes keep any one batch's
 /// callers from waiting behind a long purge, and keep up with new keys (a pass per batch).
 const PURGE_CHUNK: usize = 64;
+/// How long one purge runs at most, chunk after chunk, before the writer takes the next batch.
+const PURGE_BUDGET: Duration = Duration::from_millis(2);
 
 /// A handle to the store; every clone is the same store.
 #[derive(Clone)]
@@ -93,8 +99,8 @@ struct Counters {
     syncs: AtomicU64,
     /// Bytes of records kept, as counted against `max_disk`.
     used: AtomicU64,
-    /// The last batch failed to write (a full disk, an I/O error): readiness says so until one
-    /// succeeds again.
+    /// A batch failed to write (a full disk, an I/O error). fjall takes no write after that, so
+    /// neither does the store: readiness says so until a restart.
     failing: std::sync::atomic::AtomicBool,
 }
 
@@ -120,9 +126,23 @@ struct Db {
     db: Database,
     records: Keyspace,
     expiry: Keyspace,
+    /// What readers see: the database as of the last batch whose changes are as durable as
+    /// promised (synced, or with `sync = "batch"` committed). A batch is visible in fjall as soon
+    /// as it is committed, before its fsync; read from there, a duplicate could be answered with
+    /// a result that a crash then takes back.
+    published: arc_swap::ArcSwap<fjall::Snapshot>,
+}
+
+impl Db {
+    fn publish(&self) {
+        self.published.store(Arc::new(self.db.snapshot()));
+    }
 }
 
 /// What the writer is asked to do.
+// Jobs pass through a bounded queue once each; boxing the large one would cost an allocation per
+// change for nothing.
+#[allow(clippy::large_enum_variant)]
 enum Job {
     /// One change, and where its answer goes.
     Change {
@@ -132,12 +152,16 @@ enum Job {
     },
     /// The ticker: time to purge, or to sync (`sync = "batch"`).
     Tick,
+    /// Sync whatever is not yet synced, then answer (at shutdown, [`Store::flush`]).
+    Flush(oneshot::Sender<Result<Done, StoreError>>),
 }
 
 enum Change {
+    /// The pending record and its owner are made by the caller, so that a caller that goes
+    /// away before the answer can release what it may have reserved ([`ReleaseOnDrop`]).
     Reserve {
-        fingerprint: Fingerprint,
-        lease: Duration,
+        owner: OwnerToken,
+        record: Record,
         ttl: Duration,
     },
     Complete {
@@ -158,8 +182,8 @@ enum Change {
     },
     TakeOver {
         expected: Record,
-        fingerprint: Fingerprint,
-        lease: Duration,
+        owner: OwnerToken,
+        record: Record,
         ttl: Duration,
     },
     Delete,
@@ -196,10 +220,12 @@ impl DiskStore {
             .and_then(|db| {
                 let records = db.keyspace(RECORDS, KeyspaceCreateOptions::default)?;
                 let expiry = db.keyspace(EXPIRY, KeyspaceCreateOptions::default)?;
+                let published = arc_swap::ArcSwap::from_pointee(db.snapshot());
                 Ok(Db {
                     db,
                     records,
                     expiry,
+                    published,
                 })
             });
         let db = opened.map_err(|e| match e {
@@ -227,6 +253,7 @@ impl DiskStore {
             max_disk: settings.max_disk,
             unsynced_since: None,
             purged_to: None,
+            purged_at: 0,
         };
         let thread = std::thread::Builder::new()
             .name("idemgate-disk".into())
@@ -268,14 +295,14 @@ impl DiskStore {
         })
     }
 
-    /// The live record for `key`, read on the caller's thread.
+    /// The live record for `key` as last published ([`Db::published`]), read on the caller's
+    /// thread.
     fn read(&self, key: &StoreKey) -> Result<Option<Record>, StoreError> {
-        let Some(value) = self
-            .shared
-            .db
-            .records
-            .get(key.as_bytes())
-            .map_err(unavailable)?
+        use fjall::Readable;
+        let snapshot = self.shared.db.published.load();
+        let Some(value) = snapshot
+            .get(&self.shared.db.records, key.as_bytes())
+            .map_err(read_error)?
         else {
             return Ok(None);
         };
@@ -286,6 +313,49 @@ impl DiskStore {
         Ok(Some(
             codec::decode(&Bytes::copy_from_slice(raw))?.checked_lease(),
         ))
+    }
+}
+
+/// Releases a reservation whose answer never reached its caller (the caller's future was
+/// dropped, as when an HTTP client hangs up while the writer syncs), unless disarmed. Without
+/// it the key would stay pending, then read as abandoned, for its whole `ttl`, though nothing
+/// was forwarded. The writer takes changes in order, so the release comes after the reservation;
+/// if the reservation found the key taken, the release is refused as not the owner's.
+struct ReleaseOnDrop {
+    armed: Option<(mpsc::Sender<Job>, StoreKey, OwnerToken)>,
+}
+
+impl ReleaseOnDrop {
+    fn new(store: &DiskStore, key: &StoreKey, owner: OwnerToken) -> Self {
+        ReleaseOnDrop {
+            armed: Some((store.shared.writer.clone(), *key, owner)),
+        }
+    }
+
+    fn disarm(mut self) {
+        self.armed = None;
+    }
+}
+
+impl Drop for ReleaseOnDrop {
+    fn drop(&mut self) {
+        let Some((writer, key, owner)) = self.armed.take() else {
+            return;
+        };
+        let (reply, _) = oneshot::channel();
+        let job = Job::Change {
+            key,
+            change: Change::Release { owner },
+            reply,
+        };
+        if let Err(mpsc::error::TrySendError::Full(job)) = writer.try_send(job) {
+            // The queue is full: wait for room in the background rather than here.
+            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                runtime.spawn(async move {
+                    let _ = writer.send(job).await;
+                });
+            }
+        }
     }
 }
 
@@ -332,12 +402,34 @@ fn unavailable(e: impl std::fmt::Display) -> StoreError {
     StoreError::Unavailable(format!("disk: {e}"))
 }
 
+/// A failed read: data that fails its checksum or cannot be decoded is `Corrupt` (its outcome is
+/// unknown, and it must never be run again, whatever `on_store_error` says); anything else is the
+/// store being unavailable.
+fn read_error(e: fjall::Error) -> StoreError {
+    use fjall::LsmError;
+    match e {
+        fjall::Error::Storage(
+            LsmError::ChecksumMismatch { .. }
+            | LsmError::InvalidTag(_)
+            | LsmError::InvalidTrailer
+            | LsmError::InvalidHeader(_)
+            | LsmError::Decompress(_),
+        )
+        | fjall::Error::Decompress(_)
+        | fjall::Error::InvalidTrailer
+        | fjall::Error::InvalidTag(_) => StoreError::Corrupt(format!("disk: {e}")),
+        e => unavailable(e),
+    }
+}
+
 /// Wakes the writer once a tick (purge; with `sync = "batch"`, the sync that is due) until the
 /// store is gone.
 async fn tick(writer: mpsc::WeakSender<Job>, sync: SyncMode) {
+    // With `sync = "batch"`, ticks at half the interval and a sync due at half of it: whatever
+    // the phase, a change waits at most `interval` for its sync.
     let period = match sync {
         SyncMode::Always => TICK,
-        SyncMode::Batch { interval } => interval.min(TICK),
+        SyncMode::Batch { interval } => (interval / 2).clamp(Duration::from_millis(1), TICK),
     };
     let mut timer = tokio::time::interval(period);
     timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -363,6 +455,8 @@ struct Writer {
     /// which made purging quadratic. New entries always sort after it: they expire in the
     /// future, and it is in the past.
     purged_to: Option<Vec<u8>>,
+    /// The wall clock at the last purge, to notice it stepping back.
+    purged_at: u64,
 }
 
 /// What one batch did, to apply once it is committed.
@@ -389,8 +483,7 @@ impl Writer {
                     Err(_) => break,
                 }
             }
-            let ticked = jobs.iter().any(|j| matches!(j, Job::Tick));
-            self.batch(jobs, ticked);
+            self.batch(jobs);
             if backlog || last_purge.elapsed() >= TICK {
                 last_purge = StdInstant::now();
                 backlog = self.purge();
@@ -410,8 +503,7 @@ impl Writer {
     }
 
     /// Applies `jobs` as one atomic batch, commits it (with one fsync if any needs it), answers.
-    /// `ticked`: the ticker asked, so a sync that is pending is due whatever its age.
-    fn batch(&mut self, jobs: Vec<Job>, ticked: bool) {
+    fn batch(&mut self, jobs: Vec<Job>) {
         type Reply = oneshot::Sender<Result<Done, StoreError>>;
         let mut effects = Effects::default();
         let mut answers: Vec<(Reply, Result<Done, StoreError>)> = Vec::with_capacity(jobs.len());
@@ -424,8 +516,14 @@ impl Writer {
             };
             let now = now_ms();
             for job in jobs {
-                let Job::Change { key, change, reply } = job else {
-                    continue;
+                let (key, change, reply) = match job {
+                    Job::Change { key, change, reply } => (key, change, reply),
+                    Job::Flush(reply) => {
+                        effects.sync = true;
+                        answers.push((reply, Ok(Done::Changed)));
+                        continue;
+                    }
+                    Job::Tick => continue,
                 };
                 let result = self.apply(&mut tables, &key, change, now, &mut used, &mut effects);
                 // A failed read leaves the batch in doubt: none of it is kept.
@@ -438,7 +536,7 @@ impl Writer {
                 SyncMode::Always => false,
                 SyncMode::Batch { interval } => self
                     .unsynced_since
-                    .is_some_and(|t| ticked || t.elapsed() >= interval),
+                    .is_some_and(|t| t.elapsed() >= interval / 2),
             };
             let durable = effects.sync || due;
             tables.batch.commit().map_err(|e| e.to_string())?;
@@ -454,7 +552,8 @@ impl Writer {
         })();
         match committed {
             Ok(durable) => {
-                self.counters.failing.store(false, Ordering::Relaxed);
+                // Readers see the batch only now: synced if it had to be.
+                self.db.publish();
                 if durable {
                     self.counters.syncs.fetch_add(1, Ordering::Relaxed);
                     self.unsynced_since = None;
@@ -477,7 +576,10 @@ impl Writer {
             Err(e) => {
                 // The batch may be applied (a failed fsync) or not (a failed write): either
                 // way its callers are told the store failed, and a retry re-reads what is there.
-                tracing::error!(error = %e, "disk store: a write failed");
+                // fjall refuses every write after a failed one (its journal may be torn): the
+                // store stays failed, and readiness says so, until the gateway restarts and
+                // recovers the journal.
+                tracing::error!(error = %e, "disk store: a write failed; the store refuses writes until the gateway restarts");
                 self.counters.failing.store(true, Ordering::Relaxed);
                 let msg = format!("disk: {e}");
                 for (reply, _) in answers {
@@ -512,16 +614,11 @@ impl Writer {
         let old_len = current.as_ref().map(|(_, raw)| 8 + raw.len());
         let sync = self.must_sync(&change);
         let done = match change {
-            Change::Reserve {
-                fingerprint,
-                lease,
-                ttl,
-            } => {
+            Change::Reserve { owner, record, ttl } => {
                 if let Some((_, raw)) = current {
                     let record = codec::decode(&Bytes::from(raw))?.checked_lease();
                     return Ok(Done::Reserved(Reservation::Existing(record)));
                 }
-                let (owner, record) = super::pending(fingerprint, lease);
                 let raw = codec::encode(&record);
                 let size = cost(k.len(), 8 + raw.len()) as i64;
                 if *used + size > self.max_disk as i64 {
@@ -532,10 +629,19 @@ impl Writer {
             }
             Change::Complete {
                 owner,
-                response,
+                mut response,
                 ttl,
             } => {
                 let (expires_at, pending) = owned(current, owner)?;
+                // The upstream already executed: the result is kept whatever the bound says,
+                // but past `max_disk` without its body (a replay then says so), as the memory
+                // store does at `max_bytes`.
+                let others = *used - old_len.map_or(0, |len| cost(k.len(), len) as i64);
+                let full = cost(k.len(), 8 + 64 + response.size()) as i64;
+                if others + full > self.max_disk as i64 && response.body_kept {
+                    response.body = Bytes::new();
+                    response.body_kept = false;
+                }
                 let record = Record {
                     state: RecordState::Completed(Arc::new(response)),
                     ..pending
@@ -595,8 +701,8 @@ impl Writer {
             }
             Change::TakeOver {
                 expected,
-                fingerprint,
-                lease,
+                owner,
+                record,
                 ttl,
             } => {
                 let Some((expires_at, raw)) = current else {
@@ -605,7 +711,6 @@ impl Writer {
                 if codec::decode(&Bytes::from(raw))?.checked_lease() != expected {
                     return Ok(Done::TakenOver(None));
                 }
-                let (owner, record) = super::pending(fingerprint, lease);
                 t.put(
                     k,
                     Some((expires_at, old_len.unwrap_or(0))),
@@ -628,16 +733,36 @@ impl Writer {
         Ok(done)
     }
 
+    /// Purges in chunks for at most [`PURGE_BUDGET`], so a backlog (after a burst, or a
+    /// restart) is worked off quickly without holding the next batch up for long; says whether
+    /// expired records were left.
+    fn purge(&mut self) -> bool {
+        let started = StdInstant::now();
+        loop {
+            let more = self.purge_chunk();
+            if !more || started.elapsed() >= PURGE_BUDGET {
+                return more;
+            }
+        }
+    }
+
     /// Removes what expired, oldest first, up to [`PURGE_CHUNK`], as a batch of its own; says
     /// whether it stopped at the chunk (more may be due).
-    fn purge(&mut self) -> bool {
+    fn purge_chunk(&mut self) -> bool {
         let now = now_ms();
+        // A wall clock stepped back: entries filed since may sort before the cursor.
+        if now < self.purged_at {
+            self.purged_to = None;
+        }
+        self.purged_at = now;
         let end = expiry_key(now, &[0xff; 32]);
         let mut batch = self.db.db.batch();
         let mut purged = 0u64;
         let mut freed = 0u64;
         let mut seen = 0;
         let mut last = None;
+        // A key filed twice (released, then reserved again) is purged once.
+        let mut handled = std::collections::HashSet::new();
         let from = match &self.purged_to {
             Some(k) => std::ops::Bound::Excluded(k.clone()),
             None => std::ops::Bound::Unbounded,
@@ -650,6 +775,9 @@ impl Writer {
                 last = Some(filed_key.to_vec());
                 batch.remove(&self.db.expiry, filed_key.clone());
                 let key = &filed_key[8..];
+                if !handled.insert(key.to_vec()) {
+                    continue;
+                }
                 // The record as it is now: gone (released, deleted), expired, or rewritten since
                 // it was filed, with a later expiry: filed again then.
                 if let Some(v) = self.db.records.get(key)? {
@@ -727,7 +855,7 @@ impl Tables<'_> {
                 .db
                 .records
                 .get(k)
-                .map_err(unavailable)?
+                .map_err(read_error)?
                 .map(|v| v.to_vec()),
         };
         let found = match value {
@@ -799,17 +927,13 @@ impl Store for DiskStore {
         if let Some(record) = self.read(key)? {
             return Ok(Reservation::Existing(record));
         }
-        match self
-            .submit(
-                key,
-                Change::Reserve {
-                    fingerprint,
-                    lease,
-                    ttl,
-                },
-            )
-            .await?
-        {
+        let (owner, record) = super::pending(fingerprint, lease);
+        let guard = ReleaseOnDrop::new(self, key, owner);
+        let answer = self
+            .submit(key, Change::Reserve { owner, record, ttl })
+            .await;
+        guard.disarm();
+        match answer? {
             Done::Reserved(r) => Ok(r),
             _ => Err(StoreError::Unavailable("disk: unexpected answer".into())),
         }
@@ -879,18 +1003,21 @@ impl Store for DiskStore {
         lease: Duration,
         ttl: Duration,
     ) -> Result<Option<OwnerToken>, StoreError> {
-        match self
+        let (owner, record) = super::pending(fingerprint, lease);
+        let guard = ReleaseOnDrop::new(self, key, owner);
+        let answer = self
             .submit(
                 key,
                 Change::TakeOver {
                     expected: expected.clone(),
-                    fingerprint,
-                    lease,
+                    owner,
+                    record,
                     ttl,
                 },
             )
-            .await?
-        {
+            .await;
+        guard.disarm();
+        match answer? {
             Done::TakenOver(t) => Ok(t),
             _ => Err(StoreError::Unavailable("disk: unexpected answer".into())),
         }
@@ -911,12 +1038,29 @@ impl Store for DiskStore {
         }
         if self.shared.counters.failing.load(Ordering::Relaxed) {
             return Err(StoreError::Unavailable(
-                "disk: the last write failed (is the disk full?)".into(),
+                "disk: a write failed (is the disk full?); restart the gateway once it is fixed"
+                    .into(),
             ));
         }
         // A read that goes to the keyspace: it fails once the store cannot be used.
         self.shared.db.records.get([0u8; 32]).map_err(unavailable)?;
         Ok(())
+    }
+
+    async fn flush(&self) -> Result<(), StoreError> {
+        let (reply, answer) = oneshot::channel();
+        if self.shared.writer.send(Job::Flush(reply)).await.is_err() {
+            return Err(StoreError::Unavailable(
+                "the disk store's writer stopped".into(),
+            ));
+        }
+        match answer.await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(StoreError::Unavailable(
+                "disk: the final sync failed; see the log".into(),
+            )),
+        }
     }
 
     fn stats(&self) -> StoreStats {

@@ -512,6 +512,11 @@ impl Store for MemoryStore {
         Ok(())
     }
 
+    async fn flush(&self) -> Result<(), StoreError> {
+        // Nothing outlives the process anyway.
+        Ok(())
+    }
+
     fn stats(&self) -> StoreStats {
         StoreStats {
             purged: self.shared.counts.purged.load(Ordering::Relaxed),

@@ -352,6 +352,11 @@ pub trait Store: Send + Sync + 'static {
     /// Whether the backend can serve requests now (for readiness).
     async fn ping(&self) -> Result<(), StoreError>;
 
+    /// Makes every change this store has answered durable, for a clean shutdown: what a store
+    /// syncs later than it answers (the disk store with `sync = "batch"`) is synced now. Stores
+    /// that answer only once a change is as durable as it gets have nothing to do.
+    async fn flush(&self) -> Result<(), StoreError>;
+
     /// Counters for `/metrics`.
     fn stats(&self) -> StoreStats;
 

@@ -258,3 +258,30 @@ async fn concurrent_requests_share_fsyncs_and_metrics_show_it() {
     assert!(syncs >= 1.0, "new keys are synced");
     assert!(syncs < 200.0, "{syncs} fsyncs for 200 requests: not shared");
 }
+
+/// With `sync = "batch"`, a result answered just before a SIGTERM is synced by the graceful
+/// shutdown, not lost with the process.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_graceful_shutdown_syncs_what_batch_mode_held() {
+    let data = TempDir::new("disk-data");
+    let up = Upstream::counting().await;
+    let config = disk_config(
+        &up.url(),
+        &data.path,
+        "127.0.0.1:0",
+        "[[routes]]\npath = \"/payments\"\n",
+    )
+    .replace(
+        "backend = \"disk\"\n",
+        "backend = \"disk\"\nsync = \"batch\"\nsync_interval = \"10s\"\n",
+    );
+    let gw = GatewayProcess::start(&config);
+    let first = Http::new(gw.addr).post("/payments", "b", "{}").await;
+    assert_eq!(first.status, 201);
+    assert!(gw.signal_and_wait("-TERM").success());
+    let gw = GatewayProcess::start(&config);
+    let again = Http::new(gw.addr).post("/payments", "b", "{}").await;
+    assert!(again.is_replay(), "{again:?}");
+    assert_eq!(again.body, first.body);
+    assert_eq!(up.executions(), 1);
+}

@@ -180,7 +180,8 @@ async fn expired_records_are_purged_and_their_space_reused() {
 async fn at_max_disk_new_keys_are_refused_live_ones_kept_and_room_comes_back() {
     let dir = TempDir::new("disk-bound");
     let store = DiskStore::open(&settings(&dir, SyncMode::Always, 64 << 10)).unwrap();
-    let ttl = Duration::from_millis(500);
+    // Long enough for every key to be reserved and checked before the first one expires.
+    let ttl = Duration::from_secs(3);
     let mut owned = Vec::new();
     let refused = loop {
         let k = key(&format!("k{}", owned.len()));
@@ -386,6 +387,9 @@ async fn a_full_disk_fails_closed_keeps_what_it_has_and_says_so() {
         store.ping().await.is_err(),
         "readiness says the store cannot write"
     );
+    // And keeps saying it past the ticker's next (empty) batch: fjall takes no more writes.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(store.ping().await.is_err(), "readiness stays false");
     // What was stored before stays readable: never "no record".
     assert!(!kept.is_empty());
     for k in &kept {
@@ -396,4 +400,55 @@ async fn a_full_disk_fails_closed_keeps_what_it_has_and_says_so() {
     }
     // New keys are refused while the disk is full: nothing runs without its record.
     assert!(store.reserve(&key("later"), FP, LEASE, TTL).await.is_err());
+}
+
+/// A caller that goes away while its reservation is on the way (an HTTP client hanging up)
+/// leaves no pending record: nothing was forwarded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reservation_whose_caller_left_is_released() {
+    let dir = TempDir::new("disk-dropped");
+    let store = open(&dir);
+    let mut dropped = None;
+    for i in 0..200 {
+        let k = key(&format!("d{i}"));
+        // Polled once: the reservation is queued, its answer not back yet; then dropped.
+        use futures_util::FutureExt;
+        if store.reserve(&k, FP, LEASE, TTL).now_or_never().is_none() {
+            dropped = Some(k);
+            break;
+        }
+    }
+    let k = dropped.expect("some reservation was still on its way when polled once");
+    assert!(
+        eventually(|| async { store.get(&k).await.unwrap().is_none() }).await,
+        "the dropped reservation was released"
+    );
+    assert!(matches!(
+        store.reserve(&k, FP, LEASE, TTL).await.unwrap(),
+        Reservation::Owner(_)
+    ));
+}
+
+/// With `sync = "batch"` a result waits for its sync; `flush`, which a clean shutdown calls,
+/// syncs it at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flush_syncs_what_batch_mode_held() {
+    let dir = TempDir::new("disk-flush");
+    let store = DiskStore::open(&settings(
+        &dir,
+        SyncMode::Batch {
+            interval: Duration::from_secs(10),
+        },
+        64 << 20,
+    ))
+    .unwrap();
+    let t = own(&store, &key("f"), LEASE, TTL).await;
+    let before = store.stats().syncs;
+    store
+        .complete(&key("f"), t, response("{}"), TTL)
+        .await
+        .unwrap();
+    assert_eq!(store.stats().syncs, before, "batch mode: not synced yet");
+    store.flush().await.unwrap();
+    assert_eq!(store.stats().syncs, before + 1, "flush synced it");
 }

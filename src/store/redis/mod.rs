@@ -520,6 +520,11 @@ impl Store for RedisStore {
         }
     }
 
+    async fn flush(&self) -> Result<(), StoreError> {
+        // Every change was answered by Redis; its persistence is Redis's (see the README).
+        Ok(())
+    }
+
     fn stats(&self) -> StoreStats {
         // Redis expires records itself.
         StoreStats::default()
