@@ -94,14 +94,7 @@ async fn a_gateway_killed_mid_flight_never_runs_the_request_again() {
     let gw = GatewayProcess::start(&config);
     let http = Http::new(gw.addr);
     // Until the dead owner's lease runs out: in flight; then: unknown, never run again.
-    let mut last = http.post("/payments", "k", "{}").await;
-    for _ in 0..200 {
-        if last.status != 409 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        last = http.post("/payments", "k", "{}").await;
-    }
+    let last = retry_while_in_flight(&http, "k").await;
     assert_eq!(last.status, 502, "{last:?}");
     assert_eq!(last.problem_type(), "outcome-unknown");
     gate.add_permits(10);

@@ -19,19 +19,6 @@ fn redis_config(upstream: &str, redis_url: &str, listen: &str, extra: &str) -> S
     )
 }
 
-/// Retries until the answer is no longer `409 in-flight` (bounded): waits on what the gateway
-/// says, not on a guessed sleep.
-async fn retry_while_in_flight(http: &Http, key: &str) -> Got {
-    for _ in 0..400 {
-        let got = http.post("/payments", key, "{}").await;
-        if got.status != 409 {
-            return got;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("{key} stayed in flight for 20s");
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gateway_killed_mid_request_never_leads_to_a_second_execution() {
     let redis = RedisServer::start();

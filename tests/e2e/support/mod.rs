@@ -680,3 +680,16 @@ pub fn spawn_post_to_be_killed(http: &Http, key: &str) -> tokio::task::JoinHandl
             .await
     })
 }
+
+/// Retries until the answer is no longer `409 in-flight` (bounded): waits on what the gateway
+/// says, not on a guessed sleep.
+pub async fn retry_while_in_flight(http: &Http, key: &str) -> Got {
+    for _ in 0..400 {
+        let got = http.post("/payments", key, "{}").await;
+        if got.status != 409 {
+            return got;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("{key} stayed in flight for 20s");
+}
