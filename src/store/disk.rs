@@ -632,7 +632,6 @@ impl Writer {
                 mut response,
                 ttl,
             } => {
-                let (expires_at, pending) = owned(current, owner)?;
                 // The upstream already executed: the result is kept whatever the bound says,
                 // but past `max_disk` without its body (a replay then says so), as the memory
                 // store does at `max_bytes`.
@@ -642,36 +641,17 @@ impl Writer {
                     response.body = Bytes::new();
                     response.body_kept = false;
                 }
-                let record = Record {
-                    state: RecordState::Completed(Arc::new(response)),
-                    ..pending
-                };
-                t.put(
-                    k,
-                    Some((expires_at, old_len.unwrap_or(0))),
-                    ms_after(ttl),
-                    &codec::encode(&record),
-                    used,
-                );
+                let state = RecordState::Completed(Arc::new(response));
+                t.rewrite_owned(k, current, owner, Some(ms_after(ttl)), state, used)?;
                 effects.wake.push(*key);
                 Done::Changed
             }
             Change::MarkUnknown { owner, reason } => {
-                let (expires_at, pending) = owned(current, owner)?;
-                let record = Record {
-                    state: RecordState::Unknown {
-                        since_ms: now_ms(),
-                        reason,
-                    },
-                    ..pending
+                let state = RecordState::Unknown {
+                    since_ms: now_ms(),
+                    reason,
                 };
-                t.put(
-                    k,
-                    Some((expires_at, old_len.unwrap_or(0))),
-                    expires_at,
-                    &codec::encode(&record),
-                    used,
-                );
+                t.rewrite_owned(k, current, owner, None, state, used)?;
                 effects.wake.push(*key);
                 Done::Changed
             }
@@ -682,21 +662,11 @@ impl Writer {
                 Done::Changed
             }
             Change::Renew { owner, lease } => {
-                let (expires_at, pending) = owned(current, owner)?;
-                let record = Record {
-                    state: RecordState::Pending {
-                        owner,
-                        lease_until_ms: ms_after(lease),
-                    },
-                    ..pending
+                let state = RecordState::Pending {
+                    owner,
+                    lease_until_ms: ms_after(lease),
                 };
-                t.put(
-                    k,
-                    Some((expires_at, old_len.unwrap_or(0))),
-                    expires_at,
-                    &codec::encode(&record),
-                    used,
-                );
+                t.rewrite_owned(k, current, owner, None, state, used)?;
                 Done::Changed
             }
             Change::TakeOver {
@@ -900,6 +870,31 @@ impl Tables<'_> {
             self.batch
                 .insert(&self.db.expiry, expiry_key(expires_at, k), Vec::new());
         }
+    }
+
+    /// Gives the pending record that `owner` owns the state `state`, expiring at `expires_at`
+    /// (`None`: when it did), or answers `NotOwner`.
+    fn rewrite_owned(
+        &mut self,
+        k: &[u8],
+        current: Option<(u64, Vec<u8>)>,
+        owner: OwnerToken,
+        expires_at: Option<u64>,
+        state: RecordState,
+        used: &mut i64,
+    ) -> Result<(), StoreError> {
+        let old_len = current.as_ref().map_or(0, |(_, raw)| 8 + raw.len());
+        let (old_expiry, pending) = owned(current, owner)?;
+        let record = Record { state, ..pending };
+        let expires_at = expires_at.unwrap_or(old_expiry);
+        self.put(
+            k,
+            Some((old_expiry, old_len)),
+            expires_at,
+            &codec::encode(&record),
+            used,
+        );
+        Ok(())
     }
 
     /// Removes the record under `k` (stored length `old_len`). Its expiry entry stays until it
