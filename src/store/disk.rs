@@ -616,7 +616,7 @@ impl Writer {
         let done = match change {
             Change::Reserve { owner, record, ttl } => {
                 if let Some((_, raw)) = current {
-                    let record = codec::decode(&Bytes::from(raw))?.checked_lease();
+                    let record = codec::decode(&raw)?.checked_lease();
                     return Ok(Done::Reserved(Reservation::Existing(record)));
                 }
                 let raw = codec::encode(&record);
@@ -678,7 +678,7 @@ impl Writer {
                 let Some((expires_at, raw)) = current else {
                     return Ok(Done::TakenOver(None));
                 };
-                if codec::decode(&Bytes::from(raw))?.checked_lease() != expected {
+                if codec::decode(&raw)?.checked_lease() != expected {
                     return Ok(Done::TakenOver(None));
                 }
                 t.put(
@@ -790,11 +790,11 @@ impl Writer {
 }
 
 /// The pending record `owner` owns, with its expiry, or `NotOwner`.
-fn owned(current: Option<(u64, Vec<u8>)>, owner: OwnerToken) -> Result<(u64, Record), StoreError> {
+fn owned(current: Option<(u64, Bytes)>, owner: OwnerToken) -> Result<(u64, Record), StoreError> {
     let Some((expires_at, raw)) = current else {
         return Err(StoreError::NotOwner);
     };
-    let record = codec::decode(&Bytes::from(raw))?;
+    let record = codec::decode(&raw)?;
     match record.state {
         RecordState::Pending { owner: o, .. } if o == owner => Ok((expires_at, record)),
         _ => Err(StoreError::NotOwner),
@@ -818,21 +818,22 @@ impl Tables<'_> {
         now: u64,
         used: &mut i64,
         effects: &mut Effects,
-    ) -> Result<Option<(u64, Vec<u8>)>, StoreError> {
+    ) -> Result<Option<(u64, Bytes)>, StoreError> {
+        // One copy of the stored value; the codec bytes are a slice of it.
         let value = match self.written.get(k) {
-            Some(v) => v.clone(),
+            Some(v) => v.as_deref().map(Bytes::copy_from_slice),
             None => self
                 .db
                 .records
                 .get(k)
                 .map_err(read_error)?
-                .map(|v| v.to_vec()),
+                .map(|v| Bytes::copy_from_slice(&v)),
         };
         let found = match value {
             None => None,
             Some(v) => {
-                let (at, raw) = split(&v)?;
-                Some((at, raw.to_vec()))
+                let (at, _) = split(&v)?;
+                Some((at, v.slice(8..)))
             }
         };
         match found {
@@ -877,7 +878,7 @@ impl Tables<'_> {
     fn rewrite_owned(
         &mut self,
         k: &[u8],
-        current: Option<(u64, Vec<u8>)>,
+        current: Option<(u64, Bytes)>,
         owner: OwnerToken,
         expires_at: Option<u64>,
         state: RecordState,

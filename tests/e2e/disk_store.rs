@@ -415,12 +415,19 @@ async fn a_reservation_whose_caller_left_is_released() {
         let k = key(&format!("d{i}"));
         // Polled once: the reservation is queued, its answer not back yet; then dropped.
         use futures_util::FutureExt;
+        let before = store.stats().syncs;
         if store.reserve(&k, FP, LEASE, TTL).now_or_never().is_none() {
-            dropped = Some(k);
+            dropped = Some((k, before));
             break;
         }
     }
-    let k = dropped.expect("some reservation was still on its way when polled once");
+    let (k, before) = dropped.expect("some reservation was still on its way when polled once");
+    // The reservation was written (synced: a release of a key never reserved writes nothing)...
+    assert!(
+        eventually(|| async { store.stats().syncs > before }).await,
+        "the dropped reservation reached the disk"
+    );
+    // ...and then released.
     assert!(
         eventually(|| async { store.get(&k).await.unwrap().is_none() }).await,
         "the dropped reservation was released"
