@@ -3,45 +3,58 @@
 //! Kept off the traffic port so probes and scrapes never compete with, or get mistaken for,
 //! client requests.
 
-use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::{header, HeaderValue, Method, Request, Response, StatusCode};
-use hyper::body::Incoming;
-use hyper::service::service_fn;
-use hyper_util::rt::TokioIo;
 use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
 
 use crate::body::{self, Body};
+use crate::config::Deadlines;
+use crate::conn::{self, ClientBody};
 use crate::gateway::Gateway;
 use crate::store::{StoreError, StoreOp};
 
 /// A readiness check fails if the store does not answer within this.
 const READY_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// Serves admin requests until the task is aborted.
-pub async fn serve(listener: TcpListener, gateway: Arc<Gateway>) {
+/// Admin connections served at once; more wait in the accept queue. Probes and scrapes need a
+/// handful, and a client that opens many cannot take the process's file descriptors.
+const MAX_CONNECTIONS: usize = 64;
+
+/// Serves admin requests until the task is aborted, each connection under the same deadlines as
+/// the traffic port's.
+pub async fn serve(listener: TcpListener, gateway: Arc<Gateway>, deadlines: Deadlines) {
+    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    // Admin connections are not drained at shutdown: the task is aborted.
+    let never = CancellationToken::new();
+    let builder = conn::builder(4);
     loop {
+        let Ok(slot) = Arc::clone(&slots).acquire_owned().await else {
+            return;
+        };
         let Ok((stream, _)) = listener.accept().await else {
             tokio::time::sleep(Duration::from_millis(50)).await;
             continue;
         };
         let gw = Arc::clone(&gateway);
+        let builder = builder.clone();
+        let never = never.clone();
         tokio::spawn(async move {
-            let svc = service_fn(move |req| {
+            let handler = move |req| {
                 let gw = Arc::clone(&gw);
-                async move { Ok::<_, Infallible>(handle(&gw, req).await) }
-            });
-            let _ = hyper::server::conn::http1::Builder::new()
-                .serve_connection(TokioIo::new(stream), svc)
-                .await;
+                async move { handle(&gw, req).await }
+            };
+            conn::serve(stream, &builder, deadlines, &never, handler).await;
+            drop(slot);
         });
     }
 }
 
-async fn handle(gw: &Gateway, req: Request<Incoming>) -> Response<Body> {
+async fn handle(gw: &Gateway, req: Request<ClientBody>) -> Response<Body> {
     if req.method() != Method::GET && req.method() != Method::HEAD {
         return text(StatusCode::METHOD_NOT_ALLOWED, "use GET\n");
     }

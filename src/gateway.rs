@@ -22,12 +22,12 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use bytes::Bytes;
 use http::{header, request, HeaderValue, Method, Request, Response};
-use hyper::body::Incoming;
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 
 use crate::body::{self, Body, Captured, ReadError};
 use crate::config::{Policy, RouteConfig, UpstreamUrl};
+use crate::conn::{BodyTimeout, ClientBody};
 use crate::fingerprint::{fingerprint, RequestParts};
 use crate::idempotency::{Attempt, Core, Decision, Execute, Refusal, Rules, Settled};
 use crate::key::{ClientScope, StoreKey};
@@ -179,8 +179,15 @@ impl Gateway {
     }
 
     /// Phase `classify`: one request in, one response out.
-    pub async fn handle(&self, req: Request<Incoming>, conn: &Arc<ClientConn>) -> Response<Body> {
+    pub async fn handle(&self, req: Request<ClientBody>, conn: &Arc<ClientConn>) -> Response<Body> {
         let _in_flight = self.metrics.in_flight();
+        // A tunnel would take the connection out of every rule here; CONNECT is for forward
+        // proxies, which this is not.
+        if req.method() == Method::CONNECT {
+            self.metrics
+                .request(self.metrics.unrouted(), Outcome::BadRequest);
+            return Problem::MethodNotAllowed.into_response();
+        }
         let routing = self.routing.load_full();
         let Some(route) = routing.router.find(req.method(), req.uri().path()).cloned() else {
             let resp = self
@@ -216,7 +223,7 @@ impl Gateway {
     async fn idempotent(
         &self,
         route: &Arc<Route>,
-        req: Request<Incoming>,
+        req: Request<ClientBody>,
         conn: &Arc<ClientConn>,
     ) -> Answer {
         let config = &route.config;
@@ -400,7 +407,7 @@ impl Gateway {
 
 /// A request body on an idempotent route: still on the wire, or buffered (phase `read_body`).
 enum ReqBody {
-    Unread(Incoming),
+    Unread(ClientBody),
     Read(Bytes),
 }
 
@@ -422,6 +429,7 @@ impl ReqBody {
                     .await
                     .map_err(|e| match e {
                         ReadError::TooLarge(limit) => Problem::BodyTooLarge { limit },
+                        ReadError::Failed(e) if e.is::<BodyTimeout>() => Problem::BodyTimeout,
                         ReadError::Failed(_) => Problem::BadRequestBody,
                     })
             }
@@ -601,7 +609,9 @@ fn outcome_of(p: &Problem) -> Outcome {
         Problem::KeyReused { .. } => Outcome::Mismatch,
         Problem::InFlight { .. } => Outcome::InFlightRejected,
         Problem::BodyTooLarge { .. } => Outcome::TooLarge,
-        Problem::BadRequestBody => Outcome::BadRequest,
+        Problem::BadRequestBody | Problem::BodyTimeout | Problem::MethodNotAllowed => {
+            Outcome::BadRequest
+        }
         Problem::StoreUnavailable | Problem::StoreFull => Outcome::StoreError,
         Problem::UpstreamUnreachable | Problem::UpstreamTimeout | Problem::UpstreamFailed => {
             Outcome::UpstreamError

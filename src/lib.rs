@@ -24,6 +24,7 @@
 //! - [`gateway`] - the HTTP front on the core, phase by phase. A new kind of front (a broker
 //!   consumer) goes beside it, on the same core.
 //! - [`problem`] - every response the gateway makes itself (RFC 9457), in one place.
+//! - [`conn`] - one client connection under a deadline in every phase (slow and idle clients).
 //! - [`server`] - the acceptor, worker threads (one runtime and one context each), shutdown.
 //! - [`admin`] - the admin listener: `/healthz`, `/readyz`, `/metrics`.
 //! - [`metrics`] - the Prometheus metrics and the outcome names they count.
@@ -33,6 +34,7 @@ pub mod admin;
 pub mod body;
 pub mod cli;
 pub mod config;
+pub mod conn;
 pub mod fingerprint;
 pub mod gateway;
 pub mod idempotency;

@@ -9,6 +9,8 @@
 //! - `idemgate_requests_in_flight`: requests being handled now.
 //! - `idemgate_worker_connections{worker}`: client connections each worker thread serves now (the
 //!   acceptor gives a new connection to the worker with the fewest).
+//! - `idemgate_connections_closed_total{reason}`: client connections closed by a deadline
+//!   (`header_timeout`, `idle_timeout`, `send_timeout`).
 //! - `idemgate_records_purged_total`: expired records removed by an embedded store.
 //! - `idemgate_store_syncs_total`: durable commits (fsyncs) of the disk store; divided by the
 //!   requests, the fsyncs per request (below 1 under concurrent load: group commit).
@@ -24,7 +26,13 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
+use crate::conn::Expiry;
 use crate::store::{StoreOp, StoreStats};
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabel {
+    reason: &'static str,
+}
 
 /// What became of a request, for logs and metrics (the `outcome` label).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -141,6 +149,7 @@ pub struct Metrics {
     store_errors: Family<OpLabel, Counter>,
     in_flight: Gauge,
     worker_connections: Family<WorkerLabel, Gauge>,
+    connections_closed: Family<ReasonLabel, Counter>,
     records_purged: Counter,
     store_syncs: Counter,
     /// Requests outside any route.
@@ -167,6 +176,12 @@ impl Metrics {
         let worker_connections = Family::<WorkerLabel, Gauge>::default();
         let records_purged = Counter::default();
         let store_syncs = Counter::default();
+        let connections_closed = Family::<ReasonLabel, Counter>::default();
+        registry.register(
+            "connections_closed",
+            "Client connections closed by a deadline, by reason",
+            connections_closed.clone(),
+        );
         registry.register(
             "requests",
             "Requests by route and outcome",
@@ -215,6 +230,7 @@ impl Metrics {
             store_errors,
             in_flight,
             worker_connections,
+            connections_closed,
             records_purged,
             store_syncs,
             unrouted: RouteMetrics::new(""),
@@ -275,6 +291,14 @@ impl Metrics {
     }
 
     /// The connection count of worker `index`; the acceptor balances on it.
+    pub fn connection_closed(&self, why: Expiry) {
+        self.connections_closed
+            .get_or_create(&ReasonLabel {
+                reason: why.as_str(),
+            })
+            .inc();
+    }
+
     pub fn worker_connections(&self, index: usize) -> Gauge {
         self.worker_connections
             .get_or_create(&WorkerLabel {

@@ -48,6 +48,10 @@ pub enum Problem {
     },
     /// The client's request body could not be read (connection dropped mid-body).
     BadRequestBody,
+    /// No part of the request body arrived for `server.body_timeout`.
+    BodyTimeout,
+    /// A method the gateway never forwards (CONNECT).
+    MethodNotAllowed,
     StoreUnavailable,
     StoreFull,
     /// Nothing was sent upstream; the key was released.
@@ -74,6 +78,8 @@ impl Problem {
             Problem::InFlight { .. } => "in-flight",
             Problem::BodyTooLarge { .. } => "body-too-large",
             Problem::BadRequestBody => "bad-request-body",
+            Problem::BodyTimeout => "body-timeout",
+            Problem::MethodNotAllowed => "method-not-allowed",
             Problem::StoreUnavailable => "store-unavailable",
             Problem::StoreFull => "store-full",
             Problem::UpstreamUnreachable => "upstream-unreachable",
@@ -88,6 +94,8 @@ impl Problem {
             Problem::MissingKey { .. } | Problem::InvalidKey { .. } | Problem::BadRequestBody => {
                 StatusCode::BAD_REQUEST
             }
+            Problem::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
+            Problem::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             Problem::KeyReused { status } => *status,
             Problem::InFlight { .. } => StatusCode::CONFLICT,
             Problem::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
@@ -109,6 +117,8 @@ impl Problem {
             Problem::InFlight { .. } => "Request with this idempotency key is still in progress",
             Problem::BodyTooLarge { .. } => "Request body too large",
             Problem::BadRequestBody => "Request body could not be read",
+            Problem::BodyTimeout => "Request body stopped arriving",
+            Problem::MethodNotAllowed => "Method not allowed",
             Problem::StoreUnavailable => "Idempotency store unavailable",
             Problem::StoreFull => "Idempotency store full",
             Problem::UpstreamUnreachable => "Upstream unreachable",
@@ -135,6 +145,8 @@ impl Problem {
                 "The request body exceeds the {limit} bytes this endpoint accepts. It was not forwarded."
             ),
             Problem::BadRequestBody => "The request body ended before it was complete. It was not forwarded; retry with the same key.".into(),
+            Problem::BodyTimeout => "No part of the request body arrived for too long. It was not forwarded; retry with the same key.".into(),
+            Problem::MethodNotAllowed => "This gateway does not forward CONNECT requests.".into(),
             Problem::StoreUnavailable => "The idempotency store cannot be reached, so the request was not forwarded. Retry with the same key later.".into(),
             Problem::StoreFull => "The idempotency store is at its capacity, so the request was not forwarded. Retry with the same key later.".into(),
             Problem::UpstreamUnreachable => "The upstream service could not be reached; the request was not sent. Retrying with the same key will try again.".into(),

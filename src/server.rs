@@ -9,30 +9,25 @@
 //! finish their requests (up to `shutdown_grace`), then waits for detached owner executions to
 //! store their results, so nothing a client was promised is lost.
 
-use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use hyper_util::server::conn::auto;
-use hyper_util::server::graceful::GracefulShutdown;
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
-use crate::config::{Config, ServerConfig};
+use crate::config::{Config, Deadlines, ServerConfig};
+use crate::conn;
 use crate::gateway::{ClientConn, Gateway, Routing, WorkerContext};
 use crate::metrics::Metrics;
 use crate::store;
 use crate::upstream::ClientAddr;
-
-/// A client gets this long to send its request headers (slow-loris protection).
-const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
@@ -118,6 +113,8 @@ impl Server {
                 incoming,
                 gateway: Arc::clone(&gateway),
                 grace: settings.shutdown_grace,
+                deadlines: settings.deadlines,
+                max_streams: settings.max_streams,
                 _done: done.clone(),
             };
             let (ready, is_ready) = oneshot::channel();
@@ -145,7 +142,11 @@ impl Server {
             if let Ok(addr) = l.local_addr() {
                 tracing::info!(%addr, "admin listening (/healthz /readyz /metrics)");
             }
-            tokio::spawn(crate::admin::serve(l, Arc::clone(&gateway)))
+            tokio::spawn(crate::admin::serve(
+                l,
+                Arc::clone(&gateway),
+                settings.deadlines,
+            ))
         });
         tracing::info!(
             addr = %listener.local_addr().unwrap_or(settings.listen),
@@ -279,7 +280,7 @@ const PRUNE_EVERY: u32 = 100;
 ///
 /// Registering a timer that runs out sooner than every timer already armed makes tokio wake the
 /// event loop through its eventfd (a system call, and one more loop turn), in case it is asleep.
-/// The timers a worker arms otherwise are hyper's 30 s header timers on idle connections, so the
+/// The timers a worker arms otherwise were hyper's 30 s header timers on idle connections, so the
 /// lease renewal timer of every new key (a third of `lock_timeout`, 10 s by default) and every
 /// Redis command's `command_timeout` (500 ms by default) were "sooner": about one eventfd write
 /// for every four requests on the embedded store and every two on Redis, about 5 % of the CPU of
@@ -308,6 +309,8 @@ struct Worker {
     incoming: mpsc::UnboundedReceiver<Accepted>,
     gateway: Arc<Gateway>,
     grace: Duration,
+    deadlines: Deadlines,
+    max_streams: u32,
     /// Dropped when the thread ends; the server waits for all of them.
     _done: mpsc::Sender<()>,
 }
@@ -329,20 +332,17 @@ impl Worker {
             mut incoming,
             gateway,
             grace,
+            deadlines,
+            max_streams,
             _done,
         } = self;
         runtime.block_on(async move {
             // Made here, on the worker's own runtime: its store connection is driven by it.
             let context = Arc::new(gateway.worker_context());
             let heartbeat = tokio::spawn(heartbeat(Arc::clone(&context)));
-            let graceful = GracefulShutdown::new();
-            let mut builder = auto::Builder::new(TokioExecutor::new());
-            builder
-                .http1()
-                .timer(TokioTimer::new())
-                .header_read_timeout(HEADER_READ_TIMEOUT);
-            // Each stream may buffer a body: cap them per connection (see server.max_connections).
-            builder.http2().max_concurrent_streams(100);
+            let builder = conn::builder(max_streams);
+            let stop = CancellationToken::new();
+            let connections = TaskTracker::new();
 
             // Until the acceptor closes the channel, which is the signal to drain.
             while let Some(Accepted {
@@ -363,25 +363,29 @@ impl Worker {
                     addr: ClientAddr::new(peer),
                     worker: Arc::clone(&context),
                 });
-                let svc = service_fn(move |req| {
+                let handler = move |req| {
                     let gw = Arc::clone(&gw);
                     let conn = Arc::clone(&conn);
-                    async move { Ok::<_, Infallible>(gw.handle(req, &conn).await) }
-                });
-                let served = builder
-                    .serve_connection(TokioIo::new(stream), svc)
-                    .into_owned();
-                let served = graceful.watch(served);
-                tokio::spawn(async move {
-                    if let Err(e) = served.await {
-                        tracing::debug!(error = %e, %peer, "connection ended with an error");
+                    async move { gw.handle(req, &conn).await }
+                };
+                let builder = builder.clone();
+                let stop = stop.clone();
+                let metrics = Arc::clone(gateway.metrics());
+                connections.spawn(async move {
+                    if let Some(why) =
+                        conn::serve(stream, &builder, deadlines, &stop, handler).await
+                    {
+                        tracing::debug!(%peer, reason = why.as_str(), "connection closed");
+                        metrics.connection_closed(why);
                     }
                     drop(_slot);
                 });
             }
 
             let deadline = Instant::now() + grace;
-            if tokio::time::timeout_at(deadline, graceful.shutdown())
+            stop.cancel();
+            connections.close();
+            if tokio::time::timeout_at(deadline, connections.wait())
                 .await
                 .is_err()
             {

@@ -92,6 +92,36 @@ pub struct ServerConfig {
     pub max_connections: usize,
     /// Threads serving requests, each with its own runtime and upstream pool.
     pub workers: usize,
+    /// How long each phase of a client connection may take.
+    pub deadlines: Deadlines,
+    /// HTTP/2 streams open at once on one connection.
+    pub max_streams: u32,
+}
+
+/// The deadline on each phase of a client connection (docs/security.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Deadlines {
+    /// From accept, or from the first byte of the next HTTP/1.1 request, to a complete request
+    /// head (any protocol: nothing sent, a partial head, a partial HTTP/2 preface).
+    pub header: Duration,
+    /// The longest gap between two pieces of a request body.
+    pub body: Duration,
+    /// With no request in flight: how long a connection may stay silent (HTTP/1.1 keep-alive)
+    /// or without a stream (HTTP/2) before it is closed.
+    pub idle: Duration,
+    /// The longest a response write may wait on a client that does not read.
+    pub send: Duration,
+}
+
+impl Default for Deadlines {
+    fn default() -> Self {
+        Deadlines {
+            header: Duration::from_secs(10),
+            body: Duration::from_secs(30),
+            idle: Duration::from_secs(60),
+            send: Duration::from_secs(30),
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -327,6 +357,17 @@ impl Config {
         use std::fmt::Write;
         let mut out = String::new();
         let _ = writeln!(out, "listen {}", self.server.listen);
+        let d = &self.server.deadlines;
+        let _ = writeln!(
+            out,
+            "connections: max {}, header_timeout {}, body_timeout {}, idle_timeout {}, send_timeout {}, max_streams {}",
+            self.server.max_connections,
+            humantime::format_duration(d.header),
+            humantime::format_duration(d.body),
+            humantime::format_duration(d.idle),
+            humantime::format_duration(d.send),
+            self.server.max_streams
+        );
         match &self.store {
             StoreConfig::Memory {
                 max_keys,

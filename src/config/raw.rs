@@ -24,6 +24,11 @@ pub(super) struct RawServer {
     pub(super) shutdown_grace: Option<String>,
     pub(super) max_connections: Option<i64>,
     pub(super) workers: Option<i64>,
+    pub(super) header_timeout: Option<String>,
+    pub(super) body_timeout: Option<String>,
+    pub(super) idle_timeout: Option<String>,
+    pub(super) send_timeout: Option<String>,
+    pub(super) max_streams: Option<i64>,
 }
 
 #[derive(Debug, Default, Deserialize)]

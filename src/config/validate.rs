@@ -13,8 +13,8 @@ use super::raw::{
     ROUTE_OWN_KEYS,
 };
 use super::{
-    redact_url, Config, ConfigError, DiskSettings, OnStoreError, OnUnknown, Policy, RedisSettings,
-    RedisTarget, RouteConfig, ServerConfig, StoreConfig, SyncMode, UpstreamUrl,
+    redact_url, Config, ConfigError, Deadlines, DiskSettings, OnStoreError, OnUnknown, Policy,
+    RedisSettings, RedisTarget, RouteConfig, ServerConfig, StoreConfig, SyncMode, UpstreamUrl,
 };
 use crate::fingerprint::IgnoredFields;
 use crate::key::KeySource;
@@ -127,12 +127,46 @@ fn validate_server(raw: Option<RawServer>) -> Result<ServerConfig, ConfigError> 
             ))
         }
     };
+    let defaults = Deadlines::default();
+    let timeout = |field: &str, raw: Option<String>, default: Duration| match raw {
+        None => Ok(default),
+        Some(s) => {
+            let d = parse_duration(field, &s)?;
+            if d < Duration::from_millis(100) || d > Duration::from_secs(3600) {
+                return Err(ConfigError::invalid(
+                    field,
+                    s,
+                    "a duration from \"100ms\" to \"1h\"",
+                ));
+            }
+            Ok(d)
+        }
+    };
+    let deadlines = Deadlines {
+        header: timeout("server.header_timeout", raw.header_timeout, defaults.header)?,
+        body: timeout("server.body_timeout", raw.body_timeout, defaults.body)?,
+        idle: timeout("server.idle_timeout", raw.idle_timeout, defaults.idle)?,
+        send: timeout("server.send_timeout", raw.send_timeout, defaults.send)?,
+    };
+    let max_streams = match raw.max_streams {
+        None => 100,
+        Some(n) if (1..=1000).contains(&n) => n as u32,
+        Some(n) => {
+            return Err(ConfigError::invalid(
+                "server.max_streams",
+                n.to_string(),
+                "a whole number from 1 to 1000",
+            ))
+        }
+    };
     Ok(ServerConfig {
         listen,
         admin,
         shutdown_grace,
         max_connections,
         workers,
+        deadlines,
+        max_streams,
     })
 }
 

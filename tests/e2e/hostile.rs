@@ -1,0 +1,247 @@
+//! Hostile and broken clients (docs/security.md): each test plays one attacker against the real
+//! gateway (the binary where the attack is on connection slots) and checks that the limit holds
+//! and that an ordinary client is still served.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use crate::support::*;
+
+/// Deadlines short enough for a test, far apart enough to tell which one fired.
+const DEADLINES: &str =
+    "header_timeout = \"1s\"\nbody_timeout = \"700ms\"\nidle_timeout = \"2s\"\nsend_timeout = \"1s\"\n";
+
+fn config_text(upstream: &str, server_extra: &str) -> String {
+    format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\n{DEADLINES}{server_extra}\n[upstream]\nurl = \"{upstream}\"\n[store]\nbackend = \"memory\"\n{PAYMENTS}"
+    )
+}
+
+async fn in_process(upstream: &str) -> Running {
+    let config =
+        idemgate::config::Config::parse(&config_text(upstream, "admin = \"127.0.0.1:0\"")).unwrap();
+    Running::start(config).await.unwrap()
+}
+
+/// Reads until the peer closes (what it sent before is returned); fails if it stays open 10 s.
+async fn until_closed(s: &mut TcpStream) -> Vec<u8> {
+    let mut got = Vec::new();
+    let mut buf = [0u8; 65536];
+    loop {
+        match tokio::time::timeout(Duration::from_secs(10), s.read(&mut buf)).await {
+            Err(_) => panic!("the gateway kept the connection open for 10 s"),
+            Ok(Ok(0)) | Ok(Err(_)) => return got,
+            Ok(Ok(n)) => got.extend_from_slice(&buf[..n]),
+        }
+    }
+}
+
+async fn connect(addr: SocketAddr) -> TcpStream {
+    TcpStream::connect(addr).await.unwrap()
+}
+
+async fn closed_for(admin: SocketAddr, reason: &str) -> f64 {
+    scrape(admin)
+        .await
+        .get(&format!(
+            "idemgate_connections_closed_total{{reason=\"{reason}\"}}"
+        ))
+        .copied()
+        .unwrap_or(0.0)
+}
+
+/// The attack from the issue: as many silent connections as `max_connections` used to keep
+/// every slot for ever. Now each is closed at `header_timeout` and an ordinary client gets in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_connections_cannot_hold_every_slot() {
+    let up = Upstream::counting().await;
+    let gw = GatewayProcess::start(&config_text(&up.url(), "max_connections = 4"));
+    let started = Instant::now();
+    let mut silent = Vec::new();
+    for _ in 0..4 {
+        silent.push(connect(gw.addr).await);
+    }
+    let got = Http::new(gw.addr)
+        .request("POST", "/payments")
+        .header("idempotency-key", "ordinary-1")
+        .json("{}")
+        .try_send(Duration::from_secs(10))
+        .await
+        .expect("the ordinary client was not served while silent connections held the slots");
+    assert_eq!(got.status, 201);
+    for s in &mut silent {
+        assert!(until_closed(s).await.is_empty());
+    }
+    assert!(
+        started.elapsed() >= Duration::from_millis(900),
+        "closed before header_timeout"
+    );
+}
+
+#[tokio::test]
+async fn a_head_that_never_completes_is_cut_at_header_timeout() {
+    let up = Upstream::counting().await;
+    let gw = in_process(&up.url()).await;
+    let mut s = connect(gw.addr()).await;
+    s.write_all(b"POST /payments HTTP/1.1\r\nHost: x\r\nIdempotency-Key: slow\r\n")
+        .await
+        .unwrap();
+    let started = Instant::now();
+    until_closed(&mut s).await;
+    assert!(started.elapsed() >= Duration::from_millis(900));
+    assert_eq!(up.executions(), 0);
+    let admin = gw.admin_addr().unwrap();
+    assert!(closed_for(admin, "header_timeout").await >= 1.0);
+}
+
+#[tokio::test]
+async fn a_partial_http2_preface_is_cut_at_header_timeout() {
+    let up = Upstream::counting().await;
+    let gw = in_process(&up.url()).await;
+    let mut s = connect(gw.addr()).await;
+    s.write_all(b"PRI * HTTP/2.0\r\n").await.unwrap();
+    until_closed(&mut s).await;
+    assert_eq!(up.executions(), 0);
+}
+
+/// After a response, a silent HTTP/1.1 connection gets `idle_timeout`, not `header_timeout`; once
+/// the first byte of a next head arrives, the head has `header_timeout`.
+#[tokio::test]
+async fn keep_alive_is_closed_after_idle_timeout() {
+    let up = Upstream::counting().await;
+    let gw = in_process(&up.url()).await;
+    let mut s = connect(gw.addr()).await;
+    s.write_all(b"GET /status HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let mut buf = [0u8; 4096];
+    let n = s.read(&mut buf).await.unwrap();
+    assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 201"));
+    let answered = Instant::now();
+    until_closed(&mut s).await;
+    let idle = answered.elapsed();
+    assert!(
+        idle >= Duration::from_millis(1800),
+        "closed after {idle:?}: header_timeout (1s) was applied to keep-alive"
+    );
+    assert!(closed_for(gw.admin_addr().unwrap(), "idle_timeout").await >= 1.0);
+}
+
+/// A body that stops arriving: 408 problem, nothing forwarded, nothing stored; the same key then
+/// works with the whole body.
+#[tokio::test]
+async fn a_body_that_stops_arriving_is_refused_and_the_key_stays_free() {
+    let up = Upstream::counting().await;
+    let gw = in_process(&up.url()).await;
+    let mut s = connect(gw.addr()).await;
+    s.write_all(
+        b"POST /payments HTTP/1.1\r\nHost: x\r\nIdempotency-Key: stalled\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"amount\":",
+    )
+    .await
+    .unwrap();
+    let started = Instant::now();
+    let answer = String::from_utf8_lossy(&until_closed(&mut s).await).into_owned();
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(answer.contains("problems/body-timeout"), "{answer}");
+    assert!(started.elapsed() >= Duration::from_millis(600));
+    assert_eq!(up.executions(), 0);
+    let got = Http::new(gw.addr())
+        .post("/payments", "stalled", "{\"amount\":1}")
+        .await;
+    assert_eq!(got.status, 201);
+    assert_eq!(up.executions(), 1);
+}
+
+/// A client that asks for a large response and never reads it: cut at `send_timeout`, whatever
+/// the response still had to send.
+#[tokio::test]
+async fn a_client_that_does_not_read_is_cut_at_send_timeout() {
+    let big = Bytes::from(vec![b'x'; 64 << 20]);
+    let up = Upstream::start(move |_, _| Reply::Respond {
+        status: 200,
+        headers: vec![],
+        body: big.clone(),
+    })
+    .await;
+    let gw = in_process(&up.url()).await;
+    let admin = gw.admin_addr().unwrap();
+    let mut s = connect(gw.addr()).await;
+    s.write_all(b"GET /export HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    assert!(
+        eventually(|| async { closed_for(admin, "send_timeout").await >= 1.0 }).await,
+        "the connection of a client that does not read was never closed"
+    );
+    let read = until_closed(&mut s).await;
+    assert!(read.len() < 64 << 20, "the whole response went out");
+}
+
+#[tokio::test]
+async fn connect_is_refused_and_never_forwarded() {
+    let up = Upstream::counting().await;
+    let gw = in_process(&up.url()).await;
+    let answer = raw(
+        gw.addr(),
+        b"CONNECT internal.example:443 HTTP/1.1\r\nHost: internal.example:443\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 405"), "{answer}");
+    assert!(answer.contains("problems/method-not-allowed"), "{answer}");
+    assert!(up.seen().is_empty());
+}
+
+/// The admin listener has the traffic port's deadlines: a silent connection there is closed too.
+#[tokio::test]
+async fn the_admin_listener_closes_silent_connections() {
+    let up = Upstream::counting().await;
+    let gw = in_process(&up.url()).await;
+    let admin = gw.admin_addr().unwrap();
+    let mut s = connect(admin).await;
+    s.write_all(b"GET /metr").await.unwrap();
+    let started = Instant::now();
+    until_closed(&mut s).await;
+    assert!(started.elapsed() >= Duration::from_millis(900));
+    let (status, _) = admin_get(admin, "/healthz").await;
+    assert_eq!(status, 200);
+}
+
+/// An HTTP/2 connection with no stream is closed at `idle_timeout` (with a GOAWAY), however
+/// often the client pings.
+#[tokio::test]
+async fn an_idle_http2_connection_is_closed() {
+    use http_body_util::{BodyExt, Empty};
+    let up = Upstream::counting().await;
+    let gw = in_process(&up.url()).await;
+    let io = hyper_util::rt::TokioIo::new(connect(gw.addr()).await);
+    let (mut send, conn) =
+        hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+            .timer(hyper_util::rt::TokioTimer::new())
+            .keep_alive_interval(Duration::from_millis(200))
+            .keep_alive_while_idle(true)
+            .handshake::<_, Empty<Bytes>>(io)
+            .await
+            .unwrap();
+    let driver = tokio::spawn(conn);
+    let resp = send
+        .send_request(
+            http::Request::get(format!("http://{}/status", gw.addr()))
+                .body(Empty::new())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 201);
+    resp.into_body().collect().await.unwrap();
+    let answered = Instant::now();
+    tokio::time::timeout(Duration::from_secs(10), driver)
+        .await
+        .expect("the idle HTTP/2 connection stayed open")
+        .unwrap()
+        .ok();
+    assert!(answered.elapsed() >= Duration::from_millis(1800));
+}
