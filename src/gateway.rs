@@ -67,12 +67,20 @@ pub struct Routing {
 impl Routing {
     /// What a config says about routing: at startup and on every reload. A reload starts every
     /// route's metric handles afresh (a renamed route is another series).
-    pub fn new(routes: Vec<RouteConfig>, default_upstream: UpstreamUrl, defaults: &Policy) -> Self {
+    pub fn new(
+        routes: Vec<RouteConfig>,
+        default_upstream: UpstreamUrl,
+        defaults: &Policy,
+        case_sensitive: bool,
+    ) -> Self {
         Routing {
-            router: Router::new(routes.into_iter().map(|config| Route {
-                metrics: RouteMetrics::new(&config.name),
-                config,
-            })),
+            router: Router::new(
+                routes.into_iter().map(|config| Route {
+                    metrics: RouteMetrics::new(&config.name),
+                    config,
+                }),
+                case_sensitive,
+            ),
             default_upstream,
             default_timeout: defaults.upstream_timeout,
         }
@@ -230,6 +238,18 @@ impl Gateway {
         let policy = &config.policy;
         let (parts, incoming) = req.into_parts();
 
+        // Phase `identify`: whose operation this is, before anything is read or stored.
+        let scope = match ClientScope::identify(&parts.headers, &policy.client_headers) {
+            Some(scope) => scope,
+            None if policy.require_client => {
+                return Answer::problem(Problem::ClientRequired {
+                    what: describe_headers(&policy.client_headers),
+                })
+            }
+            None if policy.client_headers.is_empty() => ClientScope::shared(),
+            None => ClientScope::anonymous(),
+        };
+
         // Phase `read_body`, first when the key lives in the body (deliveries keyed by message or
         // business id); otherwise only once the key is known to be valid.
         let mut body = ReqBody::Unread(incoming);
@@ -265,7 +285,6 @@ impl Gateway {
                 })
             }
         };
-        let scope = ClientScope::of(&parts.headers, policy.client_header.as_ref());
         let store_key = StoreKey::new(&scope, &config.name, &key);
         drop(key);
 
@@ -609,13 +628,20 @@ fn outcome_of(p: &Problem) -> Outcome {
         Problem::KeyReused { .. } => Outcome::Mismatch,
         Problem::InFlight { .. } => Outcome::InFlightRejected,
         Problem::BodyTooLarge { .. } => Outcome::TooLarge,
-        Problem::BadRequestBody | Problem::BodyTimeout | Problem::MethodNotAllowed => {
-            Outcome::BadRequest
-        }
+        Problem::BadRequestBody
+        | Problem::BodyTimeout
+        | Problem::MethodNotAllowed
+        | Problem::ClientRequired { .. } => Outcome::BadRequest,
         Problem::StoreUnavailable | Problem::StoreFull => Outcome::StoreError,
         Problem::UpstreamUnreachable | Problem::UpstreamTimeout | Problem::UpstreamFailed => {
             Outcome::UpstreamError
         }
         Problem::OutcomeUnknown { .. } => Outcome::Unknown,
     }
+}
+
+/// "the Authorization header", "the Authorization or Cookie header".
+fn describe_headers(names: &[http::HeaderName]) -> String {
+    let names: Vec<&str> = names.iter().map(http::HeaderName::as_str).collect();
+    format!("the {} header", names.join(" or "))
 }

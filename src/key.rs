@@ -219,19 +219,52 @@ fn unquote(body: &[u8]) -> Result<Vec<u8>, KeyError> {
 pub struct ClientScope([u8; 32]);
 
 impl ClientScope {
-    /// The scope of a request. A request without the client header gets the anonymous scope,
-    /// which is shared by every caller that sends none.
-    pub fn of(headers: &HeaderMap, client_header: Option<&HeaderName>) -> Self {
+    /// The scope of a request: the value of the first of `client_headers` it carries. A request
+    /// with none of them gets the anonymous scope, which is shared by every caller that sends
+    /// none; with no client header configured, every request gets the one shared scope.
+    pub fn of(headers: &HeaderMap, client_headers: &[HeaderName]) -> Self {
+        if client_headers.is_empty() {
+            return Self::shared();
+        }
+        Self::identify(headers, client_headers).unwrap_or_else(Self::anonymous)
+    }
+
+    /// The scope of the client the request names, if it carries one of `client_headers`.
+    pub fn identify(headers: &HeaderMap, client_headers: &[HeaderName]) -> Option<Self> {
+        client_headers.iter().find_map(|name| {
+            let mut values = headers.get_all(name).iter();
+            let first = values.next()?;
+            Some(match values.next() {
+                // The common case, hashed as it always was (and as `idemgate keys --client`
+                // does).
+                None => ClientScope::from_value(first.as_bytes()),
+                // A header split over several fields (HTTP/2 sends cookies so): all of them,
+                // so that no field can be left out to land in another client's scope.
+                Some(_) => {
+                    let mut joined = Vec::new();
+                    for (i, v) in headers.get_all(name).iter().enumerate() {
+                        if i > 0 {
+                            joined.push(0);
+                        }
+                        joined.extend_from_slice(v.as_bytes());
+                    }
+                    ClientScope::from_value(&joined)
+                }
+            })
+        })
+    }
+
+    /// The scope every request shares when no client header is configured.
+    pub fn shared() -> Self {
         // The two fixed scopes are hashed once, not on every request.
         static SHARED: OnceLock<ClientScope> = OnceLock::new();
+        *SHARED.get_or_init(|| ClientScope::from_value(b"\x00shared"))
+    }
+
+    /// The scope of the requests that carry none of the client headers.
+    pub fn anonymous() -> Self {
         static ANONYMOUS: OnceLock<ClientScope> = OnceLock::new();
-        match client_header {
-            None => *SHARED.get_or_init(|| ClientScope::from_value(b"\x00shared")),
-            Some(name) => match headers.get(name) {
-                Some(v) => ClientScope::from_value(v.as_bytes()),
-                None => *ANONYMOUS.get_or_init(|| ClientScope::from_value(b"\x00anonymous")),
-            },
-        }
+        *ANONYMOUS.get_or_init(|| ClientScope::from_value(b"\x00anonymous"))
     }
 
     /// The scope of a client header value, as an operator types it (`idemgate keys --client`).

@@ -54,10 +54,10 @@ pub fn locate(
         parts if !r.key.is_single_header() && parts.len() == expected => KeySource::combine(parts),
         _ => return Err(OperatorError::Parts(expected, r.key.describe())),
     };
-    let scope = match (&r.policy.client_header, client) {
-        (None, _) => ClientScope::of(&http::HeaderMap::new(), None),
-        (Some(_), Some(value)) => ClientScope::from_value(value.as_bytes()),
-        (Some(name), None) => ClientScope::of(&http::HeaderMap::new(), Some(name)),
+    let scope = match (r.policy.client_headers.is_empty(), client) {
+        (true, _) => ClientScope::shared(),
+        (false, Some(value)) => ClientScope::from_value(value.as_bytes()),
+        (false, None) => ClientScope::anonymous(),
     };
     Ok(StoreKey::new(&scope, &r.name, &key))
 }

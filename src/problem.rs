@@ -52,6 +52,10 @@ pub enum Problem {
     BodyTimeout,
     /// A method the gateway never forwards (CONNECT).
     MethodNotAllowed,
+    /// `require_client = true` and the request names no client; `what` names the headers.
+    ClientRequired {
+        what: String,
+    },
     StoreUnavailable,
     StoreFull,
     /// Nothing was sent upstream; the key was released.
@@ -80,6 +84,7 @@ impl Problem {
             Problem::BadRequestBody => "bad-request-body",
             Problem::BodyTimeout => "body-timeout",
             Problem::MethodNotAllowed => "method-not-allowed",
+            Problem::ClientRequired { .. } => "client-required",
             Problem::StoreUnavailable => "store-unavailable",
             Problem::StoreFull => "store-full",
             Problem::UpstreamUnreachable => "upstream-unreachable",
@@ -96,6 +101,7 @@ impl Problem {
             }
             Problem::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
             Problem::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
+            Problem::ClientRequired { .. } => StatusCode::UNAUTHORIZED,
             Problem::KeyReused { status } => *status,
             Problem::InFlight { .. } => StatusCode::CONFLICT,
             Problem::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
@@ -119,6 +125,7 @@ impl Problem {
             Problem::BadRequestBody => "Request body could not be read",
             Problem::BodyTimeout => "Request body stopped arriving",
             Problem::MethodNotAllowed => "Method not allowed",
+            Problem::ClientRequired { .. } => "Client identification required",
             Problem::StoreUnavailable => "Idempotency store unavailable",
             Problem::StoreFull => "Idempotency store full",
             Problem::UpstreamUnreachable => "Upstream unreachable",
@@ -147,6 +154,9 @@ impl Problem {
             Problem::BadRequestBody => "The request body ended before it was complete. It was not forwarded; retry with the same key.".into(),
             Problem::BodyTimeout => "No part of the request body arrived for too long. It was not forwarded; retry with the same key.".into(),
             Problem::MethodNotAllowed => "This gateway does not forward CONNECT requests.".into(),
+            Problem::ClientRequired { what } => format!(
+                "This endpoint requires {what}: idempotency keys are kept per client, and a request that names none cannot be told apart from another's. It was not forwarded."
+            ),
             Problem::StoreUnavailable => "The idempotency store cannot be reached, so the request was not forwarded. Retry with the same key later.".into(),
             Problem::StoreFull => "The idempotency store is at its capacity, so the request was not forwarded. Retry with the same key later.".into(),
             Problem::UpstreamUnreachable => "The upstream service could not be reached; the request was not sent. Retrying with the same key will try again.".into(),

@@ -3,7 +3,11 @@
 //! A pattern is a `/`-separated list of segments: a literal, `*` (exactly one segment) or a
 //! trailing `**` (one or more segments). Request paths are normalised before matching (segments
 //! percent-decoded, empty and `.` segments dropped, `..` resolved), so `/pay%6Dents`,
-//! `//payments` or `/x/../payments` cannot slip past the `/payments` route.
+//! `//payments` or `/x/../payments` cannot slip past the `/payments` route. Whatever else an
+//! upstream's framework may route to the same handler counts as the route too, so that no
+//! variant reaches it unchecked: literals compare without regard to ASCII case (unless
+//! `server.case_sensitive_routes`), and a path also matches as it reads with its `;params`
+//! dropped and `%2F` taken as a separator (`/payments;x`, `/orders%2F1%2Fcapture`).
 //! Config validation refuses two routes that could match the same request, so at most one route
 //! matches and the order of routes in the file never matters.
 
@@ -62,13 +66,14 @@ impl RoutePattern {
         })
     }
 
-    /// Whether the request path (without query) matches; see [`normalize`].
+    /// Whether the request path (without query) matches, case-sensitively and as written; see
+    /// [`Router::find`] for every variant.
     pub fn matches(&self, path: &str) -> bool {
-        normalize(path).is_some_and(|parts| self.matches_segments(&parts))
+        normalize(path).is_some_and(|parts| self.matches_segments(&parts, true))
     }
 
     /// Whether already normalised segments match.
-    fn matches_segments(&self, parts: &[Cow<'_, str>]) -> bool {
+    fn matches_segments(&self, parts: &[Cow<'_, str>], case_sensitive: bool) -> bool {
         let mut parts = parts.iter();
         for seg in &self.segments {
             match seg {
@@ -80,6 +85,7 @@ impl RoutePattern {
                 }
                 Segment::Literal(lit) => match parts.next() {
                     Some(p) if p.as_ref() == lit.as_str() => {}
+                    Some(p) if !case_sensitive && p.eq_ignore_ascii_case(lit) => {}
                     _ => return false,
                 },
             }
@@ -107,7 +113,12 @@ impl RoutePattern {
                     }
                     break;
                 }
-                (Some(Segment::Literal(x)), Some(Segment::Literal(y))) if x != y => return None,
+                // Compared as requests are by default: routes differing only in case overlap.
+                (Some(Segment::Literal(x)), Some(Segment::Literal(y)))
+                    if !x.eq_ignore_ascii_case(y) =>
+                {
+                    return None
+                }
                 (Some(Segment::Literal(x)), Some(_)) | (Some(_), Some(Segment::Literal(x))) => {
                     example.push('/');
                     example.push_str(x);
@@ -159,6 +170,29 @@ fn normalize(path: &str) -> Option<Vec<Cow<'_, str>>> {
     Some(parts)
 }
 
+/// The path as a framework that drops `;params` and decodes `%2F` before routing reads it;
+/// `None` when that reads the same as [`normalize`].
+fn normalize_loose(path: &str) -> Option<Vec<String>> {
+    if !path.contains(';') && !path.contains("%2F") && !path.contains("%2f") {
+        return None;
+    }
+    let rest = path.strip_prefix('/')?;
+    let mut parts: Vec<String> = Vec::new();
+    for raw in rest.split('/') {
+        let raw = raw.split(';').next().unwrap_or("");
+        for seg in decode(raw).split('/') {
+            match seg {
+                "" | "." => {}
+                ".." => {
+                    parts.pop();
+                }
+                _ => parts.push(seg.to_string()),
+            }
+        }
+    }
+    Some(parts)
+}
+
 /// Splits `a/b/` into `a`, `b`: one trailing slash does not make an extra (empty) segment.
 fn split_segments(rest: &str) -> impl Iterator<Item = &str> {
     let trimmed = rest.strip_suffix('/').unwrap_or(rest);
@@ -180,26 +214,29 @@ pub trait Routed {
 #[derive(Debug)]
 pub struct Router<T> {
     routes: Vec<Arc<T>>,
+    case_sensitive: bool,
 }
 
 impl<T: Routed> Router<T> {
-    pub fn new(routes: impl IntoIterator<Item = T>) -> Self {
+    pub fn new(routes: impl IntoIterator<Item = T>, case_sensitive: bool) -> Self {
         Router {
             routes: routes.into_iter().map(Arc::new).collect(),
+            case_sensitive,
         }
     }
 
     /// The route this request belongs to. Config validation refuses overlapping routes, so
     /// there is at most one.
     pub fn find(&self, method: &Method, path: &str) -> Option<&Arc<T>> {
-        let mut candidates = self
-            .routes
-            .iter()
-            .filter(|r| r.methods().contains(method))
-            .peekable();
-        candidates.peek()?;
+        let by_method = || self.routes.iter().filter(|r| r.methods().contains(method));
+        by_method().next()?;
+        let cs = self.case_sensitive;
         let parts = normalize(path)?;
-        candidates.find(|r| r.pattern().matches_segments(&parts))
+        if let Some(r) = by_method().find(|r| r.pattern().matches_segments(&parts, cs)) {
+            return Some(r);
+        }
+        let loose: Vec<Cow<'_, str>> = normalize_loose(path)?.into_iter().map(Cow::Owned).collect();
+        by_method().find(|r| r.pattern().matches_segments(&loose, cs))
     }
 }
 
@@ -210,6 +247,69 @@ mod tests {
 
     fn p(s: &str) -> RoutePattern {
         RoutePattern::parse(s).unwrap()
+    }
+
+    struct R(RoutePattern);
+    impl Routed for R {
+        fn pattern(&self) -> &RoutePattern {
+            &self.0
+        }
+        fn methods(&self) -> &[Method] {
+            std::slice::from_ref(&Method::POST)
+        }
+    }
+
+    fn router(case_sensitive: bool) -> Router<R> {
+        Router::new(
+            [p("/payments"), p("/orders/*/capture")].map(R),
+            case_sensitive,
+        )
+    }
+
+    fn found(r: &Router<R>, path: &str) -> Option<String> {
+        r.find(&Method::POST, path).map(|r| r.0.raw.clone())
+    }
+
+    /// Variants that some framework routes to the same handler are the route too.
+    #[test]
+    fn variants_an_upstream_may_route_alike_are_the_route() {
+        let r = router(false);
+        for path in [
+            "/PAYMENTS",
+            "/Payments/",
+            "/payments;jsessionid=1",
+            "/payments;x/",
+            "/x%2F..%2Fpayments",
+            "/pay%6Dents",
+        ] {
+            assert_eq!(found(&r, path).as_deref(), Some("/payments"), "{path}");
+        }
+        for path in [
+            "/orders%2F1%2Fcapture",
+            "/orders;v=1/1/CAPTURE",
+            "/orders/a%2Fb/capture",
+        ] {
+            assert_eq!(
+                found(&r, path).as_deref(),
+                Some("/orders/*/capture"),
+                "{path}"
+            );
+        }
+        assert_eq!(found(&r, "/payment"), None);
+        assert_eq!(found(&r, "/payments/1"), None);
+        assert_eq!(r.find(&Method::GET, "/payments").map(|_| ()), None);
+    }
+
+    #[test]
+    fn case_sensitive_routes_compare_case() {
+        let r = router(true);
+        assert_eq!(found(&r, "/PAYMENTS"), None);
+        assert_eq!(found(&r, "/payments;x").as_deref(), Some("/payments"));
+    }
+
+    #[test]
+    fn routes_differing_only_in_case_overlap() {
+        assert!(p("/Payments").overlap_example(&p("/payments")).is_some());
     }
 
     #[test]

@@ -68,7 +68,12 @@ impl Server {
         // Half the shortest upstream_timeout: a connect attempt always fails before the request
         // could time out, so "not sent" is never mistaken for "unknown".
         let connect_timeout = config.shortest_upstream_timeout() / 2;
-        let routing = Routing::new(config.routes, config.upstream, &config.defaults);
+        let routing = Routing::new(
+            config.routes,
+            config.upstream,
+            &config.defaults,
+            config.server.case_sensitive_routes,
+        );
         let gateway = Arc::new(Gateway::new(routing, store, metrics, connect_timeout));
         Ok(Server {
             listener,
@@ -153,7 +158,7 @@ impl Server {
             workers = settings.workers,
             "idemgate listening"
         );
-        accept(listener, &workers, settings.max_connections, shutdown).await;
+        accept(listener, &workers, &settings, shutdown).await;
 
         // Readiness turns false first, so load balancers stop sending while we drain.
         gateway.begin_shutdown();
@@ -190,10 +195,10 @@ impl Server {
 async fn accept(
     listener: TcpListener,
     workers: &[WorkerHandle],
-    max_connections: usize,
+    settings: &ServerConfig,
     shutdown: impl Future<Output = ()>,
 ) {
-    let connections = Arc::new(Semaphore::new(max_connections));
+    let connections = Arc::new(Semaphore::new(settings.max_connections));
     tokio::pin!(shutdown);
     loop {
         let permit = tokio::select! {
@@ -231,6 +236,7 @@ async fn accept(
         let accepted = Accepted {
             stream,
             peer,
+            trusted: settings.is_trusted_proxy(peer.ip()),
             _slot: Slot {
                 _permit: permit,
                 load: worker.load.clone(),
@@ -253,6 +259,8 @@ struct WorkerHandle {
 struct Accepted {
     stream: std::net::TcpStream,
     peer: SocketAddr,
+    /// From one of `server.trusted_proxies`.
+    trusted: bool,
     _slot: Slot,
 }
 
@@ -348,6 +356,7 @@ impl Worker {
             while let Some(Accepted {
                 stream,
                 peer,
+                trusted,
                 _slot,
             }) = incoming.recv().await
             {
@@ -360,7 +369,7 @@ impl Worker {
                 };
                 let gw = Arc::clone(&gateway);
                 let conn = Arc::new(ClientConn {
-                    addr: ClientAddr::new(peer),
+                    addr: ClientAddr::new(peer, trusted),
                     worker: Arc::clone(&context),
                 });
                 let handler = move |req| {
@@ -489,7 +498,12 @@ pub async fn reload_on_sighup(path: std::path::PathBuf, gateway: Arc<Gateway>, r
                 tracing::warn!("[store] and [server] changes take effect only after a restart; reloading routes, defaults and upstream only");
             }
             let routes = new.routes.len();
-            gateway.reload(Routing::new(new.routes, new.upstream, &new.defaults));
+            gateway.reload(Routing::new(
+                new.routes,
+                new.upstream,
+                &new.defaults,
+                new.server.case_sensitive_routes,
+            ));
             tracing::info!(routes, "config reloaded");
         }
     }

@@ -96,6 +96,20 @@ pub struct ServerConfig {
     pub deadlines: Deadlines,
     /// HTTP/2 streams open at once on one connection.
     pub max_streams: u32,
+    /// Peers whose `X-Forwarded-*` and `Forwarded` headers are believed (load balancers in
+    /// front); from any other peer they are replaced.
+    pub trusted_proxies: Vec<ipnet::IpNet>,
+    /// Route literals compare case-sensitively (for upstreams whose routing does); by default
+    /// `/PAYMENTS` is the `/payments` route too.
+    pub case_sensitive_routes: bool,
+}
+
+impl ServerConfig {
+    /// Whether a client connection comes from one of `trusted_proxies`.
+    pub fn is_trusted_proxy(&self, peer: std::net::IpAddr) -> bool {
+        let peer = peer.to_canonical();
+        self.trusted_proxies.iter().any(|n| n.contains(&peer))
+    }
 }
 
 /// The deadline on each phase of a client connection (docs/security.md).
@@ -275,8 +289,12 @@ pub struct Policy {
     pub wait: Duration,
     pub mismatch_status: StatusCode,
     pub replay_header: HeaderName,
-    /// `None` when `client_header = ""`: every caller shares one scope.
-    pub client_header: Option<HeaderName>,
+    /// The headers that tell clients apart, in order: the first one a request carries decides
+    /// its scope. Empty when `client_header = ""`: every caller shares one scope.
+    pub client_headers: Vec<HeaderName>,
+    /// Refuse requests that carry none of `client_headers` (401), rather than putting them in
+    /// the one anonymous scope they would share.
+    pub require_client: bool,
     pub max_body: usize,
     pub max_stored_response: usize,
     pub upstream_timeout: Duration,
@@ -296,7 +314,8 @@ impl Policy {
             wait: Duration::from_secs(10),
             mismatch_status: StatusCode::CONFLICT,
             replay_header: HeaderName::from_static("idempotent-replayed"),
-            client_header: Some(http::header::AUTHORIZATION),
+            client_headers: vec![http::header::AUTHORIZATION],
+            require_client: false,
             max_body: 1 << 20,
             max_stored_response: 1 << 20,
             upstream_timeout: Duration::from_secs(30),
@@ -368,6 +387,15 @@ impl Config {
             humantime::format_duration(d.send),
             self.server.max_streams
         );
+        if !self.server.trusted_proxies.is_empty() {
+            let list: Vec<String> = self
+                .server
+                .trusted_proxies
+                .iter()
+                .map(ToString::to_string)
+                .collect();
+            let _ = writeln!(out, "trusted proxies: {}", list.join(", "));
+        }
         match &self.store {
             StoreConfig::Memory {
                 max_keys,
@@ -429,7 +457,7 @@ impl Config {
                 humantime::format_duration(p.lock_timeout),
                 humantime::format_duration(p.wait),
                 p.mismatch_status.as_u16(),
-                p.client_header.as_ref().map(HeaderName::as_str).unwrap_or("(one scope)"),
+                client_scope(p),
                 p.max_body,
                 p.max_stored_response,
                 humantime::format_duration(p.upstream_timeout),
@@ -445,3 +473,13 @@ impl Config {
 
 #[cfg(test)]
 mod tests;
+
+/// How a route tells clients apart, for `idemgate check`.
+fn client_scope(p: &Policy) -> String {
+    if p.client_headers.is_empty() {
+        return "(one scope)".into();
+    }
+    let names: Vec<&str> = p.client_headers.iter().map(HeaderName::as_str).collect();
+    let required = if p.require_client { ", required" } else { "" };
+    format!("{}{required}", names.join(" or "))
+}

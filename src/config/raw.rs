@@ -29,6 +29,8 @@ pub(super) struct RawServer {
     pub(super) idle_timeout: Option<String>,
     pub(super) send_timeout: Option<String>,
     pub(super) max_streams: Option<i64>,
+    pub(super) trusted_proxies: Option<Vec<String>>,
+    pub(super) case_sensitive_routes: Option<bool>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -72,7 +74,8 @@ pub(super) struct RawPolicy {
     pub(super) wait: Option<String>,
     pub(super) mismatch_status: Option<i64>,
     pub(super) replay_header: Option<String>,
-    pub(super) client_header: Option<String>,
+    pub(super) client_header: Option<OneOrMany>,
+    pub(super) require_client: Option<bool>,
     pub(super) max_body: Option<RawSize>,
     pub(super) max_stored_response: Option<RawSize>,
     pub(super) upstream_timeout: Option<String>,
@@ -103,7 +106,7 @@ pub(super) struct RawKey {
     pub(super) json: Option<OneOrMany>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Clone, Deserialize)]
 #[serde(untagged)]
 pub(super) enum OneOrMany {
     One(String),

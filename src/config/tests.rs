@@ -97,8 +97,8 @@ max_stored_response = "512KiB"
     assert_eq!(a.wait, Duration::ZERO);
     assert_eq!(a.mismatch_status, StatusCode::UNPROCESSABLE_ENTITY);
     assert_eq!(a.max_body, 2048);
-    assert_eq!(a.client_header, None);
-    assert_eq!(b.client_header, Some(http::header::AUTHORIZATION));
+    assert!(a.client_headers.is_empty());
+    assert_eq!(b.client_headers, vec![http::header::AUTHORIZATION]);
     assert_eq!(b.max_stored_response, 512 * 1024);
     assert_eq!(c.routes[0].upstream.prefix, "/api");
     assert_eq!(c.routes[1].methods, vec![Method::PUT, Method::PATCH]);
@@ -630,5 +630,60 @@ fn bad_disk_settings_are_refused() {
         ),
     ] {
         assert_eq!(invalid_field(store(section)).0, field, "{section}");
+    }
+}
+
+#[test]
+fn client_header_takes_a_list_and_require_client_needs_one() {
+    let base =
+        "[server]\nlisten = \"127.0.0.1:8080\"\n[upstream]\nurl = \"http://127.0.0.1:3000\"\n";
+    let c = Config::parse(&format!(
+        "{base}[defaults]\nclient_header = [\"Authorization\", \"X-API-Key\"]\nrequire_client = true\n[[routes]]\npath = \"/a\"\n"
+    ))
+    .unwrap();
+    let p = &c.routes[0].policy;
+    assert_eq!(p.client_headers.len(), 2);
+    assert_eq!(p.client_headers[1].as_str(), "x-api-key");
+    assert!(p.require_client);
+    let err = Config::parse(&format!(
+        "{base}[[routes]]\npath = \"/a\"\nclient_header = \"\"\nrequire_client = true\n"
+    ))
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("require_client"), "{err}");
+    let err = Config::parse(&format!(
+        "{base}[[routes]]\npath = \"/a\"\nclient_header = []\n"
+    ))
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("client_header"), "{err}");
+}
+
+#[test]
+fn server_deadlines_and_trusted_proxies_are_checked() {
+    let base = "[upstream]\nurl = \"http://127.0.0.1:3000\"\n";
+    let c = Config::parse(&format!(
+        "[server]\nlisten = \"127.0.0.1:8080\"\nheader_timeout = \"5s\"\ntrusted_proxies = [\"10.0.0.0/8\", \"192.0.2.7\"]\n{base}"
+    ))
+    .unwrap();
+    assert_eq!(c.server.deadlines.header, Duration::from_secs(5));
+    assert_eq!(c.server.deadlines.idle, Duration::from_secs(60));
+    assert!(c.server.is_trusted_proxy("10.1.2.3".parse().unwrap()));
+    assert!(c
+        .server
+        .is_trusted_proxy("::ffff:192.0.2.7".parse().unwrap()));
+    assert!(!c.server.is_trusted_proxy("192.0.2.8".parse().unwrap()));
+    for bad in [
+        "header_timeout = \"0s\"",
+        "idle_timeout = \"2h\"",
+        "max_streams = 0",
+        "trusted_proxies = [\"10.0.0.0/33\"]",
+    ] {
+        let err = Config::parse(&format!(
+            "[server]\nlisten = \"127.0.0.1:8080\"\n{bad}\n{base}"
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("server."), "{bad}: {err}");
     }
 }

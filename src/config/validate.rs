@@ -159,6 +159,26 @@ fn validate_server(raw: Option<RawServer>) -> Result<ServerConfig, ConfigError> 
             ))
         }
     };
+    let mut trusted_proxies = Vec::new();
+    for (i, raw) in raw
+        .trusted_proxies
+        .unwrap_or_default()
+        .into_iter()
+        .enumerate()
+    {
+        let field = format!("server.trusted_proxies[{i}]");
+        let net = raw
+            .parse::<ipnet::IpNet>()
+            .or_else(|_| raw.parse::<std::net::IpAddr>().map(ipnet::IpNet::from))
+            .map_err(|_| {
+                ConfigError::invalid(
+                    &field,
+                    &raw,
+                    "an IP address or CIDR range such as \"10.0.0.0/8\" or \"127.0.0.1\"",
+                )
+            })?;
+        trusted_proxies.push(net.trunc());
+    }
     Ok(ServerConfig {
         listen,
         admin,
@@ -167,6 +187,8 @@ fn validate_server(raw: Option<RawServer>) -> Result<ServerConfig, ConfigError> 
         workers,
         deadlines,
         max_streams,
+        trusted_proxies,
+        case_sensitive_routes: raw.case_sensitive_routes.unwrap_or(false),
     })
 }
 
@@ -549,12 +571,27 @@ fn apply_policy(scope: &str, base: &Policy, raw: &RawPolicy) -> Result<Policy, C
     if let Some(h) = &raw.replay_header {
         p.replay_header = parse_header_name(&f("replay_header"), h)?;
     }
-    if let Some(h) = &raw.client_header {
-        p.client_header = if h.is_empty() {
-            None
-        } else {
-            Some(parse_header_name(&f("client_header"), h)?)
+    if let Some(h) = raw.client_header.clone() {
+        p.client_headers = match h {
+            OneOrMany::One(one) if one.is_empty() => Vec::new(),
+            many => {
+                let names = many.into_vec();
+                if names.is_empty() || names.len() > 8 {
+                    return Err(ConfigError::invalid(
+                        f("client_header"),
+                        format!("{names:?}"),
+                        "one header name, \"\" (one scope for every caller), or a list of 1 to 8 header names",
+                    ));
+                }
+                names
+                    .iter()
+                    .map(|n| parse_header_name(&f("client_header"), n))
+                    .collect::<Result<_, _>>()?
+            }
         };
+    }
+    if let Some(b) = raw.require_client {
+        p.require_client = b;
     }
     if let Some(s) = &raw.max_body {
         p.max_body = parse_size(&f("max_body"), s, MAX_BUFFER_LIMIT)? as usize;
@@ -659,6 +696,13 @@ fn apply_policy(scope: &str, base: &Policy, raw: &RawPolicy) -> Result<Policy, C
             f("replay_header"),
             p.replay_header.as_str(),
             "a header name other than key_header",
+        ));
+    }
+    if p.require_client && p.client_headers.is_empty() {
+        return Err(ConfigError::invalid(
+            f("require_client"),
+            "true",
+            "false while client_header = \"\" (no header names a client to require)",
         ));
     }
     Ok(p)

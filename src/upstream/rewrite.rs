@@ -14,14 +14,16 @@ use crate::config::UpstreamUrl;
 #[derive(Clone, Debug)]
 pub struct ClientAddr {
     ip: HeaderValue,
+    /// The peer is one of `server.trusted_proxies`: its forwarding headers are believed.
+    trusted: bool,
 }
 
 impl ClientAddr {
-    pub fn new(addr: SocketAddr) -> Self {
+    pub fn new(addr: SocketAddr, trusted: bool) -> Self {
         // An IP address always formats to a valid header value; the fallback is unreachable.
-        let ip = HeaderValue::from_str(&addr.ip().to_string())
+        let ip = HeaderValue::from_str(&addr.ip().to_canonical().to_string())
             .unwrap_or(HeaderValue::from_static("unknown"));
-        ClientAddr { ip }
+        ClientAddr { ip, trusted }
     }
 }
 
@@ -30,13 +32,16 @@ const PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection")
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
+const FORWARDED: HeaderName = HeaderName::from_static("forwarded");
 
 /// Rewrites the client's request head for the upstream: target URI, HTTP/1.1, hop-by-hop headers
 /// removed (RFC 9110 7.6.1) and `X-Forwarded-For/-Proto/-Host` set as a reverse proxy does.
 ///
-/// The original `Host` is kept, so the upstream sees the name the client used; an existing
-/// `X-Forwarded-Proto`/`-Host` (from a load balancer in front) is kept too, and the client's
-/// address is appended to `X-Forwarded-For`.
+/// The original `Host` is kept, so the upstream sees the name the client used. From a trusted
+/// proxy (`server.trusted_proxies`, a load balancer in front), its `X-Forwarded-Proto`/`-Host`
+/// and `Forwarded` are kept and the peer's address is appended to `X-Forwarded-For`; from anyone
+/// else they are what this gateway saw, and `Forwarded` is removed: a client cannot make the
+/// upstream believe it came from elsewhere, over HTTPS, or for another host.
 pub fn prepare_request(
     parts: &mut request::Parts,
     target: &UpstreamUrl,
@@ -60,7 +65,7 @@ pub fn prepare_request(
     parts.version = Version::HTTP_11;
 
     let headers = &mut parts.headers;
-    strip_hop_by_hop(headers);
+    strip_request_hop_by_hop(headers);
     if !headers.contains_key(header::HOST) {
         // HTTP/2 clients send :authority instead of Host.
         if let Some(a) = &original.authority {
@@ -68,6 +73,12 @@ pub fn prepare_request(
                 headers.insert(header::HOST, v);
             }
         }
+    }
+    if !peer.trusted {
+        headers.remove(X_FORWARDED_FOR);
+        headers.remove(X_FORWARDED_PROTO);
+        headers.remove(X_FORWARDED_HOST);
+        headers.remove(FORWARDED);
     }
     let forwarded_for = match headers.get(X_FORWARDED_FOR) {
         None => peer.ip.clone(),
@@ -105,8 +116,23 @@ fn is_hop_by_hop(name: &HeaderName) -> bool {
         || name == PROXY_CONNECTION
 }
 
-/// Removes connection-specific headers: the fixed list of RFC 9110 and any header the
-/// `Connection` header names.
+/// Removes a client request's connection-specific headers: the fixed list of RFC 9110 only. The
+/// headers its `Connection` names stay (as nginx does): a client could otherwise remove from
+/// the upstream's view a header the gateway decided on (the idempotency key, the client scope,
+/// `Content-Type`, `Host`).
+fn strip_request_hop_by_hop(headers: &mut HeaderMap) {
+    let doomed: Vec<HeaderName> = headers
+        .keys()
+        .filter(|name| is_hop_by_hop(name))
+        .cloned()
+        .collect();
+    for name in doomed {
+        headers.remove(name);
+    }
+}
+
+/// Removes an upstream response's connection-specific headers: the fixed list of RFC 9110 and
+/// any header its `Connection` names.
 pub(super) fn strip_hop_by_hop(headers: &mut HeaderMap) {
     // One pass over the names; most messages carry none of these (or only `Connection`), so
     // nothing is allocated or hashed again for them.
@@ -161,12 +187,13 @@ mod tests {
         prepare_request(
             &mut p,
             &target,
-            &ClientAddr::new("192.0.2.7:5555".parse().unwrap()),
+            &ClientAddr::new("192.0.2.7:5555".parse().unwrap(), true),
         )
         .unwrap();
         assert_eq!(p.uri.to_string(), "http://127.0.0.1:3000/api/payments?x=1");
         assert!(p.headers.get("connection").is_none());
-        assert!(p.headers.get("x-secret-hop").is_none());
+        // Named in Connection, kept: see strip_request_hop_by_hop.
+        assert_eq!(p.headers["x-secret-hop"], "1");
         assert!(p.headers.get("te").is_none());
         assert_eq!(p.headers["x-forwarded-for"], "10.0.0.1, 192.0.2.7");
         assert_eq!(p.headers["x-forwarded-proto"], "http");
@@ -176,17 +203,39 @@ mod tests {
     }
 
     #[test]
-    fn keeps_forwarded_proto_set_by_a_load_balancer() {
+    fn keeps_forwarded_proto_set_by_a_trusted_load_balancer() {
         let mut p = parts("/", &[("x-forwarded-proto", "https")]);
         let target = UpstreamUrl::parse("upstream.url", "http://127.0.0.1:3000").unwrap();
         prepare_request(
             &mut p,
             &target,
-            &ClientAddr::new("[::1]:5555".parse().unwrap()),
+            &ClientAddr::new("[::1]:5555".parse().unwrap(), true),
         )
         .unwrap();
         assert_eq!(p.headers["x-forwarded-proto"], "https");
         assert_eq!(p.headers["x-forwarded-for"], "::1");
+    }
+
+    #[test]
+    fn replaces_what_an_untrusted_client_claims() {
+        let mut p = parts(
+            "/",
+            &[
+                ("host", "api.example"),
+                ("x-forwarded-proto", "https"),
+                ("x-forwarded-host", "admin.internal"),
+                ("x-forwarded-for", "10.0.0.1"),
+                ("forwarded", "for=10.0.0.1;proto=https"),
+            ],
+        );
+        let target = UpstreamUrl::parse("upstream.url", "http://127.0.0.1:3000").unwrap();
+        // An IPv4 client on a dual-stack listener is shown as IPv4.
+        let peer = ClientAddr::new("[::ffff:192.0.2.7]:5555".parse().unwrap(), false);
+        prepare_request(&mut p, &target, &peer).unwrap();
+        assert_eq!(p.headers["x-forwarded-for"], "192.0.2.7");
+        assert_eq!(p.headers["x-forwarded-proto"], "http");
+        assert_eq!(p.headers["x-forwarded-host"], "api.example");
+        assert!(p.headers.get("forwarded").is_none());
     }
 
     #[test]
@@ -196,7 +245,7 @@ mod tests {
         prepare_request(
             &mut p,
             &target,
-            &ClientAddr::new("192.0.2.7:1".parse().unwrap()),
+            &ClientAddr::new("192.0.2.7:1".parse().unwrap(), false),
         )
         .unwrap();
         assert_eq!(

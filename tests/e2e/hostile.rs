@@ -245,3 +245,125 @@ async fn an_idle_http2_connection_is_closed() {
         .ok();
     assert!(answered.elapsed() >= Duration::from_millis(1800));
 }
+
+async fn gateway_with(upstream: &str, server: &str, routes: &str) -> Running {
+    let text = format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\n{server}\n[upstream]\nurl = \"{upstream}\"\n[store]\nbackend = \"memory\"\n{routes}"
+    );
+    Running::start(idemgate::config::Config::parse(&text).unwrap())
+        .await
+        .unwrap()
+}
+
+/// A client's claims about where it is, how it came and which host it asked for do not reach
+/// the upstream; a trusted load balancer's do.
+#[tokio::test]
+async fn forwarding_headers_are_believed_only_from_trusted_proxies() {
+    let up = Upstream::counting().await;
+    let spoofed = [
+        ("x-forwarded-host", "admin.internal"),
+        ("x-forwarded-proto", "https"),
+        ("x-forwarded-for", "10.9.9.9"),
+        ("forwarded", "for=10.9.9.9;proto=https"),
+    ];
+    let send = |addr| async move {
+        let mut req = Http::new(addr).request("GET", "/whoami");
+        for (k, v) in spoofed {
+            req = req.header(k, v);
+        }
+        req.send().await
+    };
+    let untrusted = gateway_with(&up.url(), "trusted_proxies = [\"10.0.0.0/8\"]", "").await;
+    send(untrusted.addr()).await;
+    let seen = up.next_arrival().await;
+    assert_eq!(seen.headers["x-forwarded-for"], "127.0.0.1");
+    assert_eq!(seen.headers["x-forwarded-proto"], "http");
+    assert_eq!(
+        seen.headers["x-forwarded-host"],
+        untrusted.addr().to_string().as_str()
+    );
+    assert!(seen.headers.get("forwarded").is_none());
+
+    let trusted = gateway_with(&up.url(), "trusted_proxies = [\"127.0.0.1\"]", "").await;
+    send(trusted.addr()).await;
+    let seen = up.next_arrival().await;
+    assert_eq!(seen.headers["x-forwarded-for"], "10.9.9.9, 127.0.0.1");
+    assert_eq!(seen.headers["x-forwarded-host"], "admin.internal");
+    assert_eq!(seen.headers["forwarded"], "for=10.9.9.9;proto=https");
+}
+
+/// `/PAYMENTS`, `/payments;x` and `/x%2F..%2Fpayments` are the payments route: without a key
+/// they are refused; with one they execute once, and the same key on another variant is a
+/// different request (its path is part of the fingerprint), refused, never executed again.
+#[tokio::test]
+async fn variants_of_an_idempotent_route_are_not_an_unchecked_path() {
+    let up = Upstream::counting().await;
+    let gw = gateway_with(&up.url(), "", PAYMENTS).await;
+    let http = Http::new(gw.addr());
+    for path in ["/PAYMENTS", "/payments;jsessionid=1", "/x%2F..%2Fpayments"] {
+        let got = http.request("POST", path).json("{}").send().await;
+        assert_eq!(got.status, 400, "{path}");
+        assert_eq!(got.problem_type(), "missing-key", "{path}");
+    }
+    assert_eq!(up.executions(), 0);
+    let first = http.post("/Payments", "variant-1", "{}").await;
+    let retry = http.post("/Payments", "variant-1", "{}").await;
+    let other = http.post("/payments;x", "variant-1", "{}").await;
+    assert_eq!(first.status, 201);
+    assert!(retry.is_replay());
+    assert_eq!(other.status, 409);
+    assert_eq!(other.problem_type(), "key-reused");
+    assert_eq!(up.executions(), 1);
+}
+
+/// Naming a header in `Connection` does not take it out of the upstream's view.
+#[tokio::test]
+async fn connection_cannot_strip_the_headers_the_gateway_used() {
+    let up = Upstream::counting().await;
+    let gw = gateway_with(&up.url(), "", PAYMENTS).await;
+    let answer = raw(
+        gw.addr(),
+        b"POST /payments HTTP/1.1\r\nHost: api.example\r\nConnection: close, Idempotency-Key, Content-Type, Authorization\r\nIdempotency-Key: conn-1\r\nAuthorization: Bearer a\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}",
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 201"), "{answer}");
+    let seen = up.next_arrival().await;
+    assert_eq!(seen.headers["idempotency-key"], "conn-1");
+    assert_eq!(seen.headers["content-type"], "application/json");
+    assert_eq!(seen.headers["authorization"], "Bearer a");
+    assert_eq!(seen.headers["host"], "api.example");
+}
+
+/// With `require_client`, a request that names no client is refused before anything happens;
+/// with a list of client headers, clients identified by different ones stay apart.
+#[tokio::test]
+async fn anonymous_callers_are_refused_and_clients_stay_apart() {
+    let up = Upstream::counting().await;
+    let routes = format!(
+        "[defaults]\nclient_header = [\"Authorization\", \"X-API-Key\"]\nrequire_client = true\n{PAYMENTS}"
+    );
+    let gw = gateway_with(&up.url(), "", &routes).await;
+    let http = Http::new(gw.addr());
+    let anonymous = http.post("/payments", "shared-key", "{}").await;
+    assert_eq!(anonymous.status, 401);
+    assert_eq!(anonymous.problem_type(), "client-required");
+    assert_eq!(up.executions(), 0);
+    let post = |header: &'static str, value: &'static str| {
+        http.request("POST", "/payments")
+            .header("idempotency-key", "shared-key")
+            .header(header, value)
+            .json("{}")
+            .send()
+    };
+    let a = post("x-api-key", "key-of-a").await;
+    let b = post("x-api-key", "key-of-b").await;
+    let c = post("authorization", "Bearer c").await;
+    let a_again = post("x-api-key", "key-of-a").await;
+    assert_eq!([a.status, b.status, c.status].map(|s| s.as_u16()), [201; 3]);
+    assert!(
+        !b.is_replay() && !c.is_replay(),
+        "one client got another's result"
+    );
+    assert!(a_again.is_replay());
+    assert_eq!(up.executions(), 3);
+}
