@@ -502,7 +502,8 @@ pub async fn reload_on_sighup(path: std::path::PathBuf, gateway: Arc<Gateway>, r
                 new.routes,
                 new.upstream,
                 &new.defaults,
-                new.server.case_sensitive_routes,
+                // A [server] setting: as the warning above says, it waits for a restart.
+                running.server.case_sensitive_routes,
             ));
             tracing::info!(routes, "config reloaded");
         }
