@@ -396,7 +396,6 @@ where
     });
     let svc = {
         let activity = Arc::clone(&activity);
-        let handler = Arc::new(handler);
         service_fn(move |req: Request<Incoming>| {
             let finished = activity.request_started(req.version());
             let answer = handler(req.map(|b| Deadlined::new(b, deadlines.body)));

@@ -15,16 +15,26 @@ use crate::support::*;
 const DEADLINES: &str =
     "header_timeout = \"1s\"\nbody_timeout = \"700ms\"\nidle_timeout = \"2s\"\nsend_timeout = \"1s\"\n";
 
-fn config_text(upstream: &str, server_extra: &str) -> String {
+/// A config on the memory store: `server` is added to `[server]`, `routes` at the end.
+fn config_text(upstream: &str, server: &str, routes: &str) -> String {
     format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\n{DEADLINES}{server_extra}\n[upstream]\nurl = \"{upstream}\"\n[store]\nbackend = \"memory\"\n{PAYMENTS}"
+        "[server]\nlisten = \"127.0.0.1:0\"\n{server}\n[upstream]\nurl = \"{upstream}\"\n[store]\nbackend = \"memory\"\n{routes}"
     )
 }
 
-async fn in_process(upstream: &str) -> Running {
-    let config =
-        idemgate::config::Config::parse(&config_text(upstream, "admin = \"127.0.0.1:0\"")).unwrap();
+async fn gateway_with(upstream: &str, server: &str, routes: &str) -> Running {
+    let config = idemgate::config::Config::parse(&config_text(upstream, server, routes)).unwrap();
     Running::start(config).await.unwrap()
+}
+
+/// The payments route under [`DEADLINES`], with an admin listener for the metrics.
+async fn in_process(upstream: &str) -> Running {
+    gateway_with(
+        upstream,
+        &format!("{DEADLINES}admin = \"127.0.0.1:0\""),
+        PAYMENTS,
+    )
+    .await
 }
 
 /// Reads until the peer closes (what it sent before is returned); fails if it stays open 10 s.
@@ -59,7 +69,11 @@ async fn closed_for(admin: SocketAddr, reason: &str) -> f64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn silent_connections_cannot_hold_every_slot() {
     let up = Upstream::counting().await;
-    let gw = GatewayProcess::start(&config_text(&up.url(), "max_connections = 4"));
+    let gw = GatewayProcess::start(&config_text(
+        &up.url(),
+        &format!("{DEADLINES}max_connections = 4"),
+        PAYMENTS,
+    ));
     let started = Instant::now();
     let mut silent = Vec::new();
     for _ in 0..4 {
@@ -244,15 +258,6 @@ async fn an_idle_http2_connection_is_closed() {
         .unwrap()
         .ok();
     assert!(answered.elapsed() >= Duration::from_millis(1800));
-}
-
-async fn gateway_with(upstream: &str, server: &str, routes: &str) -> Running {
-    let text = format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\n{server}\n[upstream]\nurl = \"{upstream}\"\n[store]\nbackend = \"memory\"\n{routes}"
-    );
-    Running::start(idemgate::config::Config::parse(&text).unwrap())
-        .await
-        .unwrap()
 }
 
 /// A client's claims about where it is, how it came and which host it asked for do not reach
