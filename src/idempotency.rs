@@ -37,10 +37,8 @@ use crate::store::{
     now_ms, OwnerToken, Record, RecordState, Reservation, Store, StoreError, StoreOp,
     StoredResponse, UnknownReason,
 };
+use crate::waiting::{Rooms, Seen};
 
-/// How often a waiting duplicate re-reads the record even without a signal: catches an owner
-/// whose lease ran out (a dead owner sends no signal), and any signal that was lost.
-const RECHECK: Duration = Duration::from_secs(1);
 /// A waiter whose key keeps being released and re-taken gives up after this many rounds.
 const MAX_RESERVE_ROUNDS: usize = 8;
 
@@ -55,6 +53,8 @@ pub struct Rules {
     pub ttl: Duration,
     /// How long a duplicate waits for the original's result.
     pub wait: Duration,
+    /// Duplicates waiting on one key at once; one more is refused as in flight at once.
+    pub max_waiters: usize,
     pub store_server_errors: bool,
     pub on_store_error: OnStoreError,
     pub on_unknown: OnUnknown,
@@ -67,6 +67,7 @@ impl Rules {
             lease: policy.lock_timeout,
             ttl: policy.ttl,
             wait: policy.wait,
+            max_waiters: policy.max_waiters,
             store_server_errors: policy.store_server_errors,
             on_store_error: policy.on_store_error,
             on_unknown: policy.on_unknown,
@@ -161,11 +162,14 @@ pub struct Core {
     metrics: Arc<Metrics>,
     /// Owner executions whose caller went away; shutdown waits for them.
     tasks: TaskTracker,
+    /// Duplicates waiting on pending keys, one store reader per key.
+    rooms: Rooms,
 }
 
 impl Core {
     pub fn new(metrics: Arc<Metrics>) -> Self {
         Core {
+            rooms: Rooms::new(metrics.waiting()),
             metrics,
             tasks: TaskTracker::new(),
         }
@@ -189,6 +193,7 @@ impl Core {
         let records = Records {
             store: Arc::clone(store),
             metrics: Arc::clone(&self.metrics),
+            rooms: self.rooms.clone(),
         };
         let wait_until = Instant::now() + rules.wait;
         for _ in 0..MAX_RESERVE_ROUNDS {
@@ -285,6 +290,7 @@ enum Waited {
 struct Records {
     store: Arc<dyn Store>,
     metrics: Arc<Metrics>,
+    rooms: Rooms,
 }
 
 impl Records {
@@ -342,29 +348,35 @@ impl Records {
         if let Some(done) = decide(rules, fingerprint, &record).map_err(Waited::Refused)? {
             return Ok(Some(done));
         }
+        if Instant::now() >= wait_until {
+            return Err(Waited::Refused(Refusal::InFlight));
+        }
+        // The read that found the record pending counts as none here: the room's reader reads
+        // again, so a change since then is not missed.
+        let Ok(mut seat) = self
+            .rooms
+            .join(key, rules.max_waiters, &self.store, &self.metrics)
+        else {
+            tracing::debug!(key = key.short(), "too many duplicates waiting on this key");
+            return Err(Waited::Refused(Refusal::InFlight));
+        };
         loop {
-            // Each read subscribes first, so a change between the read and the wait wakes us.
-            let watch = self
-                .timed(StoreOp::Get, self.store.watch(key))
-                .await
-                .map_err(|e| Waited::Refused(store_refusal(key, e)))?;
-            let Some(record) = watch.record else {
-                return Ok(None);
+            let seen = tokio::select! {
+                seen = seat.next() => seen,
+                () = tokio::time::sleep_until(wait_until) => {
+                    return Err(Waited::Refused(Refusal::InFlight))
+                }
+            };
+            let record = match seen {
+                Seen::Nothing => continue,
+                Seen::Failed(e) => return Err(Waited::Refused(store_refusal(key, e))),
+                Seen::Record(None) => return Ok(None),
+                Seen::Record(Some(record)) => record,
             };
             match decide(rules, fingerprint, &record).map_err(Waited::Refused)? {
                 Some(Resolved::Replay(response)) => return Err(Waited::Replay(response)),
                 Some(take_over) => return Ok(Some(take_over)),
                 None => {}
-            }
-            let now = Instant::now();
-            if now >= wait_until {
-                return Err(Waited::Refused(Refusal::InFlight));
-            }
-            let wake = wait_until.min(now + RECHECK);
-            let mut changes = watch.changes;
-            tokio::select! {
-                () = changes.changed() => {}
-                () = tokio::time::sleep_until(wake) => {}
             }
         }
     }

@@ -21,6 +21,7 @@
 //! - [`body`] - the body type, capped reading, streaming what is too large to keep.
 //! - [`idempotency`] - the core: reserve, wait, decide, execute, settle, for any front; its
 //!   decisions are pure functions with tests of their own (start here).
+//! - [`waiting`] - duplicates waiting on one key: a capped room, one store read for all.
 //! - [`gateway`] - the HTTP front on the core, phase by phase. A new kind of front (a broker
 //!   consumer) goes beside it, on the same core.
 //! - [`problem`] - every response the gateway makes itself (RFC 9457), in one place.
@@ -47,3 +48,4 @@ pub mod server;
 pub mod store;
 pub mod telemetry;
 pub mod upstream;
+pub mod waiting;

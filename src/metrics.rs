@@ -148,6 +148,7 @@ pub struct Metrics {
     store_seconds: HistogramFamily<OpLabel>,
     store_errors: Family<OpLabel, Counter>,
     in_flight: Gauge,
+    waiting: Gauge,
     worker_connections: Family<WorkerLabel, Gauge>,
     connections_closed: Family<ReasonLabel, Counter>,
     records_purged: Counter,
@@ -173,6 +174,7 @@ impl Metrics {
             Family::new_with_constructor(latency_histogram);
         let store_errors = Family::<OpLabel, Counter>::default();
         let in_flight = Gauge::default();
+        let waiting = Gauge::default();
         let worker_connections = Family::<WorkerLabel, Gauge>::default();
         let records_purged = Counter::default();
         let store_syncs = Counter::default();
@@ -208,6 +210,11 @@ impl Metrics {
             in_flight.clone(),
         );
         registry.register(
+            "waiting_requests",
+            "Duplicates waiting for the original's result (at most max_waiters per key)",
+            waiting.clone(),
+        );
+        registry.register(
             "worker_connections",
             "Client connections each worker thread is serving",
             worker_connections.clone(),
@@ -229,6 +236,7 @@ impl Metrics {
             store_seconds,
             store_errors,
             in_flight,
+            waiting,
             worker_connections,
             connections_closed,
             records_purged,
@@ -305,6 +313,11 @@ impl Metrics {
                 worker: index.to_string(),
             })
             .clone()
+    }
+
+    /// The count of duplicates waiting on keys ([`crate::waiting`] keeps it).
+    pub fn waiting(&self) -> Gauge {
+        self.waiting.clone()
     }
 
     /// Requests being handled right now.

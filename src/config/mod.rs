@@ -287,6 +287,9 @@ pub struct Policy {
     pub ttl: Duration,
     pub lock_timeout: Duration,
     pub wait: Duration,
+    /// Duplicates that may wait on one key at once (per instance); more get `409 in-flight` at
+    /// once.
+    pub max_waiters: usize,
     pub mismatch_status: StatusCode,
     pub replay_header: HeaderName,
     /// The headers that tell clients apart, in order: the first one a request carries decides
@@ -312,6 +315,7 @@ impl Policy {
             ttl: Duration::from_secs(24 * 3600),
             lock_timeout: Duration::from_secs(30),
             wait: Duration::from_secs(10),
+            max_waiters: 64,
             mismatch_status: StatusCode::CONFLICT,
             replay_header: HeaderName::from_static("idempotent-replayed"),
             client_headers: vec![http::header::AUTHORIZATION],
@@ -446,7 +450,7 @@ impl Config {
             let p = &r.policy;
             let _ = writeln!(
                 out,
-                "route {:?}: {} {} -> {} (key from {}, require_key {}, ttl {}, lock_timeout {}, wait {}, mismatch {}, client scope {}, max_body {}, max_stored_response {}, upstream_timeout {}, store_server_errors {}, on_store_error {:?}, on_unknown {:?})",
+                "route {:?}: {} {} -> {} (key from {}, require_key {}, ttl {}, lock_timeout {}, wait {}, max_waiters {}, mismatch {}, client scope {}, max_body {}, max_stored_response {}, upstream_timeout {}, store_server_errors {}, on_store_error {:?}, on_unknown {:?})",
                 r.name,
                 methods.join(","),
                 r.pattern,
@@ -456,6 +460,7 @@ impl Config {
                 humantime::format_duration(p.ttl),
                 humantime::format_duration(p.lock_timeout),
                 humantime::format_duration(p.wait),
+                p.max_waiters,
                 p.mismatch_status.as_u16(),
                 client_scope(p),
                 p.max_body,

@@ -72,6 +72,7 @@ pub(super) struct RawPolicy {
     pub(super) ttl: Option<String>,
     pub(super) lock_timeout: Option<String>,
     pub(super) wait: Option<String>,
+    pub(super) max_waiters: Option<i64>,
     pub(super) mismatch_status: Option<i64>,
     pub(super) replay_header: Option<String>,
     pub(super) client_header: Option<OneOrMany>,

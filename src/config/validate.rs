@@ -556,6 +556,18 @@ fn apply_policy(scope: &str, base: &Policy, raw: &RawPolicy) -> Result<Policy, C
     if let Some(s) = &raw.wait {
         p.wait = parse_duration(&f("wait"), s)?;
     }
+    if let Some(n) = raw.max_waiters {
+        p.max_waiters = match usize::try_from(n) {
+            Ok(n @ 1..=10_000) => n,
+            _ => {
+                return Err(ConfigError::invalid(
+                    f("max_waiters"),
+                    n.to_string(),
+                    "from 1 to 10000 duplicates waiting on one key (64 is the default)",
+                ))
+            }
+        };
+    }
     if let Some(n) = raw.mismatch_status {
         p.mismatch_status = match u16::try_from(n).ok().map(StatusCode::from_u16) {
             Some(Ok(s)) if s.is_client_error() => s,

@@ -372,3 +372,64 @@ async fn anonymous_callers_are_refused_and_clients_stay_apart() {
     assert!(a_again.is_replay());
     assert_eq!(up.executions(), 3);
 }
+
+/// A client that sends many copies of one slow request: past `max_waiters` the copies are
+/// refused at once, and those that wait share one store read per change instead of one each.
+#[tokio::test]
+async fn duplicates_of_one_key_are_capped_and_share_their_store_reads() {
+    let (up, gate) = Upstream::gated().await;
+    let gw = gateway_with(
+        &up.url(),
+        "admin = \"127.0.0.1:0\"",
+        &format!("{PAYMENTS}max_waiters = 8\nwait = \"30s\"\n"),
+    )
+    .await;
+    let admin = gw.admin_addr().unwrap();
+    let http = Http::new(gw.addr());
+    let h = http.clone();
+    let original = tokio::spawn(async move { h.post("/payments", "k", "{}").await });
+    up.next_arrival().await;
+    let reads_before = store_reads(admin).await;
+
+    let mut waiting = Vec::new();
+    for _ in 0..8 {
+        let h = http.clone();
+        waiting.push(tokio::spawn(
+            async move { h.post("/payments", "k", "{}").await },
+        ));
+    }
+    assert!(
+        eventually(|| async { gauge(admin, "idemgate_waiting_requests").await == 8.0 }).await,
+        "the eight copies never all sat down to wait"
+    );
+    for _ in 0..8 {
+        // Each copy past the eighth is refused at once, not after its 30 s wait.
+        let extra = http
+            .request("POST", "/payments")
+            .header("idempotency-key", "k")
+            .json("{}")
+            .try_send(Duration::from_secs(5))
+            .await
+            .expect("a copy past max_waiters must be refused at once, not wait");
+        assert_eq!(extra.status, 409);
+        assert_eq!(extra.problem_type(), "in-flight");
+    }
+    gate.add_permits(1);
+    assert_eq!(original.await.unwrap().status, 201);
+    for w in waiting {
+        assert!(w.await.unwrap().is_replay());
+    }
+    assert_eq!(up.executions(), 1);
+    // Eight waiters, one completion: a handful of reads by the room's reader (the first, one
+    // per recheck or change), not eight per change.
+    let reads = store_reads(admin).await - reads_before;
+    assert!(reads <= 4.0, "{reads} store reads for 8 waiters on one key");
+}
+
+async fn store_reads(admin: SocketAddr) -> f64 {
+    gauge(admin, "idemgate_store_duration_seconds_count{op=\"get\"}").await
+}
+
+async fn gauge(admin: SocketAddr, name: &str) -> f64 {
+    scrape(admin).await.get(name).copied().unwrap_or(0.0)
+}
