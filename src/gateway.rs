@@ -33,6 +33,7 @@ use crate::idempotency::{Attempt, Core, Decision, Execute, Refusal, Rules, Settl
 use crate::key::{ClientScope, StoreKey};
 use crate::metrics::{Metrics, Outcome, RouteMetrics};
 use crate::problem::Problem;
+use crate::quota::{Quota, QuotaId};
 use crate::route::{RoutePattern, Routed, Router};
 use crate::store::{Store, StoredResponse, UnknownReason};
 use crate::upstream::{prepare_request, ClientAddr, UpstreamBody, UpstreamError, UpstreamPool};
@@ -239,16 +240,23 @@ impl Gateway {
         let (parts, incoming) = req.into_parts();
 
         // Phase `identify`: whose operation this is, before anything is read or stored.
-        let scope = match ClientScope::identify(&parts.headers, &policy.client_headers) {
-            Some(scope) => scope,
+        let (scope, quota) = match ClientScope::identify(&parts.headers, &policy.client_headers) {
+            Some(scope) => (scope, policy.max_keys_per_client),
             None if policy.require_client => {
                 return Answer::problem(Problem::ClientRequired {
                     what: describe_headers(&policy.client_headers),
                 })
             }
-            None if policy.client_headers.is_empty() => ClientScope::shared(),
-            None => ClientScope::anonymous(),
+            // One scope for every caller by the operator's choice: the store's bounds are its
+            // quota.
+            None if policy.client_headers.is_empty() => (ClientScope::shared(), 0),
+            None => (ClientScope::anonymous(), policy.max_keys_anonymous),
         };
+        let quota = (quota > 0).then(|| Quota {
+            id: QuotaId::new(&config.name, &scope),
+            limit: quota,
+            window: policy.ttl,
+        });
 
         // Phase `read_body`, first when the key lives in the body (deliveries keyed by message or
         // business id); otherwise only once the key is known to be valid.
@@ -289,7 +297,10 @@ impl Gateway {
         drop(key);
 
         let mut answer = match body.read(policy.max_body).await {
-            Ok(body) => self.keyed(route, parts, body, conn, &store_key).await,
+            Ok(body) => {
+                self.keyed(route, parts, body, conn, &store_key, quota)
+                    .await
+            }
             Err(p) => Answer::problem(p),
         };
         answer.key = Some(store_key);
@@ -304,6 +315,7 @@ impl Gateway {
         body: Bytes,
         conn: &Arc<ClientConn>,
         key: &StoreKey,
+        quota: Option<Quota>,
     ) -> Answer {
         let config = &route.config;
         let fp = fingerprint(
@@ -317,7 +329,10 @@ impl Gateway {
             },
             &config.fingerprint_ignore,
         );
-        let rules = Rules::new(&config.policy, config.check_fingerprint);
+        let rules = Rules {
+            quota,
+            ..Rules::new(&config.policy, config.check_fingerprint)
+        };
         let forward = Forward {
             route: Arc::clone(route),
             parts,
@@ -617,6 +632,7 @@ fn refusal_problem(policy: &Policy, refusal: Refusal) -> Problem {
         },
         Refusal::StoreUnavailable => Problem::StoreUnavailable,
         Refusal::StoreFull => Problem::StoreFull,
+        Refusal::OverQuota { retry_after } => Problem::KeyQuota { retry_after },
     }
 }
 
@@ -633,6 +649,7 @@ fn outcome_of(p: &Problem) -> Outcome {
         | Problem::MethodNotAllowed
         | Problem::ClientRequired { .. } => Outcome::BadRequest,
         Problem::StoreUnavailable | Problem::StoreFull => Outcome::StoreError,
+        Problem::KeyQuota { .. } | Problem::Overloaded { .. } => Outcome::Limited,
         Problem::UpstreamUnreachable | Problem::UpstreamTimeout | Problem::UpstreamFailed => {
             Outcome::UpstreamError
         }

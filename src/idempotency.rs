@@ -33,6 +33,7 @@ use crate::config::{OnStoreError, OnUnknown, Policy};
 use crate::fingerprint::Fingerprint;
 use crate::key::StoreKey;
 use crate::metrics::Metrics;
+use crate::quota::{Quota, Quotas};
 use crate::store::{
     now_ms, OwnerToken, Record, RecordState, Reservation, Store, StoreError, StoreOp,
     StoredResponse, UnknownReason,
@@ -55,6 +56,9 @@ pub struct Rules {
     pub wait: Duration,
     /// Duplicates waiting on one key at once; one more is refused as in flight at once.
     pub max_waiters: usize,
+    /// The caller's quota of stored records, if its route and scope have one (set by the
+    /// front, which knows the scope).
+    pub quota: Option<Quota>,
     pub store_server_errors: bool,
     pub on_store_error: OnStoreError,
     pub on_unknown: OnUnknown,
@@ -68,6 +72,7 @@ impl Rules {
             ttl: policy.ttl,
             wait: policy.wait,
             max_waiters: policy.max_waiters,
+            quota: None,
             store_server_errors: policy.store_server_errors,
             on_store_error: policy.on_store_error,
             on_unknown: policy.on_unknown,
@@ -147,6 +152,10 @@ pub enum Refusal {
     OutcomeUnknown(UnknownReason),
     StoreUnavailable,
     StoreFull,
+    /// The caller's scope stored as many records as its quota allows in this window.
+    OverQuota {
+        retry_after: Duration,
+    },
 }
 
 /// What an existing record means for this call.
@@ -159,18 +168,28 @@ pub enum Resolved {
 
 /// Runs keyed operations; one per process, shared by every worker and front.
 pub struct Core {
-    metrics: Arc<Metrics>,
     /// Owner executions whose caller went away; shutdown waits for them.
     tasks: TaskTracker,
+    shared: Arc<Shared>,
+}
+
+/// What every execution of the core uses, one `Arc` for a request to hold.
+struct Shared {
+    metrics: Arc<Metrics>,
     /// Duplicates waiting on pending keys, one store reader per key.
     rooms: Rooms,
+    /// Records stored per client scope, against the routes' quotas.
+    quotas: Quotas,
 }
 
 impl Core {
     pub fn new(metrics: Arc<Metrics>) -> Self {
         Core {
-            rooms: Rooms::new(metrics.waiting()),
-            metrics,
+            shared: Arc::new(Shared {
+                rooms: Rooms::new(metrics.waiting()),
+                quotas: Quotas::new(),
+                metrics,
+            }),
             tasks: TaskTracker::new(),
         }
     }
@@ -192,12 +211,24 @@ impl Core {
     ) -> Decision<E> {
         let records = Records {
             store: Arc::clone(store),
-            metrics: Arc::clone(&self.metrics),
-            rooms: self.rooms.clone(),
+            shared: Arc::clone(&self.shared),
         };
         let wait_until = Instant::now() + rules.wait;
         for _ in 0..MAX_RESERVE_ROUNDS {
-            let reservation = match records.reserve(key, fingerprint, rules).await {
+            let reserved = match rules.quota.map(|q| self.shared.quotas.check(&q)) {
+                // A scope at its quota may still get its replays, but not a new key.
+                Some(Err(over)) => match records.get(key).await {
+                    Ok(Some(record)) => Ok(Reservation::Existing(record)),
+                    Ok(None) => {
+                        return Decision::Refused(Refusal::OverQuota {
+                            retry_after: over.retry_after,
+                        })
+                    }
+                    Err(e) => Err(e),
+                },
+                _ => records.reserve(key, fingerprint, rules).await,
+            };
+            let reservation = match reserved {
                 Ok(r) => r,
                 // A record that exists but cannot be read: its outcome is unknown, and it must
                 // never be run, whatever on_store_error says.
@@ -289,8 +320,7 @@ enum Waited {
 /// The store as the core uses it: the worker's handle, every call timed and counted.
 struct Records {
     store: Arc<dyn Store>,
-    metrics: Arc<Metrics>,
-    rooms: Rooms,
+    shared: Arc<Shared>,
 }
 
 impl Records {
@@ -302,8 +332,14 @@ impl Records {
         let started = Instant::now();
         let result = call.await;
         let failed = result.as_ref().is_err_and(StoreError::is_failure);
-        self.metrics.store_call(op, started.elapsed(), failed);
+        self.shared
+            .metrics
+            .store_call(op, started.elapsed(), failed);
         result
+    }
+
+    async fn get(&self, key: &StoreKey) -> Result<Option<Record>, StoreError> {
+        self.timed(StoreOp::Get, self.store.get(key)).await
     }
 
     async fn reserve(
@@ -353,9 +389,10 @@ impl Records {
         }
         // The read that found the record pending counts as none here: the room's reader reads
         // again, so a change since then is not missed.
-        let Ok(mut seat) = self
-            .rooms
-            .join(key, rules.max_waiters, &self.store, &self.metrics)
+        let Ok(mut seat) =
+            self.shared
+                .rooms
+                .join(key, rules.max_waiters, &self.store, &self.shared.metrics)
         else {
             tracing::debug!(key = key.short(), "too many duplicates waiting on this key");
             return Err(Waited::Refused(Refusal::InFlight));
@@ -450,10 +487,17 @@ impl Records {
                 self.store.complete(key, token, response, rules.ttl),
             )
             .await;
-        if let Err(e) = stored {
+        match stored {
+            Ok(()) => {
+                if let Some(quota) = rules.quota {
+                    self.shared.quotas.stored(&quota);
+                }
+            }
             // The caller still gets the real answer; retries will see the pending record,
             // then (lease expired) an unknown outcome: never a second execution.
-            tracing::error!(key = key.short(), error = %e, "cannot store the response");
+            Err(e) => {
+                tracing::error!(key = key.short(), error = %e, "cannot store the response")
+            }
         }
         Settled::Stored(output)
     }
@@ -492,9 +536,12 @@ pub fn decide(
 
 /// Statuses that say the upstream did not execute the request: the key is released so a retry
 /// runs. 5xx only when `store_server_errors = false`; 408, 425 and 429 always (the request was
-/// refused before it was processed, and storing it would make every retry fail).
+/// refused before it was processed, and storing it would make every retry fail); 401 and 403
+/// always (the caller was refused before anything ran, and storing refusals would let anyone
+/// with made-up credentials fill the store).
 pub fn not_executed(status: u16, store_server_errors: bool) -> bool {
-    ((500..600).contains(&status) && !store_server_errors) || matches!(status, 408 | 425 | 429)
+    ((500..600).contains(&status) && !store_server_errors)
+        || matches!(status, 401 | 403 | 408 | 425 | 429)
 }
 
 fn store_refusal(key: &StoreKey, e: StoreError) -> Refusal {
@@ -688,6 +735,10 @@ mod tests {
         assert!(not_executed(425, true));
         assert!(!not_executed(201, false));
         assert!(!not_executed(400, false));
+        assert!(not_executed(401, false));
+        assert!(not_executed(403, true));
+        assert!(!not_executed(402, false));
+        assert!(!not_executed(404, false));
         assert!(!not_executed(409, false));
         assert!(!not_executed(499, false));
         assert!(!not_executed(600, false));

@@ -267,6 +267,11 @@ impl ClientScope {
         *ANONYMOUS.get_or_init(|| ClientScope::from_value(b"\x00anonymous"))
     }
 
+    /// The hash itself (never the header's value).
+    pub fn as_bytes(&self) -> &[u8; 32] {
+        &self.0
+    }
+
     /// The scope of a client header value, as an operator types it (`idemgate keys --client`).
     pub fn from_value(value: &[u8]) -> Self {
         let mut h = Sha256::new();

@@ -57,6 +57,9 @@ pub enum Outcome {
     /// with `store_server_errors = false`): its answer was passed on and the key released.
     Released,
     Unknown,
+    /// Refused before anything ran, to keep a limit: the client scope's record quota, the
+    /// memory budget for buffered bodies, or the upstream's connection cap.
+    Limited,
     Passthrough,
 }
 
@@ -80,6 +83,7 @@ impl Outcome {
             Outcome::UpstreamError => "upstream_error",
             Outcome::Released => "released",
             Outcome::Unknown => "unknown",
+            Outcome::Limited => "limited",
             Outcome::Passthrough => "passthrough",
         }
     }
@@ -375,6 +379,7 @@ mod tests {
             Outcome::UpstreamError,
             Outcome::Released,
             Outcome::Unknown,
+            Outcome::Limited,
             Outcome::Passthrough,
         ];
         for o in outcomes {
@@ -392,6 +397,7 @@ mod tests {
                 | Outcome::UpstreamError
                 | Outcome::Released
                 | Outcome::Unknown
+                | Outcome::Limited
                 | Outcome::Passthrough => assert!((o as usize) < Outcome::COUNT, "{o:?}"),
             }
         }

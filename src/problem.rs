@@ -58,6 +58,16 @@ pub enum Problem {
     },
     StoreUnavailable,
     StoreFull,
+    /// The client scope stored as many records as `max_keys_per_client` (or
+    /// `max_keys_anonymous`) allows per `ttl`; nothing was forwarded or stored.
+    KeyQuota {
+        retry_after: Duration,
+    },
+    /// A limit that keeps the gateway alive refused the request before anything ran; `what`
+    /// names it ("the memory for request bodies", "the upstream's connections").
+    Overloaded {
+        what: &'static str,
+    },
     /// Nothing was sent upstream; the key was released.
     UpstreamUnreachable,
     /// Pass-through only: no response within `upstream_timeout`.
@@ -87,6 +97,8 @@ impl Problem {
             Problem::ClientRequired { .. } => "client-required",
             Problem::StoreUnavailable => "store-unavailable",
             Problem::StoreFull => "store-full",
+            Problem::KeyQuota { .. } => "key-quota",
+            Problem::Overloaded { .. } => "overloaded",
             Problem::UpstreamUnreachable => "upstream-unreachable",
             Problem::UpstreamTimeout => "upstream-timeout",
             Problem::UpstreamFailed => "upstream-failed",
@@ -105,7 +117,10 @@ impl Problem {
             Problem::KeyReused { status } => *status,
             Problem::InFlight { .. } => StatusCode::CONFLICT,
             Problem::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-            Problem::StoreUnavailable | Problem::StoreFull => StatusCode::SERVICE_UNAVAILABLE,
+            Problem::StoreUnavailable | Problem::StoreFull | Problem::Overloaded { .. } => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
+            Problem::KeyQuota { .. } => StatusCode::TOO_MANY_REQUESTS,
             Problem::UpstreamUnreachable | Problem::UpstreamFailed => StatusCode::BAD_GATEWAY,
             Problem::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
             Problem::OutcomeUnknown { reason, .. } => match reason {
@@ -128,6 +143,8 @@ impl Problem {
             Problem::ClientRequired { .. } => "Client identification required",
             Problem::StoreUnavailable => "Idempotency store unavailable",
             Problem::StoreFull => "Idempotency store full",
+            Problem::KeyQuota { .. } => "Too many new idempotency keys",
+            Problem::Overloaded { .. } => "Gateway overloaded",
             Problem::UpstreamUnreachable => "Upstream unreachable",
             Problem::UpstreamTimeout => "Upstream timed out",
             Problem::UpstreamFailed => "Upstream connection failed",
@@ -159,6 +176,13 @@ impl Problem {
             ),
             Problem::StoreUnavailable => "The idempotency store cannot be reached, so the request was not forwarded. Retry with the same key later.".into(),
             Problem::StoreFull => "The idempotency store is at its capacity, so the request was not forwarded. Retry with the same key later.".into(),
+            Problem::KeyQuota { retry_after } => format!(
+                "This client stored as many results under new idempotency keys as this endpoint allows for now. The request was not forwarded. Retries of earlier keys still get their results; a new key can be used in {} seconds.",
+                retry_after.as_secs().max(1)
+            ),
+            Problem::Overloaded { what } => format!(
+                "The gateway is at its limit for {what}, so the request was not forwarded. Retry with the same key shortly."
+            ),
             Problem::UpstreamUnreachable => "The upstream service could not be reached; the request was not sent. Retrying with the same key will try again.".into(),
             Problem::UpstreamTimeout => "The upstream service did not answer in time.".into(),
             Problem::UpstreamFailed => "The connection to the upstream service failed before a complete response arrived.".into(),
@@ -184,7 +208,10 @@ impl Problem {
     fn retry_after(&self) -> Option<Duration> {
         match self {
             Problem::InFlight { retry_after } => Some(*retry_after),
-            Problem::StoreUnavailable | Problem::StoreFull => Some(Duration::from_secs(1)),
+            Problem::KeyQuota { retry_after } => Some(*retry_after),
+            Problem::StoreUnavailable | Problem::StoreFull | Problem::Overloaded { .. } => {
+                Some(Duration::from_secs(1))
+            }
             _ => None,
         }
     }

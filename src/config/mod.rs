@@ -298,6 +298,11 @@ pub struct Policy {
     /// Refuse requests that carry none of `client_headers` (401), rather than putting them in
     /// the one anonymous scope they would share.
     pub require_client: bool,
+    /// Records one client scope may store per `ttl` on this route, counted in this instance
+    /// ([`crate::quota`]); 0: no quota.
+    pub max_keys_per_client: u64,
+    /// The same for the one scope of requests that name no client.
+    pub max_keys_anonymous: u64,
     pub max_body: usize,
     pub max_stored_response: usize,
     pub upstream_timeout: Duration,
@@ -320,6 +325,8 @@ impl Policy {
             replay_header: HeaderName::from_static("idempotent-replayed"),
             client_headers: vec![http::header::AUTHORIZATION],
             require_client: false,
+            max_keys_per_client: 0,
+            max_keys_anonymous: 10_000,
             max_body: 1 << 20,
             max_stored_response: 1 << 20,
             upstream_timeout: Duration::from_secs(30),
@@ -450,7 +457,7 @@ impl Config {
             let p = &r.policy;
             let _ = writeln!(
                 out,
-                "route {:?}: {} {} -> {} (key from {}, require_key {}, ttl {}, lock_timeout {}, wait {}, max_waiters {}, mismatch {}, client scope {}, max_body {}, max_stored_response {}, upstream_timeout {}, store_server_errors {}, on_store_error {:?}, on_unknown {:?})",
+                "route {:?}: {} {} -> {} (key from {}, require_key {}, ttl {}, lock_timeout {}, wait {}, max_waiters {}, mismatch {}, client scope {}, max_keys_per_client {}, max_keys_anonymous {}, max_body {}, max_stored_response {}, upstream_timeout {}, store_server_errors {}, on_store_error {:?}, on_unknown {:?})",
                 r.name,
                 methods.join(","),
                 r.pattern,
@@ -463,6 +470,8 @@ impl Config {
                 p.max_waiters,
                 p.mismatch_status.as_u16(),
                 client_scope(p),
+                p.max_keys_per_client,
+                p.max_keys_anonymous,
                 p.max_body,
                 p.max_stored_response,
                 humantime::format_duration(p.upstream_timeout),

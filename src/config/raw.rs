@@ -77,6 +77,8 @@ pub(super) struct RawPolicy {
     pub(super) replay_header: Option<String>,
     pub(super) client_header: Option<OneOrMany>,
     pub(super) require_client: Option<bool>,
+    pub(super) max_keys_per_client: Option<i64>,
+    pub(super) max_keys_anonymous: Option<i64>,
     pub(super) max_body: Option<RawSize>,
     pub(super) max_stored_response: Option<RawSize>,
     pub(super) upstream_timeout: Option<String>,

@@ -605,6 +605,28 @@ fn apply_policy(scope: &str, base: &Policy, raw: &RawPolicy) -> Result<Policy, C
     if let Some(b) = raw.require_client {
         p.require_client = b;
     }
+    for (name, raw, field) in [
+        (
+            "max_keys_per_client",
+            raw.max_keys_per_client,
+            &mut p.max_keys_per_client,
+        ),
+        (
+            "max_keys_anonymous",
+            raw.max_keys_anonymous,
+            &mut p.max_keys_anonymous,
+        ),
+    ] {
+        if let Some(n) = raw {
+            *field = u64::try_from(n).map_err(|_| {
+                ConfigError::invalid(
+                    f(name),
+                    n.to_string(),
+                    "a number of records per ttl, 0 for no quota",
+                )
+            })?;
+        }
+    }
     if let Some(s) = &raw.max_body {
         p.max_body = parse_size(&f("max_body"), s, MAX_BUFFER_LIMIT)? as usize;
     }

@@ -433,3 +433,111 @@ async fn store_reads(admin: SocketAddr) -> f64 {
 async fn gauge(admin: SocketAddr, name: &str) -> f64 {
     scrape(admin).await.get(name).copied().unwrap_or(0.0)
 }
+
+/// The flood from the issue, on a store that holds 20 records: anonymous callers creating new
+/// keys get their quota (5 per ttl) and then 429, earlier keys still replay, and an identified
+/// client still gets its new key executed and stored.
+#[tokio::test]
+async fn a_flood_of_anonymous_keys_does_not_lock_out_an_identified_client() {
+    let up = Upstream::counting().await;
+    let config = format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\n[upstream]\nurl = \"{}\"\n[store]\nbackend = \"memory\"\nmax_keys = 20\n[defaults]\nmax_keys_anonymous = 5\n{PAYMENTS}",
+        up.url()
+    );
+    let gw = Running::start(idemgate::config::Config::parse(&config).unwrap())
+        .await
+        .unwrap();
+    let http = Http::new(gw.addr());
+    let mut statuses = Vec::new();
+    for i in 0..30 {
+        let got = http.post("/payments", &format!("flood-{i}"), "{}").await;
+        if got.status == 429 {
+            assert_eq!(got.problem_type(), "key-quota");
+            let after: u64 = got.header("retry-after").unwrap().parse().unwrap();
+            assert!(
+                after > 3600,
+                "retry-after {after}: the window is the route's ttl"
+            );
+        }
+        statuses.push(got.status.as_u16());
+    }
+    assert_eq!(
+        statuses.iter().filter(|s| **s == 201).count(),
+        5,
+        "{statuses:?}"
+    );
+    assert_eq!(
+        statuses.iter().filter(|s| **s == 429).count(),
+        25,
+        "{statuses:?}"
+    );
+    assert_eq!(up.executions(), 5);
+    assert!(
+        http.post("/payments", "flood-0", "{}").await.is_replay(),
+        "a scope at its quota still gets its replays"
+    );
+    let alice = http
+        .request("POST", "/payments")
+        .header("idempotency-key", "flood-0")
+        .header("authorization", "Bearer alice")
+        .json("{}")
+        .send()
+        .await;
+    assert_eq!(alice.status, 201);
+    assert!(!alice.is_replay());
+    assert_eq!(up.executions(), 6);
+}
+
+/// Made-up credentials the upstream refuses: a 401 or 403 means nothing ran, so it is not
+/// stored (the key is released) and a flood of them leaves the store empty for real clients.
+#[tokio::test]
+async fn refused_credentials_store_nothing() {
+    let up = Upstream::start(|seen, _| {
+        if seen
+            .headers
+            .get("authorization")
+            .is_some_and(|v| v == "Bearer real")
+        {
+            Reply::json(201, "{\"ok\":true}")
+        } else {
+            Reply::json(401, "{\"error\":\"who are you\"}")
+        }
+    })
+    .await;
+    let config = format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\n[upstream]\nurl = \"{}\"\n[store]\nbackend = \"memory\"\nmax_keys = 3\n{PAYMENTS}",
+        up.url()
+    );
+    let gw = Running::start(idemgate::config::Config::parse(&config).unwrap())
+        .await
+        .unwrap();
+    let http = Http::new(gw.addr());
+    for i in 0..20 {
+        let got = http
+            .request("POST", "/payments")
+            .header("idempotency-key", &format!("k{i}"))
+            .header("authorization", &format!("Bearer forged-{i}"))
+            .json("{}")
+            .send()
+            .await;
+        assert_eq!(got.status, 401);
+    }
+    let real = http
+        .request("POST", "/payments")
+        .header("idempotency-key", "k0")
+        .header("authorization", "Bearer real")
+        .json("{}")
+        .send()
+        .await;
+    assert_eq!(real.status, 201, "the store filled with refusals");
+    // The same forged request again runs again: its 401 was not kept.
+    let again = http
+        .request("POST", "/payments")
+        .header("idempotency-key", "k0")
+        .header("authorization", "Bearer forged-0")
+        .json("{}")
+        .send()
+        .await;
+    assert!(!again.is_replay());
+    assert_eq!(up.executions(), 22);
+}

@@ -1,0 +1,185 @@
+//! Quotas of stored records per client scope, so that one client (or every anonymous caller
+//! together) cannot fill the store and lock the other clients out.
+//!
+//! A route's quota is a number of records a client scope may have stored per window of the
+//! route's `ttl` (a fixed window, so at most twice the quota of its records are alive at once).
+//! Only records that were stored count: an answer the key is released on (401, 403, 429, an
+//! unstored 5xx, ...) stores nothing and counts nothing, so a flood with made-up credentials that
+//! the upstream refuses neither fills the store nor this table. A new key is refused (`429
+//! key-quota`, before anything is forwarded) once its scope is at the quota.
+//!
+//! The counts are kept in this instance's memory: with several instances each counts its own
+//! traffic, and a restart starts every count afresh. The check and the count are not one atomic
+//! step, so concurrent new keys of one scope can pass the quota by as many as run at once.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, PoisonError};
+use std::time::Duration;
+
+use sha2::{Digest, Sha256};
+use tokio::time::Instant;
+
+use crate::key::ClientScope;
+
+/// Scopes counted at once in one instance. Only scopes that stored a record in the current
+/// window are counted, so the table only fills if the store itself holds this many clients'
+/// records; past it, new scopes are not counted (the store's own bounds still hold) and a
+/// warning is logged.
+const MAX_SCOPES: usize = 1_000_000;
+
+/// Which counter a request counts in: its route and client scope, hashed together.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct QuotaId([u8; 32]);
+
+impl QuotaId {
+    pub fn new(route: &str, scope: &ClientScope) -> Self {
+        let mut h = Sha256::new();
+        h.update(b"idemgate/quota/v1\x00");
+        h.update((route.len() as u64).to_be_bytes());
+        h.update(route.as_bytes());
+        h.update(scope.as_bytes());
+        QuotaId(h.finalize().into())
+    }
+}
+
+/// One request's quota: its counter, and how many records it allows per `window`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Quota {
+    pub id: QuotaId,
+    pub limit: u64,
+    pub window: Duration,
+}
+
+/// The scope is at its quota until `retry_after` has passed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OverQuota {
+    pub retry_after: Duration,
+}
+
+#[derive(Clone, Copy)]
+struct Window {
+    started: Instant,
+    stored: u64,
+}
+
+/// The counters of one process.
+#[derive(Default)]
+pub struct Quotas {
+    windows: Mutex<HashMap<QuotaId, Window>>,
+}
+
+impl Quotas {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// May this scope store one more record?
+    pub fn check(&self, quota: &Quota) -> Result<(), OverQuota> {
+        let now = Instant::now();
+        let windows = self.windows.lock().unwrap_or_else(PoisonError::into_inner);
+        match windows.get(&quota.id) {
+            Some(w) if now < w.started + quota.window && w.stored >= quota.limit => {
+                Err(OverQuota {
+                    retry_after: (w.started + quota.window).saturating_duration_since(now),
+                })
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Counts a record this scope stored.
+    pub fn stored(&self, quota: &Quota) {
+        let now = Instant::now();
+        let mut windows = self.windows.lock().unwrap_or_else(PoisonError::into_inner);
+        if windows.len() >= MAX_SCOPES && !windows.contains_key(&quota.id) {
+            windows.retain(|_, w| now < w.started + quota.window);
+            if windows.len() >= MAX_SCOPES {
+                tracing::warn!(
+                    scopes = windows.len(),
+                    "too many client scopes to count their quotas; this one is not counted"
+                );
+                return;
+            }
+        }
+        let w = windows.entry(quota.id).or_insert(Window {
+            started: now,
+            stored: 0,
+        });
+        if now >= w.started + quota.window {
+            *w = Window {
+                started: now,
+                stored: 0,
+            };
+        }
+        w.stored += 1;
+    }
+
+    /// Scopes counted (for tests).
+    pub fn len(&self) -> usize {
+        self.windows
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn quota(client: &[u8], limit: u64) -> Quota {
+        Quota {
+            id: QuotaId::new("payments", &ClientScope::from_value(client)),
+            limit,
+            window: Duration::from_secs(60),
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_scope_at_its_quota_waits_for_the_next_window() {
+        let q = Quotas::new();
+        let a = quota(b"a", 2);
+        q.check(&a).unwrap();
+        q.stored(&a);
+        q.check(&a).unwrap();
+        q.stored(&a);
+        let over = q.check(&a).unwrap_err();
+        assert_eq!(over.retry_after, Duration::from_secs(60));
+        tokio::time::advance(Duration::from_secs(45)).await;
+        assert_eq!(
+            q.check(&a).unwrap_err().retry_after,
+            Duration::from_secs(15)
+        );
+        tokio::time::advance(Duration::from_secs(15)).await;
+        q.check(&a).unwrap();
+        q.stored(&a);
+        q.check(&a).unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn scopes_and_routes_count_apart() {
+        let q = Quotas::new();
+        let a = quota(b"a", 1);
+        q.stored(&a);
+        assert!(q.check(&a).is_err());
+        q.check(&quota(b"b", 1)).unwrap();
+        let other_route = Quota {
+            id: QuotaId::new("refunds", &ClientScope::from_value(b"a")),
+            ..a
+        };
+        q.check(&other_route).unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn checking_alone_counts_nothing() {
+        let q = Quotas::new();
+        for i in 0..100u32 {
+            q.check(&quota(&i.to_be_bytes(), 1)).unwrap();
+        }
+        assert!(q.is_empty());
+    }
+}
