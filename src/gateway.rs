@@ -36,7 +36,10 @@ use crate::problem::Problem;
 use crate::quota::{Quota, QuotaId};
 use crate::route::{RoutePattern, Routed, Router};
 use crate::store::{Store, StoredResponse, UnknownReason};
-use crate::upstream::{prepare_request, ClientAddr, UpstreamBody, UpstreamError, UpstreamPool};
+use crate::upstream::{
+    prepare_request, ClientAddr, ConnectionLimits, NoConnectionSlot, UpstreamBody, UpstreamError,
+    UpstreamPool,
+};
 
 /// Header on a replay whose body was too large to keep: the body is deliberately empty.
 pub const BODY_OMITTED_HEADER: &str = "idemgate-body-omitted";
@@ -112,6 +115,8 @@ pub struct Gateway {
     core: Core,
     /// For the upstream pools the workers create ([`Gateway::worker_context`]).
     connect_timeout: Duration,
+    /// The cap on connections per upstream that every worker's pool shares.
+    upstream_limits: Arc<ConnectionLimits>,
     metrics: Arc<Metrics>,
     /// Set when shutdown begins, so readiness turns false before the listener closes.
     shutting_down: AtomicBool,
@@ -142,8 +147,10 @@ impl Gateway {
         store: Arc<dyn Store>,
         metrics: Arc<Metrics>,
         connect_timeout: Duration,
+        upstream_limits: Arc<ConnectionLimits>,
     ) -> Self {
         Gateway {
+            upstream_limits,
             routing: ArcSwap::from_pointee(routing),
             store,
             core: Core::new(Arc::clone(&metrics)),
@@ -156,7 +163,7 @@ impl Gateway {
     /// A worker's own upstream pool and store handle; called on the worker's thread.
     pub fn worker_context(&self) -> WorkerContext {
         WorkerContext {
-            upstream: UpstreamPool::new(self.connect_timeout),
+            upstream: UpstreamPool::new(self.connect_timeout, Arc::clone(&self.upstream_limits)),
             store: self.store.for_worker(),
         }
     }
@@ -350,10 +357,11 @@ impl Gateway {
                 let (mut response, outcome) = match settled {
                     Settled::Stored(r) => (r, Outcome::Executed),
                     Settled::Released(r) => (r, Outcome::Released),
-                    Settled::NotSent => (
-                        Problem::UpstreamUnreachable.into_response(),
-                        Outcome::UpstreamError,
-                    ),
+                    Settled::NotSent(e) => {
+                        let problem = not_sent_problem(&*e);
+                        let outcome = outcome_of(&problem);
+                        (problem.into_response(), outcome)
+                    }
                     Settled::Unknown { reason, retryable } => (
                         Problem::OutcomeUnknown { reason, retryable }.into_response(),
                         Outcome::Unknown,
@@ -429,7 +437,7 @@ impl Gateway {
             Err(e) => {
                 tracing::warn!(error = %e, "pass-through request failed");
                 match e {
-                    UpstreamError::NotSent(_) => Problem::UpstreamUnreachable,
+                    UpstreamError::NotSent(e) => not_sent_problem(&*e),
                     UpstreamError::Timeout(_) => Problem::UpstreamTimeout,
                     UpstreamError::Failed(_) => Problem::UpstreamFailed,
                 }
@@ -633,6 +641,17 @@ fn refusal_problem(policy: &Policy, refusal: Refusal) -> Problem {
         Refusal::StoreUnavailable => Problem::StoreUnavailable,
         Refusal::StoreFull => Problem::StoreFull,
         Refusal::OverQuota { retry_after } => Problem::KeyQuota { retry_after },
+    }
+}
+
+/// Why a request was not sent: the upstream's connection cap, or the upstream unreachable.
+fn not_sent_problem(e: &(dyn std::error::Error + 'static)) -> Problem {
+    if e.is::<NoConnectionSlot>() {
+        Problem::Overloaded {
+            what: "connections to the upstream",
+        }
+    } else {
+        Problem::UpstreamUnreachable
     }
 }
 

@@ -131,8 +131,8 @@ pub enum Settled<R> {
     /// It ran, and its answer says it did not execute (408, 425, 429, or a 5xx the rules do
     /// not store): the answer is passed on and the key released.
     Released(R),
-    /// It could not be sent: the key was released.
-    NotSent,
+    /// It could not be sent (why): the key was released.
+    NotSent(BoxError),
     /// It was sent without a complete answer. The key is kept as unknown, or released when
     /// `retryable` (on_unknown = "retry").
     Unknown {
@@ -454,7 +454,7 @@ impl Records {
             Attempt::NotSent(e) => {
                 tracing::warn!(key = key.short(), error = %e, "upstream unreachable; key released");
                 self.release(key, token).await;
-                return Settled::NotSent;
+                return Settled::NotSent(e);
             }
             Attempt::Unknown { reason, error } => {
                 let retryable = rules.on_unknown == OnUnknown::Retry;

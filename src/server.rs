@@ -27,7 +27,7 @@ use crate::conn;
 use crate::gateway::{ClientConn, Gateway, Routing, WorkerContext};
 use crate::metrics::Metrics;
 use crate::store;
-use crate::upstream::ClientAddr;
+use crate::upstream::{ClientAddr, ConnectionLimits};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
@@ -74,7 +74,13 @@ impl Server {
             &config.defaults,
             config.server.case_sensitive_routes,
         );
-        let gateway = Arc::new(Gateway::new(routing, store, metrics, connect_timeout));
+        let gateway = Arc::new(Gateway::new(
+            routing,
+            store,
+            metrics,
+            connect_timeout,
+            ConnectionLimits::new(config.upstream_max_connections),
+        ));
         Ok(Server {
             listener,
             admin,
@@ -283,7 +289,8 @@ const HEARTBEAT: Duration = Duration::from_millis(100);
 /// How often a worker closes its upstream connections that sat idle too long.
 const PRUNE_EVERY: u32 = 100;
 
-/// Keeps a timer armed at most [`HEARTBEAT`] ahead on the worker's runtime, for ever, and every
+/// Keeps a timer armed at most [`HEARTBEAT`] ahead on the worker's runtime, for ever; on every
+/// beat closes idle upstream connections another request waits to take the slot of, and every
 /// [`PRUNE_EVERY`] beats prunes the worker's idle upstream connections.
 ///
 /// Registering a timer that runs out sooner than every timer already armed makes tokio wake the
@@ -301,6 +308,7 @@ async fn heartbeat(worker: Arc<WorkerContext>) {
     loop {
         tick.tick().await;
         beats = beats.wrapping_add(1);
+        worker.upstream.yield_idle();
         if beats.is_multiple_of(PRUNE_EVERY) {
             worker.upstream.prune_idle();
         }

@@ -67,6 +67,9 @@ pub struct Config {
     pub server: ServerConfig,
     pub store: StoreConfig,
     pub upstream: UpstreamUrl,
+    /// `[upstream] max_connections`: the cap on connections to each upstream (host and port),
+    /// across workers; fixed at startup.
+    pub upstream_max_connections: usize,
     /// `[defaults]` over the built-ins: what pass-through traffic outside any route uses.
     pub defaults: Policy,
     pub routes: Vec<RouteConfig>,
@@ -451,7 +454,11 @@ impl Config {
                 );
             }
         }
-        let _ = writeln!(out, "default upstream {}", self.upstream);
+        let _ = writeln!(
+            out,
+            "default upstream {} (at most {} connections to each upstream)",
+            self.upstream, self.upstream_max_connections
+        );
         for r in &self.routes {
             let methods: Vec<&str> = r.methods.iter().map(Method::as_str).collect();
             let p = &r.policy;

@@ -54,6 +54,7 @@ pub(super) struct RawStore {
 #[serde(deny_unknown_fields)]
 pub(super) struct RawUpstream {
     pub(super) url: Option<String>,
+    pub(super) max_connections: Option<i64>,
 }
 
 /// A size written as a byte count (`1048576`) or with a unit (`"1MiB"`).

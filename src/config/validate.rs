@@ -28,6 +28,8 @@ const MIN_TTL: Duration = Duration::from_secs(1);
 const MAX_TTL: Duration = Duration::from_secs(365 * 24 * 3600);
 /// Largest accepted `max_disk` (1 PiB): counts stay far from overflowing.
 const MAX_DISK: u64 = 1 << 50;
+/// Connections to each upstream when `upstream.max_connections` is not set.
+const DEFAULT_UPSTREAM_CONNECTIONS: usize = 1024;
 /// More worker threads than this would only add switching.
 const MAX_WORKERS: usize = 256;
 
@@ -35,13 +37,26 @@ impl RawConfig {
     pub(super) fn validate(self) -> Result<Config, ConfigError> {
         let server = validate_server(self.server)?;
         let store = validate_store(self.store)?;
-        let upstream_raw =
-            self.upstream
-                .and_then(|u| u.url)
-                .ok_or_else(|| ConfigError::Missing {
-                    field: "upstream.url".into(),
-                })?;
+        let raw_upstream = self.upstream.ok_or_else(|| ConfigError::Missing {
+            field: "upstream.url".into(),
+        })?;
+        let upstream_raw = raw_upstream.url.ok_or_else(|| ConfigError::Missing {
+            field: "upstream.url".into(),
+        })?;
         let upstream = UpstreamUrl::parse("upstream.url", &upstream_raw)?;
+        let upstream_max_connections = match raw_upstream.max_connections {
+            None => DEFAULT_UPSTREAM_CONNECTIONS,
+            Some(n) => match usize::try_from(n) {
+                Ok(n @ 1..=65_535) => n,
+                _ => {
+                    return Err(ConfigError::invalid(
+                        "upstream.max_connections",
+                        n.to_string(),
+                        "from 1 to 65535 connections to each upstream (1024 is the default)",
+                    ))
+                }
+            },
+        };
         let defaults = apply_policy("defaults", &Policy::builtin(), &self.defaults)?;
 
         let mut routes = Vec::with_capacity(self.routes.len());
@@ -54,6 +69,7 @@ impl RawConfig {
             server,
             store,
             upstream,
+            upstream_max_connections,
             defaults,
             routes,
         })

@@ -1,5 +1,6 @@
-//! The upstream side: a pool of HTTP/1.1 connections per worker ([`pool`]), the rewriting of a
-//! client's request for the upstream ([`rewrite`]), and failure classification (here).
+//! The upstream side: a pool of HTTP/1.1 connections per worker ([`pool`]) under one cap per
+//! upstream shared by every worker ([`limit`]), the rewriting of a client's request for the
+//! upstream ([`rewrite`]), and failure classification (here).
 //!
 //! Failures are sorted by what they mean for idempotency: [`UpstreamError::NotSent`] (the
 //! request certainly did not reach the upstream: no connection could be made, or hyper handed the
@@ -18,6 +19,7 @@
 //! kept: a request that a reused connection hands back unwritten (the upstream closed it while
 //! it sat idle) is sent again on another one, and idle connections are dropped after 60 s.
 
+mod limit;
 mod pool;
 mod rewrite;
 
@@ -25,6 +27,7 @@ use std::time::Duration;
 
 use crate::body::BoxError;
 
+pub use limit::{ConnectionLimits, NoConnectionSlot};
 pub use pool::{UpstreamBody, UpstreamPool};
 pub use rewrite::{prepare_request, ClientAddr};
 

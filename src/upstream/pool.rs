@@ -17,6 +17,7 @@ use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
+use super::limit::{ConnectionLimits, Gate};
 use super::rewrite::strip_hop_by_hop;
 use super::{UpstreamError, MAX_CONNECT_TIMEOUT};
 use crate::body::{Body, BoxError};
@@ -34,10 +35,18 @@ pub struct UpstreamPool {
 }
 
 struct Pool {
+    /// For a new connection: waiting for a slot, then connecting.
     connect_timeout: Duration,
-    /// Per upstream, idle connections, the most recently used last. A route has one upstream
-    /// and a config a handful, so a list beats a map.
-    idle: Mutex<Vec<(Authority, VecDeque<Idle>)>>,
+    limits: Arc<ConnectionLimits>,
+    /// Per upstream, its gate and its idle connections, the most recently used last. A route
+    /// has one upstream and a config a handful, so a list beats a map.
+    idle: Mutex<Vec<Upstream>>,
+}
+
+struct Upstream {
+    authority: Authority,
+    gate: Arc<Gate>,
+    conns: VecDeque<Idle>,
 }
 
 struct Idle {
@@ -46,13 +55,26 @@ struct Idle {
 }
 
 impl UpstreamPool {
-    /// `connect_timeout` is capped at [`MAX_CONNECT_TIMEOUT`].
-    pub fn new(connect_timeout: Duration) -> Self {
+    /// `connect_timeout` (waiting for a connection slot, then connecting) is capped at
+    /// [`MAX_CONNECT_TIMEOUT`]; `limits` are shared by every worker's pool.
+    pub fn new(connect_timeout: Duration, limits: Arc<ConnectionLimits>) -> Self {
         UpstreamPool {
             pool: Arc::new(Pool {
                 connect_timeout: connect_timeout.min(MAX_CONNECT_TIMEOUT),
+                limits,
                 idle: Mutex::new(Vec::new()),
             }),
+        }
+    }
+
+    /// Closes the idle connections to every upstream that someone waits to connect to, so the
+    /// slots they hold go to where they are needed. The worker calls this on each heartbeat.
+    pub fn yield_idle(&self) {
+        let mut idle = self.pool.idle();
+        for upstream in idle.iter_mut() {
+            if upstream.gate.is_wanted() {
+                upstream.conns.clear();
+            }
         }
     }
 
@@ -65,10 +87,10 @@ impl UpstreamPool {
             return;
         };
         let mut idle = self.pool.idle();
-        for (_, conns) in idle.iter_mut() {
-            conns.retain(|c| c.since >= stale);
+        for upstream in idle.iter_mut() {
+            upstream.conns.retain(|c| c.since >= stale);
         }
-        idle.retain(|(_, conns)| !conns.is_empty());
+        idle.retain(|upstream| !upstream.conns.is_empty());
     }
 
     /// Upstreams with idle connections now (for tests).
@@ -138,7 +160,7 @@ impl UpstreamPool {
 }
 
 impl Pool {
-    fn idle(&self) -> std::sync::MutexGuard<'_, Vec<(Authority, VecDeque<Idle>)>> {
+    fn idle(&self) -> std::sync::MutexGuard<'_, Vec<Upstream>> {
         // Every change under the lock is one push or pop: a panic elsewhere cannot leave it torn.
         self.idle.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -146,7 +168,7 @@ impl Pool {
     /// The most recently used idle connection to `authority` that is ready for a request.
     fn checkout(&self, authority: &Authority) -> Option<SendRequest<Body>> {
         let mut idle = self.idle();
-        let (_, conns) = idle.iter_mut().find(|(a, _)| a == authority)?;
+        let conns = &mut idle.iter_mut().find(|u| u.authority == *authority)?.conns;
         let stale = Instant::now().checked_sub(IDLE_TIMEOUT);
         while conns
             .front()
@@ -168,14 +190,25 @@ impl Pool {
     fn give_back(&self, authority: Authority, sender: SendRequest<Body>) {
         let since = Instant::now();
         let mut idle = self.idle();
-        let i = match idle.iter().position(|(a, _)| *a == authority) {
+        let i = match idle.iter().position(|u| u.authority == authority) {
             Some(i) => i,
             None => {
-                idle.push((authority, VecDeque::new()));
+                let gate = self.limits.gate(&authority);
+                idle.push(Upstream {
+                    authority,
+                    gate,
+                    conns: VecDeque::new(),
+                });
                 idle.len() - 1
             }
         };
-        let conns = &mut idle[i].1;
+        let upstream = &mut idle[i];
+        if upstream.gate.is_wanted() {
+            // Its slot is worth more to the request waiting for one (perhaps on another worker)
+            // than a connection kept idle here.
+            return;
+        }
+        let conns = &mut upstream.conns;
         if conns.len() >= MAX_IDLE_PER_UPSTREAM {
             conns.pop_front();
         }
@@ -190,18 +223,27 @@ impl Pool {
             .trim_start_matches('[')
             .trim_end_matches(']');
         let port = authority.port_u16().unwrap_or(80);
+        let deadline = Instant::now() + self.connect_timeout;
+        let gate = self.limits.gate(authority);
+        let slot = gate
+            .slot(deadline)
+            .await
+            .map_err(|e| UpstreamError::NotSent(Box::new(e)))?;
         let connecting = async {
             let stream = TcpStream::connect((host, port)).await?;
             stream.set_nodelay(true)?;
             let (sender, conn) = http1::handshake(TokioIo::new(stream)).await?;
             tokio::spawn(async move {
+                // The slot is the socket's: given back when the connection has ended, however
+                // long after its last request that is.
+                let _slot = slot;
                 if let Err(e) = conn.await {
                     tracing::debug!(error = %e, "upstream connection ended");
                 }
             });
             Ok::<_, BoxError>(sender)
         };
-        match tokio::time::timeout(self.connect_timeout, connecting).await {
+        match tokio::time::timeout_at(deadline, connecting).await {
             Ok(Ok(sender)) => Ok(sender),
             Ok(Err(e)) => Err(UpstreamError::NotSent(e)),
             Err(_) => Err(UpstreamError::NotSent(
@@ -367,7 +409,7 @@ mod tests {
     #[tokio::test]
     async fn sequential_requests_share_one_connection() {
         let up = RawUpstream::start(|_| (OK.to_vec(), false)).await;
-        let client = UpstreamPool::new(Duration::from_secs(1));
+        let client = UpstreamPool::new(Duration::from_secs(1), ConnectionLimits::new(64));
         for _ in 0..3 {
             let resp = client.exchange(up.request("/x")).await.unwrap();
             assert_eq!(read_all(resp).await, "ok");
@@ -380,7 +422,7 @@ mod tests {
         // Closes after every answer without saying so: each pooled connection is dead when
         // reused, and the request must still go through, on a new one.
         let up = RawUpstream::start(|_| (OK.to_vec(), true)).await;
-        let client = UpstreamPool::new(Duration::from_secs(1));
+        let client = UpstreamPool::new(Duration::from_secs(1), ConnectionLimits::new(64));
         for _ in 0..3 {
             let resp = client.exchange(up.request("/x")).await.unwrap();
             assert_eq!(read_all(resp).await, "ok");
@@ -401,7 +443,7 @@ mod tests {
             }
         }
         let up = RawUpstream::start(answer).await;
-        let client = UpstreamPool::new(Duration::from_secs(1));
+        let client = UpstreamPool::new(Duration::from_secs(1), ConnectionLimits::new(64));
         let mut streaming = client.exchange(up.request("/stream")).await.unwrap();
         {
             use http_body_util::BodyExt;
@@ -450,7 +492,7 @@ mod tests {
     async fn a_connection_still_sending_its_request_body_is_not_handed_out() {
         // The upstream answers as soon as it has the head, as one refusing an upload does.
         let up = RawUpstream::start(|_| (OK.to_vec(), false)).await;
-        let client = UpstreamPool::new(Duration::from_secs(1));
+        let client = UpstreamPool::new(Duration::from_secs(1), ConnectionLimits::new(64));
         let (tx, rx) = tokio::sync::mpsc::channel(1);
         tx.send(Bytes::from_static(b"part")).await.unwrap();
         let upload = Request::post(format!("http://{}/upload", up.addr))
@@ -473,7 +515,7 @@ mod tests {
     #[tokio::test]
     async fn idle_connections_of_an_upstream_no_longer_used_are_closed() {
         let up = RawUpstream::start(|_| (OK.to_vec(), false)).await;
-        let client = UpstreamPool::new(Duration::from_secs(1));
+        let client = UpstreamPool::new(Duration::from_secs(1), ConnectionLimits::new(64));
         let resp = client.exchange(up.request("/a")).await.unwrap();
         assert_eq!(read_all(resp).await, "ok");
         assert_eq!(client.idle_upstreams(), 1);
@@ -498,7 +540,7 @@ mod tests {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
         drop(listener);
-        let client = UpstreamPool::new(Duration::from_secs(1));
+        let client = UpstreamPool::new(Duration::from_secs(1), ConnectionLimits::new(64));
         let req = Request::get(format!("http://{addr}/x"))
             .body(crate::body::full(Bytes::new()))
             .unwrap();
@@ -512,7 +554,7 @@ mod tests {
     #[tokio::test]
     async fn a_response_without_a_body_returns_its_connection_at_once() {
         let up = RawUpstream::start(|_| (b"HTTP/1.1 204 No Content\r\n\r\n".to_vec(), false)).await;
-        let client = UpstreamPool::new(Duration::from_secs(1));
+        let client = UpstreamPool::new(Duration::from_secs(1), ConnectionLimits::new(64));
         for _ in 0..3 {
             let resp = client.exchange(up.request("/x")).await.unwrap();
             assert_eq!(resp.status(), 204);

@@ -3,6 +3,8 @@
 //! and that an ordinary client is still served.
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -540,4 +542,164 @@ async fn refused_credentials_store_nothing() {
         .await;
     assert!(!again.is_replay());
     assert_eq!(up.executions(), 22);
+}
+
+/// A raw upstream that answers `/fast` at once and never answers anything else. A thread
+/// samples how many connections the gateway holds open to it, from the kernel's table
+/// ([`established_to`]): a socket the gateway closed leaves it at once, whatever this upstream
+/// has read yet.
+struct HoldingUpstream {
+    addr: SocketAddr,
+    most_open: Arc<AtomicUsize>,
+    /// Requests that are being held.
+    held: Arc<AtomicUsize>,
+    sampling: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Drop for HoldingUpstream {
+    fn drop(&mut self) {
+        self.sampling.store(false, Ordering::SeqCst);
+    }
+}
+
+impl HoldingUpstream {
+    async fn start() -> HoldingUpstream {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let up = HoldingUpstream {
+            addr: listener.local_addr().unwrap(),
+            most_open: Arc::default(),
+            held: Arc::default(),
+            sampling: Arc::new(std::sync::atomic::AtomicBool::new(true)),
+        };
+        let (most_open, sampling, port) = (
+            Arc::clone(&up.most_open),
+            Arc::clone(&up.sampling),
+            up.addr.port(),
+        );
+        // A thread of its own, since reading the kernel's table takes a while when it is long;
+        // sleeping is what it is for.
+        #[allow(clippy::disallowed_methods)]
+        std::thread::spawn(move || {
+            while sampling.load(Ordering::SeqCst) {
+                most_open.fetch_max(established_to(port), Ordering::SeqCst);
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        });
+        let held = Arc::clone(&up.held);
+        tokio::spawn(async move {
+            while let Ok((mut sock, _)) = listener.accept().await {
+                let held = Arc::clone(&held);
+                tokio::spawn(async move {
+                    let mut buf = Vec::new();
+                    let mut holding = false;
+                    loop {
+                        let mut chunk = [0u8; 4096];
+                        let n = match sock.read(&mut chunk).await {
+                            Ok(0) | Err(_) => break,
+                            Ok(n) => n,
+                        };
+                        buf.extend_from_slice(&chunk[..n]);
+                        while let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                            let head = String::from_utf8_lossy(&buf[..end]).to_string();
+                            buf.drain(..end + 4);
+                            if head.starts_with("GET /fast") {
+                                let _ = sock
+                                    .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                                    .await;
+                            } else if !holding {
+                                holding = true;
+                                held.fetch_add(1, Ordering::SeqCst);
+                            }
+                        }
+                    }
+                    if holding {
+                        held.fetch_sub(1, Ordering::SeqCst);
+                    }
+                });
+            }
+        });
+        up
+    }
+}
+
+/// Connections to local `port` that their client side holds open (ESTABLISHED), from the
+/// kernel's table: a socket the gateway closed leaves that state at once, whoever has read what.
+fn established_to(port: u16) -> usize {
+    let port = format!(":{port:04X}");
+    ["/proc/net/tcp", "/proc/net/tcp6"]
+        .iter()
+        .filter_map(|path| std::fs::read_to_string(path).ok())
+        .map(|table| {
+            table
+                .lines()
+                .skip(1)
+                .filter(|line| {
+                    let fields: Vec<&str> = line.split_whitespace().collect();
+                    fields.len() > 3 && fields[2].ends_with(&port) && fields[3] == "01"
+                })
+                .count()
+        })
+        .sum()
+}
+
+/// Clients that abandon thousands of slow calls cannot open more than `max_connections` to the
+/// upstream; past the cap a request waits within the connect timeout, then gets `503
+/// overloaded`; once the slow calls are gone an ordinary request is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn abandoned_slow_calls_keep_upstream_connections_at_the_cap() {
+    let up = HoldingUpstream::start().await;
+    let config = format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\nworkers = 2\n[upstream]\nurl = \"http://{}\"\nmax_connections = 4\n[store]\nbackend = \"memory\"\n[defaults]\nupstream_timeout = \"2s\"\n",
+        up.addr
+    );
+    let gw = GatewayProcess::start(&config);
+    let http = Http::new(gw.addr);
+    let mut rounds = tokio::task::JoinSet::new();
+    for i in 0..2000 {
+        let h = http.clone();
+        rounds.spawn(async move {
+            // Gone after 20 ms, long before any answer.
+            h.request("GET", &format!("/slow/{i}"))
+                .try_send(Duration::from_millis(20))
+                .await
+        });
+        if rounds.len() >= 64 {
+            rounds.join_next().await;
+        }
+    }
+    while rounds.join_next().await.is_some() {}
+    assert!(
+        up.most_open.load(Ordering::SeqCst) <= 4,
+        "{} upstream connections open at once",
+        up.most_open.load(Ordering::SeqCst)
+    );
+
+    // Four calls whose clients stay: every slot is busy, the fifth is refused within the
+    // connect timeout (half the upstream_timeout).
+    let mut staying = Vec::new();
+    for i in 0..4 {
+        let h = http.clone();
+        staying.push(tokio::spawn(async move {
+            h.request("GET", &format!("/slow/stay-{i}")).send().await
+        }));
+    }
+    assert!(
+        eventually(|| async { up.held.load(Ordering::SeqCst) == 4 }).await,
+        "the four calls never all reached the upstream"
+    );
+    let asked = Instant::now();
+    let refused = http.request("GET", "/fast").send().await;
+    assert_eq!(refused.status, 503);
+    assert_eq!(refused.problem_type(), "overloaded");
+    assert!(asked.elapsed() < Duration::from_secs(2));
+    for s in staying {
+        assert_eq!(s.await.unwrap().status, 504);
+    }
+    let served = http
+        .request("GET", "/fast")
+        .try_send(Duration::from_secs(5))
+        .await
+        .expect("an ordinary request after the slow calls left");
+    assert_eq!(served.status, 200);
+    assert!(up.most_open.load(Ordering::SeqCst) <= 4);
 }
