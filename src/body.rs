@@ -1,12 +1,22 @@
-//! Bodies: the one body type the gateway answers with, and capped reading.
+//! Bodies: the one body type the gateway answers with, capped reading, and the memory budget
+//! for buffered request bodies.
 //!
 //! Only idempotent routes buffer, and only up to a limit counted while reading (so chunked bodies
-//! without `Content-Length` are capped too). Everything else streams.
+//! without `Content-Length` are capped too). Everything else streams. Every buffered request body
+//! also draws on one [`Budget`] shared by all connections and streams (`server.max_buffered`):
+//! a piece that does not fit fails the read ([`OverBudget`]) instead of taking memory, and what a
+//! request holds is given back when its body is dropped ([`Lease`]).
+
+use std::pin::Pin;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::task::{ready, Context, Poll};
 
 use bytes::{Bytes, BytesMut};
 use futures_util::StreamExt;
 use http_body::{Body as HttpBody, Frame};
 use http_body_util::{BodyExt, BodyStream, Full, StreamBody};
+use prometheus_client::metrics::gauge::Gauge;
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -108,6 +118,120 @@ where
     StreamBody::new(head.chain(rest)).boxed_unsync()
 }
 
+/// Bytes of request bodies buffered at once, all requests together (`server.max_buffered`).
+pub struct Budget {
+    /// Bytes held now; the metric `idemgate_buffered_request_bytes` is this very gauge.
+    used: Gauge,
+    max: i64,
+}
+
+/// A buffered body would pass `server.max_buffered`.
+#[derive(Debug, thiserror::Error)]
+#[error("the buffered request bodies would pass server.max_buffered")]
+pub struct OverBudget;
+
+impl Budget {
+    /// `used` is the gauge to count in.
+    pub fn new(max: usize, used: Gauge) -> Arc<Self> {
+        Arc::new(Budget {
+            used,
+            max: i64::try_from(max).unwrap_or(i64::MAX),
+        })
+    }
+
+    /// An empty lease, to grow as a body is read.
+    pub fn lease(self: &Arc<Self>) -> Lease {
+        Lease {
+            budget: Arc::clone(self),
+            held: 0,
+        }
+    }
+
+    /// Bytes held now.
+    pub fn used(&self) -> i64 {
+        self.used.get()
+    }
+}
+
+/// The part of the [`Budget`] one request holds; given back when dropped.
+pub struct Lease {
+    budget: Arc<Budget>,
+    held: i64,
+}
+
+impl Lease {
+    /// Takes `n` more bytes, if they fit.
+    fn grow(&mut self, n: usize) -> Result<(), OverBudget> {
+        let n = i64::try_from(n).map_err(|_| OverBudget)?;
+        let max = self.budget.max;
+        self.budget
+            .used
+            .inner()
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+                used.checked_add(n).filter(|total| *total <= max)
+            })
+            .map_err(|_| OverBudget)?;
+        self.held += n;
+        Ok(())
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        if self.held > 0 {
+            self.budget.used.dec_by(self.held);
+        }
+    }
+}
+
+/// A body whose data is counted against `lease` as it is read.
+pub struct Budgeted<'a, B> {
+    inner: B,
+    lease: &'a mut Lease,
+}
+
+impl<'a, B> Budgeted<'a, B> {
+    pub fn new(inner: B, lease: &'a mut Lease) -> Self {
+        Budgeted { inner, lease }
+    }
+}
+
+impl<B> HttpBody for Budgeted<'_, B>
+where
+    B: HttpBody<Data = Bytes> + Unpin,
+    B::Error: Into<BoxError>,
+{
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = &mut *self;
+        let frame = ready!(Pin::new(&mut this.inner).poll_frame(cx));
+        Poll::Ready(match frame {
+            Some(Ok(frame)) => match frame.data_ref() {
+                Some(data) => match this.lease.grow(data.len()) {
+                    Ok(()) => Some(Ok(frame)),
+                    Err(e) => Some(Err(Box::new(e))),
+                },
+                None => Some(Ok(frame)),
+            },
+            Some(Err(e)) => Some(Err(e.into())),
+            None => None,
+        })
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -138,6 +262,31 @@ mod tests {
             read_capped(body, 4).await,
             Err(ReadError::TooLarge(4))
         ));
+    }
+
+    #[tokio::test]
+    async fn the_budget_refuses_what_does_not_fit_and_takes_back_what_is_dropped() {
+        let budget = Budget::new(5, Gauge::default());
+        let mut a = budget.lease();
+        let read = read_capped(Budgeted::new(chunked(&[b"abc"]), &mut a), 100).await;
+        assert_eq!(&read.unwrap()[..], b"abc");
+        assert_eq!(budget.used(), 3);
+        let mut b = budget.lease();
+        let Err(ReadError::Failed(e)) =
+            read_capped(Budgeted::new(chunked(&[b"de", b"fg"]), &mut b), 100).await
+        else {
+            panic!("expected the budget to refuse");
+        };
+        assert!(e.is::<OverBudget>());
+        assert_eq!(
+            budget.used(),
+            5,
+            "what b read before the refusal is still held"
+        );
+        drop(b);
+        assert_eq!(budget.used(), 3);
+        drop(a);
+        assert_eq!(budget.used(), 0);
     }
 
     #[tokio::test]

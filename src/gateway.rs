@@ -25,7 +25,7 @@ use http::{header, request, HeaderValue, Method, Request, Response};
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 
-use crate::body::{self, Body, Captured, ReadError};
+use crate::body::{self, Body, Budget, Budgeted, Captured, Lease, OverBudget, ReadError};
 use crate::config::{Policy, RouteConfig, UpstreamUrl};
 use crate::conn::{BodyTimeout, ClientBody};
 use crate::fingerprint::{fingerprint, RequestParts};
@@ -117,6 +117,8 @@ pub struct Gateway {
     connect_timeout: Duration,
     /// The cap on connections per upstream that every worker's pool shares.
     upstream_limits: Arc<ConnectionLimits>,
+    /// Request bodies buffered at once, all requests together.
+    budget: Arc<Budget>,
     metrics: Arc<Metrics>,
     /// Set when shutdown begins, so readiness turns false before the listener closes.
     shutting_down: AtomicBool,
@@ -148,9 +150,11 @@ impl Gateway {
         metrics: Arc<Metrics>,
         connect_timeout: Duration,
         upstream_limits: Arc<ConnectionLimits>,
+        max_buffered: usize,
     ) -> Self {
         Gateway {
             upstream_limits,
+            budget: Budget::new(max_buffered, metrics.buffered()),
             routing: ArcSwap::from_pointee(routing),
             store,
             core: Core::new(Arc::clone(&metrics)),
@@ -269,8 +273,8 @@ impl Gateway {
         // business id); otherwise only once the key is known to be valid.
         let mut body = ReqBody::Unread(incoming);
         if config.key.needs_body() {
-            body = match body.read(policy.max_body).await {
-                Ok(b) => ReqBody::Read(b),
+            body = match body.read(policy.max_body, &self.budget).await {
+                Ok((b, lease)) => ReqBody::Read(b, lease),
                 Err(p) => return Answer::problem(p),
             };
         }
@@ -303,7 +307,7 @@ impl Gateway {
         let store_key = StoreKey::new(&scope, &config.name, &key);
         drop(key);
 
-        let mut answer = match body.read(policy.max_body).await {
+        let mut answer = match body.read(policy.max_body, &self.budget).await {
             Ok(body) => {
                 self.keyed(route, parts, body, conn, &store_key, quota)
                     .await
@@ -319,7 +323,7 @@ impl Gateway {
         &self,
         route: &Arc<Route>,
         parts: request::Parts,
-        body: Bytes,
+        (body, lease): (Bytes, Lease),
         conn: &Arc<ClientConn>,
         key: &StoreKey,
         quota: Option<Quota>,
@@ -347,6 +351,7 @@ impl Gateway {
             conn: Arc::clone(conn),
             metrics: Arc::clone(&self.metrics),
             key: *key,
+            _lease: lease,
         };
         let decision = self
             .core
@@ -447,10 +452,11 @@ impl Gateway {
     }
 }
 
-/// A request body on an idempotent route: still on the wire, or buffered (phase `read_body`).
+/// A request body on an idempotent route: still on the wire, or buffered (phase `read_body`)
+/// with its share of the memory budget.
 enum ReqBody {
     Unread(ClientBody),
-    Read(Bytes),
+    Read(Bytes, Lease),
 }
 
 impl ReqBody {
@@ -458,22 +464,26 @@ impl ReqBody {
     fn bytes(&self) -> &[u8] {
         match self {
             ReqBody::Unread(_) => &[],
-            ReqBody::Read(b) => b,
+            ReqBody::Read(b, _) => b,
         }
     }
 
-    /// The whole body, reading it (up to `limit`) unless already read.
-    async fn read(self, limit: usize) -> Result<Bytes, Problem> {
+    /// The whole body, reading it (up to `limit`, within `budget`) unless already read.
+    async fn read(self, limit: usize, budget: &Arc<Budget>) -> Result<(Bytes, Lease), Problem> {
         match self {
-            ReqBody::Read(b) => Ok(b),
+            ReqBody::Read(b, lease) => Ok((b, lease)),
             ReqBody::Unread(incoming) => {
-                body::read_capped(incoming, limit)
-                    .await
-                    .map_err(|e| match e {
-                        ReadError::TooLarge(limit) => Problem::BodyTooLarge { limit },
-                        ReadError::Failed(e) if e.is::<BodyTimeout>() => Problem::BodyTimeout,
-                        ReadError::Failed(_) => Problem::BadRequestBody,
-                    })
+                let mut lease = budget.lease();
+                let read = body::read_capped(Budgeted::new(incoming, &mut lease), limit).await;
+                let bytes = read.map_err(|e| match e {
+                    ReadError::TooLarge(limit) => Problem::BodyTooLarge { limit },
+                    ReadError::Failed(e) if e.is::<BodyTimeout>() => Problem::BodyTimeout,
+                    ReadError::Failed(e) if e.is::<OverBudget>() => Problem::Overloaded {
+                        what: "memory for request bodies",
+                    },
+                    ReadError::Failed(_) => Problem::BadRequestBody,
+                })?;
+                Ok((bytes, lease))
             }
         }
     }
@@ -482,7 +492,7 @@ impl ReqBody {
     fn into_body(self) -> Body {
         match self {
             ReqBody::Unread(incoming) => body::boxed(incoming),
-            ReqBody::Read(b) => body::full(b),
+            ReqBody::Read(b, _) => body::full(b),
         }
     }
 }
@@ -503,6 +513,8 @@ struct Forward {
     metrics: Arc<Metrics>,
     /// For the log, should the request not even be made.
     key: StoreKey,
+    /// The request body's share of `server.max_buffered`, held until the execution is over.
+    _lease: Lease,
 }
 
 impl Execute for Forward {
@@ -516,6 +528,7 @@ impl Execute for Forward {
             conn,
             metrics,
             key,
+            _lease,
         } = self;
         let policy = &route.config.policy;
         if let Err(e) = prepare_request(&mut parts, &route.config.upstream, &conn.addr) {

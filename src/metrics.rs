@@ -153,6 +153,7 @@ pub struct Metrics {
     store_errors: Family<OpLabel, Counter>,
     in_flight: Gauge,
     waiting: Gauge,
+    buffered: Gauge,
     worker_connections: Family<WorkerLabel, Gauge>,
     connections_closed: Family<ReasonLabel, Counter>,
     records_purged: Counter,
@@ -179,6 +180,7 @@ impl Metrics {
         let store_errors = Family::<OpLabel, Counter>::default();
         let in_flight = Gauge::default();
         let waiting = Gauge::default();
+        let buffered = Gauge::default();
         let worker_connections = Family::<WorkerLabel, Gauge>::default();
         let records_purged = Counter::default();
         let store_syncs = Counter::default();
@@ -219,6 +221,11 @@ impl Metrics {
             waiting.clone(),
         );
         registry.register(
+            "buffered_request_bytes",
+            "Bytes of request bodies buffered now, all requests together (at most server.max_buffered)",
+            buffered.clone(),
+        );
+        registry.register(
             "worker_connections",
             "Client connections each worker thread is serving",
             worker_connections.clone(),
@@ -241,6 +248,7 @@ impl Metrics {
             store_errors,
             in_flight,
             waiting,
+            buffered,
             worker_connections,
             connections_closed,
             records_purged,
@@ -322,6 +330,11 @@ impl Metrics {
     /// The count of duplicates waiting on keys ([`crate::waiting`] keeps it).
     pub fn waiting(&self) -> Gauge {
         self.waiting.clone()
+    }
+
+    /// The bytes of request bodies buffered now ([`crate::body::Budget`] counts in it).
+    pub fn buffered(&self) -> Gauge {
+        self.buffered.clone()
     }
 
     /// Requests being handled right now.

@@ -80,6 +80,7 @@ impl Server {
             metrics,
             connect_timeout,
             ConnectionLimits::new(config.upstream_max_connections),
+            config.server.max_buffered,
         ));
         Ok(Server {
             listener,

@@ -99,6 +99,8 @@ pub struct ServerConfig {
     pub deadlines: Deadlines,
     /// HTTP/2 streams open at once on one connection.
     pub max_streams: u32,
+    /// `server.max_buffered`: bytes of request bodies buffered at once, all requests together.
+    pub max_buffered: usize,
     /// Peers whose `X-Forwarded-*` and `Forwarded` headers are believed (load balancers in
     /// front); from any other peer they are replaced.
     pub trusted_proxies: Vec<ipnet::IpNet>,

@@ -29,6 +29,7 @@ pub(super) struct RawServer {
     pub(super) idle_timeout: Option<String>,
     pub(super) send_timeout: Option<String>,
     pub(super) max_streams: Option<i64>,
+    pub(super) max_buffered: Option<RawSize>,
     pub(super) trusted_proxies: Option<Vec<String>>,
     pub(super) case_sensitive_routes: Option<bool>,
 }

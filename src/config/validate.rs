@@ -28,6 +28,11 @@ const MIN_TTL: Duration = Duration::from_secs(1);
 const MAX_TTL: Duration = Duration::from_secs(365 * 24 * 3600);
 /// Largest accepted `max_disk` (1 PiB): counts stay far from overflowing.
 const MAX_DISK: u64 = 1 << 50;
+/// Request bodies buffered at once across every connection when `server.max_buffered` is not
+/// set: about 64 thousand 1 KiB payment requests, or 64 at the 1 MiB `max_body`.
+const DEFAULT_MAX_BUFFERED: usize = 64 << 20;
+const MIN_BUFFERED: usize = 64 << 10;
+const MAX_BUFFERED: u64 = 1 << 40;
 /// Connections to each upstream when `upstream.max_connections` is not set.
 const DEFAULT_UPSTREAM_CONNECTIONS: usize = 1024;
 /// More worker threads than this would only add switching.
@@ -65,6 +70,20 @@ impl RawConfig {
         }
         check_unique_names(&routes)?;
         check_overlaps(&routes)?;
+        // A body larger than the whole budget could never be read: say so now, not with a 503
+        // on every such request.
+        for (i, r) in routes.iter().enumerate() {
+            if r.policy.max_body > server.max_buffered {
+                return Err(ConfigError::invalid(
+                    format!("routes[{i}].max_body"),
+                    r.policy.max_body.to_string(),
+                    format!(
+                        "at most server.max_buffered ({} bytes)",
+                        server.max_buffered
+                    ),
+                ));
+            }
+        }
         Ok(Config {
             server,
             store,
@@ -175,6 +194,17 @@ fn validate_server(raw: Option<RawServer>) -> Result<ServerConfig, ConfigError> 
             ))
         }
     };
+    let max_buffered = match &raw.max_buffered {
+        None => DEFAULT_MAX_BUFFERED,
+        Some(s) => parse_size("server.max_buffered", s, MAX_BUFFERED)? as usize,
+    };
+    if max_buffered < MIN_BUFFERED {
+        return Err(ConfigError::invalid(
+            "server.max_buffered",
+            max_buffered.to_string(),
+            "at least 64KiB (64MiB is the default)",
+        ));
+    }
     let mut trusted_proxies = Vec::new();
     for (i, raw) in raw
         .trusted_proxies
@@ -203,6 +233,7 @@ fn validate_server(raw: Option<RawServer>) -> Result<ServerConfig, ConfigError> 
         workers,
         deadlines,
         max_streams,
+        max_buffered,
         trusted_proxies,
         case_sensitive_routes: raw.case_sensitive_routes.unwrap_or(false),
     })

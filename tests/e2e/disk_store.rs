@@ -145,7 +145,9 @@ async fn a_directory_that_cannot_be_made_is_refused_with_what_to_do() {
 async fn expired_records_are_purged_and_no_longer_counted() {
     let dir = TempDir::new("disk-expiry");
     let store = open(&dir);
-    let ttl = Duration::from_millis(200);
+    // Long enough that a reservation is still alive when it completes on a loaded machine (each
+    // completion waits for an fsync shared with every other test), short enough to expire soon.
+    let ttl = Duration::from_secs(1);
     let body = "x".repeat(2000);
     let body: &'static str = Box::leak(body.into_boxed_str());
     let mut sizes = Vec::new();

@@ -111,7 +111,8 @@ async fn a_head_that_never_completes_is_cut_at_header_timeout() {
     assert!(started.elapsed() >= Duration::from_millis(900));
     assert_eq!(up.executions(), 0);
     let admin = gw.admin_addr().unwrap();
-    assert!(closed_for(admin, "header_timeout").await >= 1.0);
+    // Counted just after the close: the client may see the close first.
+    assert!(eventually(|| async { closed_for(admin, "header_timeout").await >= 1.0 }).await);
 }
 
 #[tokio::test]
@@ -144,7 +145,8 @@ async fn keep_alive_is_closed_after_idle_timeout() {
         idle >= Duration::from_millis(1800),
         "closed after {idle:?}: header_timeout (1s) was applied to keep-alive"
     );
-    assert!(closed_for(gw.admin_addr().unwrap(), "idle_timeout").await >= 1.0);
+    let admin = gw.admin_addr().unwrap();
+    assert!(eventually(|| async { closed_for(admin, "idle_timeout").await >= 1.0 }).await);
 }
 
 /// A body that stops arriving: 408 problem, nothing forwarded, nothing stored; the same key then
@@ -649,7 +651,7 @@ fn established_to(port: u16) -> usize {
 async fn abandoned_slow_calls_keep_upstream_connections_at_the_cap() {
     let up = HoldingUpstream::start().await;
     let config = format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\nworkers = 2\n[upstream]\nurl = \"http://{}\"\nmax_connections = 4\n[store]\nbackend = \"memory\"\n[defaults]\nupstream_timeout = \"2s\"\n",
+        "[server]\nlisten = \"127.0.0.1:0\"\nworkers = 2\n[upstream]\nurl = \"http://{}\"\nmax_connections = 4\n[store]\nbackend = \"memory\"\n[defaults]\nupstream_timeout = \"8s\"\n",
         up.addr
     );
     let gw = GatewayProcess::start(&config);
@@ -670,12 +672,18 @@ async fn abandoned_slow_calls_keep_upstream_connections_at_the_cap() {
     while rounds.join_next().await.is_some() {}
     assert!(
         up.most_open.load(Ordering::SeqCst) <= 4,
-        "{} upstream connections open at once",
-        up.most_open.load(Ordering::SeqCst)
+        "{} upstream connections open at once: {}",
+        up.most_open.load(Ordering::SeqCst),
+        std::fs::read_to_string("/proc/net/tcp")
+            .unwrap()
+            .lines()
+            .filter(|l| l.contains(&format!(":{:04X}", up.addr.port())))
+            .collect::<Vec<_>>()
+            .join("\n")
     );
 
     // Four calls whose clients stay: every slot is busy, the fifth is refused within the
-    // connect timeout (half the upstream_timeout).
+    // connect timeout (half the upstream_timeout: 4 s, well before the four time out at 8 s).
     let mut staying = Vec::new();
     for i in 0..4 {
         let h = http.clone();
@@ -691,7 +699,7 @@ async fn abandoned_slow_calls_keep_upstream_connections_at_the_cap() {
     let refused = http.request("GET", "/fast").send().await;
     assert_eq!(refused.status, 503);
     assert_eq!(refused.problem_type(), "overloaded");
-    assert!(asked.elapsed() < Duration::from_secs(2));
+    assert!(asked.elapsed() < Duration::from_secs(6));
     for s in staying {
         assert_eq!(s.await.unwrap().status, 504);
     }
@@ -702,4 +710,124 @@ async fn abandoned_slow_calls_keep_upstream_connections_at_the_cap() {
         .expect("an ordinary request after the slow calls left");
     assert_eq!(served.status, 200);
     assert!(up.most_open.load(Ordering::SeqCst) <= 4);
+}
+
+/// Kilobytes of the process's peak resident memory (`VmHWM`).
+fn peak_rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmHWM in /proc/PID/status")
+}
+
+/// The attack from the issue: 4 HTTP/2 connections x 100 streams, each sending 1 MiB of a body
+/// it never finishes, on a route that buffers up to 2 MiB. Without a budget that is 400 MiB;
+/// with `server.max_buffered = "32MiB"` the streams past it get `503 overloaded` and the
+/// gateway's peak memory grows by about the budget.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unfinished_http2_bodies_stay_within_max_buffered() {
+    use http_body_util::StreamBody;
+    use hyper::body::Frame;
+    use std::convert::Infallible;
+
+    let up = Upstream::counting().await;
+    let gw = GatewayProcess::start(&config_text(
+        &up.url(),
+        "max_buffered = \"32MiB\"\nbody_timeout = \"60s\"\nadmin = \"127.0.0.1:0\"",
+        &format!("{PAYMENTS}max_body = \"2MiB\"\n"),
+    ));
+    // Warm up: one request of each kind, so the baseline includes what a first request costs.
+    let http = Http::new(gw.addr);
+    assert_eq!(http.post("/payments", "warm-up", "{}").await.status, 201);
+    let baseline = peak_rss_kib(gw.pid());
+
+    type Chunks = std::pin::Pin<
+        Box<dyn futures_util::Stream<Item = Result<Frame<Bytes>, Infallible>> + Send>,
+    >;
+    let chunk = Bytes::from(vec![b' '; 16 << 10]);
+    let answers = Arc::new(AtomicUsize::new(0));
+    let refused = Arc::new(AtomicUsize::new(0));
+    let mut streams = tokio::task::JoinSet::new();
+    let mut drivers = Vec::new();
+    for c in 0..4 {
+        let io = hyper_util::rt::TokioIo::new(connect(gw.addr).await);
+        let (send, conn) =
+            hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+                .handshake::<_, StreamBody<Chunks>>(io)
+                .await
+                .unwrap();
+        drivers.push(tokio::spawn(conn));
+        for s in 0..100 {
+            let mut send = send.clone();
+            let (chunk, answers, refused) =
+                (chunk.clone(), Arc::clone(&answers), Arc::clone(&refused));
+            let uri = format!("http://{}/payments", gw.addr);
+            streams.spawn(async move {
+                let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(1);
+                let chunks: Chunks = Box::pin(futures_util::stream::unfold(rx, |mut rx| async {
+                    let c = rx.recv().await?;
+                    Some((Ok(Frame::data(c)), rx))
+                }));
+                let req = http::Request::post(uri)
+                    .header("idempotency-key", format!("big-{c}-{s}"))
+                    .header("content-type", "application/json")
+                    .header("content-length", (2 << 20).to_string())
+                    .body(StreamBody::new(chunks))
+                    .unwrap();
+                let response = send.send_request(req);
+                tokio::pin!(response);
+                let feed = async {
+                    for _ in 0..64 {
+                        if tx.send(chunk.clone()).await.is_err() {
+                            return;
+                        }
+                    }
+                };
+                // Sends its 1 MiB as fast as the gateway takes it, then holds the stream open,
+                // never finishing the body, until the gateway answers.
+                let answered = tokio::select! {
+                    r = &mut response => r,
+                    () = feed => response.await,
+                };
+                if answered.is_ok_and(|r| r.status() == 503) {
+                    refused.fetch_add(1, Ordering::SeqCst);
+                }
+                answers.fetch_add(1, Ordering::SeqCst);
+                drop(tx);
+            });
+        }
+    }
+    // At most 32 streams fit in the budget with their 1 MiB; every other one is answered.
+    assert!(
+        eventually_within(Duration::from_secs(60), || async {
+            answers.load(Ordering::SeqCst) >= 400 - 32
+        })
+        .await,
+        "only {} of 400 streams were answered",
+        answers.load(Ordering::SeqCst)
+    );
+    let grown_mib = peak_rss_kib(gw.pid()).saturating_sub(baseline) / 1024;
+    let refused = refused.load(Ordering::SeqCst);
+    eprintln!("peak memory grew by {grown_mib} MiB; {refused} of 400 streams refused");
+    assert!(
+        refused >= 400 - 32,
+        "only {refused} streams were refused with 503"
+    );
+    assert!(
+        grown_mib < 32 + 40,
+        "peak memory grew by {grown_mib} MiB under a 32 MiB budget"
+    );
+    // Once the attacker's connections are gone, what its streams held is given back and an
+    // ordinary client is served. (While they trickle in, the budget stays theirs: see "What is
+    // not there yet" in docs/security.md.)
+    streams.abort_all();
+    for d in drivers {
+        d.abort();
+    }
+    assert!(
+        eventually(|| async { http.post("/payments", "ordinary", "{}").await.status == 201 }).await,
+        "the budget was not given back when the streams went away"
+    );
 }

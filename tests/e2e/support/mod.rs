@@ -615,12 +615,21 @@ pub async fn scrape(admin: SocketAddr) -> HashMap<String, f64> {
 
 /// Polls `check` every 10 ms for at most 10 s: a test waits on a condition, not on a guessed
 /// duration. Returns whether the condition came true.
-pub async fn eventually<F, Fut>(mut check: F) -> bool
+pub async fn eventually<F, Fut>(check: F) -> bool
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = bool>,
 {
-    for _ in 0..1000 {
+    eventually_within(Duration::from_secs(10), check).await
+}
+
+/// [`eventually`] with another limit, for conditions that take long on a slow machine.
+pub async fn eventually_within<F, Fut>(limit: Duration, mut check: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    for _ in 0..limit.as_millis().div_ceil(10) {
         if check().await {
             return true;
         }
