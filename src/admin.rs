@@ -16,7 +16,7 @@ use crate::body::{self, Body};
 use crate::config::Deadlines;
 use crate::conn::{self, ClientBody};
 use crate::gateway::Gateway;
-use crate::store::{StoreError, StoreOp};
+use crate::store::{Readiness, StoreError, StoreOp};
 
 /// A readiness check fails if the store does not answer within this.
 const READY_TIMEOUT: Duration = Duration::from_secs(2);
@@ -73,7 +73,15 @@ async fn handle(gw: &Gateway, req: Request<ClientBody>) -> Response<Body> {
                     .store_call(StoreOp::Ping, started.elapsed(), failed);
             }
             match ping {
-                Ok(Ok(())) => text(StatusCode::OK, "ready\n"),
+                Ok(Ok(())) => match gw.store().readiness() {
+                    Readiness::Fine => text(StatusCode::OK, "ready\n"),
+                    Readiness::Warning(w) => {
+                        owned_text(StatusCode::OK, format!("ready; warning: {w}\n"))
+                    }
+                    Readiness::NotReady(why) => {
+                        owned_text(StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n"))
+                    }
+                },
                 Ok(Err(e)) => {
                     tracing::debug!(error = %e, "not ready");
                     text(StatusCode::SERVICE_UNAVAILABLE, "store unreachable\n")
@@ -101,7 +109,11 @@ async fn handle(gw: &Gateway, req: Request<ClientBody>) -> Response<Body> {
 }
 
 fn text(status: StatusCode, msg: &'static str) -> Response<Body> {
-    let mut resp = Response::new(body::full(Bytes::from_static(msg.as_bytes())));
+    owned_text(status, msg.to_string())
+}
+
+fn owned_text(status: StatusCode, msg: String) -> Response<Body> {
+    let mut resp = Response::new(body::full(Bytes::from(msg)));
     *resp.status_mut() = status;
     resp.headers_mut().insert(
         header::CONTENT_TYPE,

@@ -158,6 +158,7 @@ pub struct Metrics {
     connections_closed: Family<ReasonLabel, Counter>,
     records_purged: Counter,
     store_syncs: Counter,
+    eviction_risk: Gauge,
     /// Requests outside any route.
     unrouted: RouteMetrics,
     store_ops: [OnceLock<Histogram>; StoreOp::COUNT],
@@ -184,6 +185,7 @@ impl Metrics {
         let worker_connections = Family::<WorkerLabel, Gauge>::default();
         let records_purged = Counter::default();
         let store_syncs = Counter::default();
+        let eviction_risk = Gauge::default();
         let connections_closed = Family::<ReasonLabel, Counter>::default();
         registry.register(
             "connections_closed",
@@ -240,7 +242,13 @@ impl Metrics {
             "Durable commits (fsyncs) of the disk store",
             store_syncs.clone(),
         );
+        registry.register(
+            "store_eviction_risk",
+            "1 while Redis's maxmemory-policy can evict live records, 0 under noeviction (absent until read)",
+            eviction_risk.clone(),
+        );
         Metrics {
+            eviction_risk,
             registry,
             requests,
             upstream_seconds,
@@ -350,6 +358,9 @@ impl Metrics {
         self.store_syncs
             .inner()
             .store(stats.syncs, Ordering::Relaxed);
+        if let Some(risk) = stats.eviction_risk {
+            self.eviction_risk.set(i64::from(risk));
+        }
     }
 
     /// The text exposition (OpenMetrics) of everything.

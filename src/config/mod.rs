@@ -182,6 +182,8 @@ pub struct RedisSettings {
     /// PEM file of the CA that signed Redis's certificate (rediss:// with a private CA); `None`
     /// trusts the system's roots.
     pub tls_ca_file: Option<std::path::PathBuf>,
+    /// Refuse new keys (503) unless Redis says its `maxmemory-policy` is `noeviction`.
+    pub require_noeviction: bool,
 }
 
 #[derive(Clone, PartialEq, Eq)]

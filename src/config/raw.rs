@@ -45,6 +45,7 @@ pub(super) struct RawStore {
     pub(super) key_prefix: Option<String>,
     pub(super) command_timeout: Option<String>,
     pub(super) tls_ca_file: Option<String>,
+    pub(super) require_noeviction: Option<bool>,
     pub(super) path: Option<String>,
     pub(super) sync: Option<String>,
     pub(super) sync_interval: Option<String>,

@@ -351,6 +351,7 @@ fn redis_store_settings() {
             key_prefix: "idemgate:".into(),
             command_timeout: Duration::from_millis(500),
             tls_ca_file: None,
+            require_noeviction: false,
         })
     );
     let shown = c.describe();

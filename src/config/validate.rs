@@ -265,6 +265,11 @@ fn validate_store(raw: RawStore) -> Result<StoreConfig, ConfigError> {
             only("key_prefix", raw.key_prefix.is_some(), "redis")?;
             only("command_timeout", raw.command_timeout.is_some(), "redis")?;
             only("tls_ca_file", raw.tls_ca_file.is_some(), "redis")?;
+            only(
+                "require_noeviction",
+                raw.require_noeviction.is_some(),
+                "redis",
+            )?;
             only("max_keys", raw.max_keys.is_some(), "memory")?;
             only("max_bytes", raw.max_bytes.is_some(), "memory")?;
             let path = match raw.path {
@@ -337,6 +342,11 @@ fn validate_store(raw: RawStore) -> Result<StoreConfig, ConfigError> {
             only("key_prefix", raw.key_prefix.is_some(), "redis")?;
             only("command_timeout", raw.command_timeout.is_some(), "redis")?;
             only("tls_ca_file", raw.tls_ca_file.is_some(), "redis")?;
+            only(
+                "require_noeviction",
+                raw.require_noeviction.is_some(),
+                "redis",
+            )?;
             let max_keys = match raw.max_keys {
                 None => 1_000_000,
                 Some(n) if (1..=100_000_000).contains(&n) => n as usize,
@@ -433,6 +443,7 @@ fn validate_store(raw: RawStore) -> Result<StoreConfig, ConfigError> {
                 key_prefix,
                 command_timeout,
                 tls_ca_file,
+                require_noeviction: raw.require_noeviction.unwrap_or(false),
             }))
         }
         other => Err(ConfigError::invalid(

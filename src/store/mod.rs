@@ -281,6 +281,19 @@ pub struct StoreStats {
     pub purged: u64,
     /// Durable commits (fsyncs) this process made (0 where nothing is written to a local disk).
     pub syncs: u64,
+    /// Whether the store may evict live records on its own (Redis's `maxmemory-policy`);
+    /// `None` where that cannot happen or is not known yet.
+    pub eviction_risk: Option<bool>,
+}
+
+/// What a store's own configuration means for readiness.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Readiness {
+    Fine,
+    /// Ready, but an operator should know this.
+    Warning(String),
+    /// Not ready, for this reason.
+    NotReady(String),
 }
 
 /// Every backend implements this; see the module doc for the contract.
@@ -359,6 +372,11 @@ pub trait Store: Send + Sync + 'static {
 
     /// Counters for `/metrics`.
     fn stats(&self) -> StoreStats;
+
+    /// What the store's own configuration means for readiness (`/readyz`), beyond reaching it.
+    fn readiness(&self) -> Readiness {
+        Readiness::Fine
+    }
 
     /// A handle to this same store for one worker thread, made on that thread and used only
     /// there: a backend whose connections are driven by the runtime that made them (Redis)

@@ -436,3 +436,112 @@ async fn keys_get_finds_records_of_routes_keyed_by_body_fields() {
     assert_eq!(wrong.status.code(), Some(64));
     assert!(String::from_utf8_lossy(&wrong.stderr).contains("2 part(s)"));
 }
+
+/// The gateway in-process on `redis_url` with an admin listener; `store_extra` goes in `[store]`.
+async fn with_admin(
+    upstream: &str,
+    redis_url: &str,
+    store_extra: &str,
+) -> idemgate::server::Running {
+    let text = redis_config(upstream, redis_url, PAYMENTS)
+        .replacen("[server]\n", "[server]\nadmin = \"127.0.0.1:0\"\n", 1)
+        .replacen("[store]\n", &format!("[store]\n{store_extra}"), 1);
+    let config = idemgate::config::Config::parse(&text).unwrap();
+    idemgate::server::Running::start(config).await.unwrap()
+}
+
+/// A Redis that may evict live records is reported at startup: an error in the log, a warning on
+/// `/readyz`, and `idemgate_store_eviction_risk 1`; a Redis that keeps them reports 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_evicting_redis_is_reported() {
+    let evicting =
+        RedisServer::start_with(&["--maxmemory", "100mb", "--maxmemory-policy", "allkeys-lru"]);
+    let safe = RedisServer::start_with(&["--appendonly", "yes"]);
+    let up = Upstream::counting().await;
+    let risky = with_admin(&up.url(), &evicting.url(), "").await;
+    let fine = with_admin(&up.url(), &safe.url(), "").await;
+    let risk = |admin| async move {
+        scrape(admin)
+            .await
+            .get("idemgate_store_eviction_risk")
+            .copied()
+    };
+    let (risky_admin, fine_admin) = (risky.admin_addr().unwrap(), fine.admin_addr().unwrap());
+    assert!(eventually(|| async { risk(risky_admin).await == Some(1.0) }).await);
+    assert!(eventually(|| async { risk(fine_admin).await == Some(0.0) }).await);
+    let (status, body) = admin_get(risky_admin, "/readyz").await;
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        body.contains("warning") && body.contains("allkeys-lru"),
+        "{body}"
+    );
+    assert_eq!(
+        admin_get(fine_admin, "/readyz").await,
+        (200, "ready\n".to_string())
+    );
+    // Reported, not refused: requests are served on both.
+    assert_eq!(
+        Http::new(risky.addr())
+            .post("/payments", "k", "{}")
+            .await
+            .status,
+        201
+    );
+    // A Redis without persistence forgets every key when it restarts: a warning too.
+    let forgetful = RedisServer::start();
+    let gw = with_admin(&up.url(), &forgetful.url(), "").await;
+    let admin = gw.admin_addr().unwrap();
+    assert!(
+        eventually(|| async {
+            admin_get(admin, "/readyz")
+                .await
+                .1
+                .contains("appendonly yes")
+        })
+        .await,
+        "{:?}",
+        admin_get(admin, "/readyz").await
+    );
+}
+
+/// With `store.require_noeviction = true`, an evicting Redis gets no new keys (503) and the
+/// instance is not ready; a Redis set to `noeviction` is found within the recheck and used.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn require_noeviction_refuses_an_evicting_redis() {
+    let redis = RedisServer::start_with(&["--maxmemory-policy", "volatile-lru"]);
+    let up = Upstream::counting().await;
+    let gw = with_admin(&up.url(), &redis.url(), "require_noeviction = true\n").await;
+    let admin = gw.admin_addr().unwrap();
+    assert!(
+        eventually(|| async {
+            let (status, body) = admin_get(admin, "/readyz").await;
+            status == 503 && body.contains("volatile-lru")
+        })
+        .await,
+        "{:?}",
+        admin_get(admin, "/readyz").await
+    );
+    let refused = Http::new(gw.addr()).post("/payments", "k", "{}").await;
+    assert_eq!(refused.status, 503);
+    assert_eq!(refused.problem_type(), "store-unavailable");
+    assert_eq!(up.executions(), 0);
+    // A key stored while Redis was set right still replays.
+    redis.cli(&["CONFIG", "SET", "maxmemory-policy", "noeviction"]);
+    let before = with_admin(&up.url(), &redis.url(), "require_noeviction = true\n").await;
+    let http = Http::new(before.addr());
+    assert!(
+        eventually(|| async { http.post("/payments", "stored", "{}").await.status == 201 }).await
+    );
+    redis.cli(&["CONFIG", "SET", "maxmemory-policy", "volatile-lru"]);
+    assert!(
+        eventually(|| async {
+            admin_get(admin, "/readyz").await.0 == 503
+                && Http::new(gw.addr())
+                    .post("/payments", "stored", "{}")
+                    .await
+                    .is_replay()
+        })
+        .await
+    );
+    assert_eq!(up.executions(), 1);
+}

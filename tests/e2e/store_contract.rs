@@ -498,6 +498,7 @@ fn settings(target: RedisTarget) -> RedisSettings {
         key_prefix: "contract:".into(),
         command_timeout: Duration::from_secs(2),
         tls_ca_file: None,
+        require_noeviction: false,
     }
 }
 

@@ -17,6 +17,7 @@
 //!   so) until it is reachable; no restart is needed when it comes back.
 
 mod conn;
+mod safety;
 mod scripts;
 mod subscriber;
 
@@ -32,12 +33,13 @@ use tokio::sync::OnceCell;
 use tokio::task::AbortHandle;
 
 use self::conn::{eval, Connector, HandleConn, RedisConn};
+use self::safety::{Eviction, Safety};
 use self::scripts::Scripts;
 use super::codec;
 use super::wait::Waiters;
 use super::{
-    ms_after, now_ms, OpenError, OwnerToken, Record, RecordState, Reservation, Store, StoreError,
-    StoreStats, StoredResponse, UnknownReason, Watch,
+    ms_after, now_ms, OpenError, OwnerToken, Readiness, Record, RecordState, Reservation, Store,
+    StoreError, StoreStats, StoredResponse, UnknownReason, Watch,
 };
 use crate::config::{RedisSettings, RedisTarget};
 use crate::fingerprint::Fingerprint;
@@ -64,6 +66,10 @@ struct Shared {
     tasks: Vec<AbortHandle>,
     /// Whether the pub/sub subscriber is listening now (see [`RedisStore::is_subscribed`]).
     subscribed: Arc<AtomicBool>,
+    /// What Redis's configuration says about evicting and forgetting records ([`safety`]).
+    safety: Arc<Safety>,
+    /// `store.require_noeviction`: new keys only once Redis is known not to evict.
+    require_noeviction: bool,
 }
 
 impl Drop for Shared {
@@ -139,6 +145,13 @@ impl RedisStore {
         let conn = connector
             .handle()
             .map_err(|e| OpenError::RedisConnection(e.to_string()))?;
+        let safety = Arc::new(Safety::default());
+        let checker = connector
+            .handle()
+            .map_err(|e| OpenError::RedisConnection(e.to_string()))?;
+        tasks.push(
+            tokio::spawn(safety::watch(checker, Arc::clone(&safety), timeout)).abort_handle(),
+        );
         let subscribed = Arc::new(AtomicBool::new(false));
         tasks.push(
             tokio::spawn(subscriber::listen(
@@ -159,6 +172,8 @@ impl RedisStore {
                 scripts: Arc::new(Scripts::new()),
                 tasks,
                 subscribed,
+                safety,
+                require_noeviction: settings.require_noeviction,
             }),
             conn: Ok(conn),
         })
@@ -326,6 +341,15 @@ impl Store for RedisStore {
         lease: Duration,
         ttl: Duration,
     ) -> Result<Reservation, StoreError> {
+        if self.shared.require_noeviction && self.shared.safety.eviction() != Eviction::Safe {
+            // Records already there are still answered; only new ones are not made.
+            return match self.get(key).await? {
+                Some(record) => Ok(Reservation::Existing(record)),
+                None => Err(StoreError::Unavailable(
+                    "Redis is not known to keep records (store.require_noeviction): its maxmemory-policy is not noeviction, or cannot be read yet".into(),
+                )),
+            };
+        }
         let (owner, record) = super::pending(fingerprint, lease);
         let record = codec::encode(&record);
         let mut conn = self.conn()?;
@@ -527,7 +551,28 @@ impl Store for RedisStore {
 
     fn stats(&self) -> StoreStats {
         // Redis expires records itself.
-        StoreStats::default()
+        StoreStats {
+            eviction_risk: match self.shared.safety.eviction() {
+                Eviction::Safe => Some(false),
+                Eviction::Evicting => Some(true),
+                Eviction::Unchecked | Eviction::Unreadable => None,
+            },
+            ..StoreStats::default()
+        }
+    }
+
+    fn readiness(&self) -> Readiness {
+        let eviction = self.shared.safety.eviction();
+        let note = self.shared.safety.note();
+        if self.shared.require_noeviction && eviction != Eviction::Safe {
+            return Readiness::NotReady(note.unwrap_or_else(|| {
+                "Redis's maxmemory-policy not checked yet (store.require_noeviction)".into()
+            }));
+        }
+        match note {
+            Some(n) => Readiness::Warning(n),
+            None => Readiness::Fine,
+        }
     }
 
     fn for_worker(&self) -> Arc<dyn Store> {

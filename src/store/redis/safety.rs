@@ -1,0 +1,211 @@
+//! Whether this Redis can lose live records on its own, read from its configuration.
+//!
+//! A record Redis evicts under memory pressure is a key that executes again on its next retry:
+//! only `maxmemory-policy noeviction` (Redis's default) refuses writes instead. Every other policy
+//! (`allkeys-*`, and `volatile-*` too, since every record has a TTL) can evict live records. And a
+//! Redis that neither appends to a file nor snapshots forgets every key when it restarts.
+//!
+//! A task reads `CONFIG GET` at startup (again each second until Redis answers) and then every
+//! [`RECHECK`], and keeps the answer here: an evicting policy is logged as an error, shown on
+//! `/readyz` and in the metric `idemgate_store_eviction_risk`, and with
+//! `store.require_noeviction = true` new keys are refused until the policy is `noeviction`. A
+//! Redis that does not allow `CONFIG` (some managed services) cannot be checked: that is a
+//! warning, and with `require_noeviction` a refusal, since nothing proves the records are safe.
+
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use redis::Value;
+
+use super::conn::HandleConn;
+
+/// How often the configuration is read again once it has been read.
+pub const RECHECK: Duration = Duration::from_secs(30);
+/// How often it is tried until Redis first answers.
+const RETRY: Duration = Duration::from_secs(1);
+
+/// What the last check found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Eviction {
+    /// Not read yet.
+    Unchecked = 0,
+    /// `noeviction` (on every node that answered).
+    Safe = 1,
+    /// A policy that can evict live records.
+    Evicting = 2,
+    /// Redis answered, but not with its policy (`CONFIG` disabled or renamed).
+    Unreadable = 3,
+}
+
+/// The last check's findings; shared by every handle of one store.
+#[derive(Default)]
+pub struct Safety {
+    eviction: AtomicU8,
+    /// What to tell an operator about it (never a URL or a password).
+    note: Mutex<Option<String>>,
+}
+
+impl Safety {
+    pub fn eviction(&self) -> Eviction {
+        match self.eviction.load(Ordering::Acquire) {
+            1 => Eviction::Safe,
+            2 => Eviction::Evicting,
+            3 => Eviction::Unreadable,
+            _ => Eviction::Unchecked,
+        }
+    }
+
+    /// What the last check found worth telling, if anything.
+    pub fn note(&self) -> Option<String> {
+        self.note
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    fn set(&self, eviction: Eviction, note: Option<String>) {
+        let before = self.eviction.swap(eviction as u8, Ordering::AcqRel);
+        let mut kept = self.note.lock().unwrap_or_else(PoisonError::into_inner);
+        // Logged when it changes, not every RECHECK.
+        if before != eviction as u8 || *kept != note {
+            match (&note, eviction) {
+                (Some(n), Eviction::Evicting) => tracing::error!("{n}"),
+                (Some(n), _) => tracing::warn!("{n}"),
+                (None, _) => tracing::info!("Redis keeps records until they expire (maxmemory-policy noeviction, persistence on)"),
+            }
+        }
+        *kept = note;
+    }
+}
+
+/// Reads Redis's configuration now and then, for as long as the store lives.
+pub async fn watch(handle: HandleConn, safety: Arc<Safety>, timeout: Duration) {
+    loop {
+        let checked = match handle.get() {
+            Ok(mut conn) => tokio::time::timeout(timeout, check(&mut conn)).await.ok(),
+            Err(_) => None,
+        };
+        let pause = match checked {
+            Some(Some((eviction, note))) => {
+                safety.set(eviction, note);
+                RECHECK
+            }
+            // Redis answered, but not with its configuration.
+            Some(None) => {
+                safety.set(
+                    Eviction::Unreadable,
+                    Some("cannot read Redis's maxmemory-policy (is CONFIG disabled?): nothing shows that Redis will not evict live records; make sure it is noeviction".into()),
+                );
+                RECHECK
+            }
+            // Not reachable: the store reports that on its own; try again soon.
+            None => RETRY,
+        };
+        tokio::time::sleep(pause).await;
+    }
+}
+
+/// `None`: Redis refused `CONFIG GET` or answered something else.
+async fn check(conn: &mut super::conn::RedisConn) -> Option<(Eviction, Option<String>)> {
+    let policies = config_get(conn, "maxmemory-policy").await?;
+    let appendonly = config_get(conn, "appendonly").await.unwrap_or_default();
+    let save = config_get(conn, "save").await.unwrap_or_default();
+    if policies.is_empty() {
+        return None;
+    }
+    let evicting: Vec<&String> = policies.iter().filter(|p| *p != "noeviction").collect();
+    let forgets = !appendonly.is_empty()
+        && appendonly.iter().all(|a| a == "no")
+        && save.iter().all(String::is_empty);
+    if let Some(policy) = evicting.first() {
+        return Some((
+            Eviction::Evicting,
+            Some(format!("Redis's maxmemory-policy is {policy}: under memory pressure Redis evicts live records, and a retry of an evicted key executes again; set maxmemory-policy noeviction (store.require_noeviction = true refuses new keys until then)")),
+        ));
+    }
+    let note = forgets.then(|| {
+        "Redis neither appends to a file (appendonly no) nor snapshots (save \"\"): a Redis restart forgets every key, and their retries execute again; set appendonly yes".to_string()
+    });
+    Some((Eviction::Safe, note))
+}
+
+/// The values of `CONFIG GET name`, one per node that answered (a cluster may answer for each).
+async fn config_get(conn: &mut super::conn::RedisConn, name: &str) -> Option<Vec<String>> {
+    let answer: Value = redis::cmd("CONFIG")
+        .arg("GET")
+        .arg(name)
+        .query_async(conn)
+        .await
+        .ok()?;
+    let mut words = Vec::new();
+    flatten(&answer, &mut words, 0);
+    let values: Vec<String> = words
+        .windows(2)
+        .filter(|w| w[0].eq_ignore_ascii_case(name))
+        .map(|w| w[1].clone())
+        .collect();
+    Some(values)
+}
+
+/// Every string in a (possibly nested) answer, in order; nesting is bounded since an answer
+/// comes from the trusted store, but a bound costs nothing.
+fn flatten(v: &Value, out: &mut Vec<String>, depth: usize) {
+    if depth > 8 {
+        return;
+    }
+    match v {
+        Value::BulkString(b) => out.push(String::from_utf8_lossy(b).into_owned()),
+        Value::SimpleString(s) => out.push(s.clone()),
+        Value::VerbatimString { text, .. } => out.push(text.clone()),
+        Value::Array(items) | Value::Set(items) => {
+            for i in items {
+                flatten(i, out, depth + 1);
+            }
+        }
+        Value::Map(pairs) => {
+            for (k, v) in pairs {
+                flatten(k, out, depth + 1);
+                flatten(v, out, depth + 1);
+            }
+        }
+        _ => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bulk(s: &str) -> Value {
+        Value::BulkString(s.as_bytes().to_vec())
+    }
+
+    #[test]
+    fn answers_of_one_node_and_of_several_are_read_alike() {
+        let mut one = Vec::new();
+        flatten(
+            &Value::Array(vec![bulk("maxmemory-policy"), bulk("noeviction")]),
+            &mut one,
+            0,
+        );
+        assert_eq!(one, ["maxmemory-policy", "noeviction"]);
+        let mut several = Vec::new();
+        flatten(
+            &Value::Map(vec![
+                (
+                    bulk("node-a:7000"),
+                    Value::Map(vec![(bulk("maxmemory-policy"), bulk("noeviction"))]),
+                ),
+                (
+                    bulk("node-b:7001"),
+                    Value::Array(vec![bulk("maxmemory-policy"), bulk("allkeys-lru")]),
+                ),
+            ]),
+            &mut several,
+            0,
+        );
+        assert!(several.ends_with(&["maxmemory-policy".into(), "allkeys-lru".into()]));
+    }
+}
