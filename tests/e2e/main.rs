@@ -20,3 +20,4 @@ mod operations;
 mod redis_gateway;
 mod store_contract;
 mod webhooks;
+mod wire_fuzz;
