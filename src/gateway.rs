@@ -225,7 +225,10 @@ impl Gateway {
         };
         drop(routing);
         let started = Instant::now();
-        let answer = self.idempotent(&route, req, conn).await;
+        // Boxed: the idempotent path's future is many times the size of the pass-through one,
+        // and every future of a request is moved a few times (into hyper's connection state,
+        // into the deadline wrapper): unboxed, every pass-through request paid to copy it.
+        let answer = Box::pin(self.idempotent(&route, req, conn)).await;
         self.metrics.request(&route.metrics, answer.outcome);
         let resp = answer.response;
         tracing::info!(
