@@ -382,14 +382,15 @@ async fn anonymous_callers_are_refused_and_clients_stay_apart() {
 #[tokio::test]
 async fn duplicates_of_one_key_are_capped_and_share_their_store_reads() {
     let (up, gate) = Upstream::gated().await;
-    let gw = gateway_with(
+    let admin: SocketAddr = format!("127.0.0.1:{}", crate::support::redis::free_port(false))
+        .parse()
+        .unwrap();
+    let gw = GatewayProcess::start(&config_text(
         &up.url(),
-        "admin = \"127.0.0.1:0\"",
+        &format!("admin = \"{admin}\""),
         &format!("{PAYMENTS}max_waiters = 8\nwait = \"30s\"\n"),
-    )
-    .await;
-    let admin = gw.admin_addr().unwrap();
-    let http = Http::new(gw.addr());
+    ));
+    let http = Http::new(gw.addr);
     let h = http.clone();
     let original = tokio::spawn(async move { h.post("/payments", "k", "{}").await });
     up.next_arrival().await;
@@ -448,10 +449,8 @@ async fn a_flood_of_anonymous_keys_does_not_lock_out_an_identified_client() {
         "[server]\nlisten = \"127.0.0.1:0\"\n[upstream]\nurl = \"{}\"\n[store]\nbackend = \"memory\"\nmax_keys = 20\n[defaults]\nmax_keys_anonymous = 5\n{PAYMENTS}",
         up.url()
     );
-    let gw = Running::start(idemgate::config::Config::parse(&config).unwrap())
-        .await
-        .unwrap();
-    let http = Http::new(gw.addr());
+    let gw = GatewayProcess::start(&config);
+    let http = Http::new(gw.addr);
     let mut statuses = Vec::new();
     for i in 0..30 {
         let got = http.post("/payments", &format!("flood-{i}"), "{}").await;
@@ -512,10 +511,8 @@ async fn refused_credentials_store_nothing() {
         "[server]\nlisten = \"127.0.0.1:0\"\n[upstream]\nurl = \"{}\"\n[store]\nbackend = \"memory\"\nmax_keys = 3\n{PAYMENTS}",
         up.url()
     );
-    let gw = Running::start(idemgate::config::Config::parse(&config).unwrap())
-        .await
-        .unwrap();
-    let http = Http::new(gw.addr());
+    let gw = GatewayProcess::start(&config);
+    let http = Http::new(gw.addr);
     for i in 0..20 {
         let got = http
             .request("POST", "/payments")
