@@ -7,10 +7,8 @@
 //! a piece that does not fit fails the read ([`OverBudget`]) instead of taking memory, and what a
 //! request holds is given back when its body is dropped ([`Lease`]).
 
-use std::pin::Pin;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::task::{ready, Context, Poll};
 
 use bytes::{Bytes, BytesMut};
 use futures_util::StreamExt;
@@ -174,6 +172,22 @@ impl Lease {
         self.held += n;
         Ok(())
     }
+
+    /// Counts `n` bytes already taken (an allocator that gave more than asked), fit or not.
+    fn grow_past(&mut self, n: usize) {
+        let n = i64::try_from(n).unwrap_or(i64::MAX);
+        if n > 0 {
+            self.budget.used.inc_by(n);
+            self.held = self.held.saturating_add(n);
+        }
+    }
+
+    /// Gives `n` bytes back (a piece copied into the joined buffer and dropped).
+    fn shrink(&mut self, n: usize) {
+        let n = i64::try_from(n).unwrap_or(i64::MAX).min(self.held);
+        self.budget.used.dec_by(n);
+        self.held -= n;
+    }
 }
 
 impl Drop for Lease {
@@ -184,52 +198,79 @@ impl Drop for Lease {
     }
 }
 
-/// A body whose data is counted against `lease` as it is read.
-pub struct Budgeted<'a, B> {
-    inner: B,
-    lease: &'a mut Lease,
-}
+/// What holding one piece of a body costs beyond its bytes (its handle, its allocation's
+/// header), counted so that a body sent in many tiny pieces cannot hold more than it is charged.
+const PIECE_COST: usize = 64;
 
-impl<'a, B> Budgeted<'a, B> {
-    pub fn new(inner: B, lease: &'a mut Lease) -> Self {
-        Budgeted { inner, lease }
-    }
-}
-
-impl<B> HttpBody for Budgeted<'_, B>
+/// Reads a request body in full, refusing it as soon as it passes `limit` bytes, and counting
+/// the memory it holds in `lease` as it grows: the first piece as it came (a body that comes in
+/// one piece is not copied), then the one buffer the pieces are joined into, by its capacity.
+/// A piece that does not fit in the budget fails the read with [`OverBudget`].
+pub async fn read_within<B>(
+    mut body: B,
+    limit: usize,
+    lease: &mut Lease,
+) -> Result<Bytes, ReadError>
 where
     B: HttpBody<Data = Bytes> + Unpin,
     B::Error: Into<BoxError>,
 {
-    type Data = Bytes;
-    type Error = BoxError;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        let this = &mut *self;
-        let frame = ready!(Pin::new(&mut this.inner).poll_frame(cx));
-        Poll::Ready(match frame {
-            Some(Ok(frame)) => match frame.data_ref() {
-                Some(data) => match this.lease.grow(data.len()) {
-                    Ok(()) => Some(Ok(frame)),
-                    Err(e) => Some(Err(Box::new(e))),
-                },
-                None => Some(Ok(frame)),
-            },
-            Some(Err(e)) => Some(Err(e.into())),
-            None => None,
-        })
+    let hint = body.size_hint();
+    if hint.lower() > limit as u64 {
+        return Err(ReadError::TooLarge(limit));
     }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+    let over = |e: OverBudget| ReadError::Failed(Box::new(e));
+    let mut first: Option<Bytes> = None;
+    let mut joined: Option<BytesMut> = None;
+    let mut total = 0usize;
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| ReadError::Failed(e.into()))?;
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        if data.is_empty() {
+            continue;
+        }
+        total = total.saturating_add(data.len());
+        if total > limit {
+            return Err(ReadError::TooLarge(limit));
+        }
+        if let Some(buf) = joined.as_mut() {
+            let before = buf.capacity();
+            if before - buf.len() < data.len() {
+                // Doubling, so that many pieces cost linear copying; never past the limit.
+                let want = total.max(before.saturating_mul(2)).min(limit);
+                lease.grow(want.saturating_sub(before)).map_err(over)?;
+                buf.reserve(want - buf.len());
+                lease.grow_past(buf.capacity().saturating_sub(want));
+            }
+            buf.extend_from_slice(&data);
+            continue;
+        }
+        match first.take() {
+            None => {
+                lease.grow(data.len() + PIECE_COST).map_err(over)?;
+                first = Some(data);
+            }
+            Some(head) => {
+                // A second piece: one buffer for all, as large as the body says it is.
+                let declared = usize::try_from(hint.exact().unwrap_or(0)).unwrap_or(limit);
+                let want = total.max(declared).min(limit);
+                lease.grow(want).map_err(over)?;
+                let mut buf = BytesMut::with_capacity(want);
+                lease.grow_past(buf.capacity().saturating_sub(want));
+                buf.extend_from_slice(&head);
+                buf.extend_from_slice(&data);
+                lease.shrink(head.len() + PIECE_COST);
+                joined = Some(buf);
+            }
+        }
     }
-
-    fn size_hint(&self) -> http_body::SizeHint {
-        self.inner.size_hint()
-    }
+    Ok(match (joined, first) {
+        (Some(buf), _) => buf.freeze(),
+        (None, Some(only)) => only,
+        (None, None) => Bytes::new(),
+    })
 }
 
 #[cfg(test)]
@@ -266,27 +307,52 @@ mod tests {
 
     #[tokio::test]
     async fn the_budget_refuses_what_does_not_fit_and_takes_back_what_is_dropped() {
-        let budget = Budget::new(5, Gauge::default());
+        let budget = Budget::new(250, Gauge::default());
         let mut a = budget.lease();
-        let read = read_capped(Budgeted::new(chunked(&[b"abc"]), &mut a), 100).await;
+        let read = read_within(chunked(&[b"abc"]), 100, &mut a).await;
         assert_eq!(&read.unwrap()[..], b"abc");
-        assert_eq!(budget.used(), 3);
+        assert_eq!(
+            budget.used(),
+            3 + PIECE_COST as i64,
+            "one piece, kept as it came"
+        );
         let mut b = budget.lease();
         let Err(ReadError::Failed(e)) =
-            read_capped(Budgeted::new(chunked(&[b"de", b"fg"]), &mut b), 100).await
+            read_within(chunked(&[&[b'x'; 90], &[b'y'; 90]]), 1000, &mut b).await
         else {
             panic!("expected the budget to refuse");
         };
         assert!(e.is::<OverBudget>());
         assert_eq!(
             budget.used(),
-            5,
+            3 + 90 + 2 * PIECE_COST as i64,
             "what b read before the refusal is still held"
         );
         drop(b);
-        assert_eq!(budget.used(), 3);
         drop(a);
         assert_eq!(budget.used(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_body_in_tiny_pieces_is_charged_for_the_buffer_it_takes() {
+        let budget = Budget::new(1 << 20, Gauge::default());
+        let mut lease = budget.lease();
+        let pieces: Vec<&'static [u8]> = vec![b"a"; 10_000];
+        let read = read_within(chunked(&pieces), 1 << 20, &mut lease)
+            .await
+            .unwrap();
+        assert_eq!(read.len(), 10_000);
+        let used = budget.used();
+        assert!(
+            (10_000..=2 * 10_000 + 64).contains(&(used as usize)),
+            "{used} bytes charged for a 10000-byte body in 10000 pieces"
+        );
+        // Within the limit whatever the pieces, and refused past it.
+        let mut other = budget.lease();
+        assert!(matches!(
+            read_within(chunked(&pieces), 9_999, &mut other).await,
+            Err(ReadError::TooLarge(9_999))
+        ));
     }
 
     #[tokio::test]

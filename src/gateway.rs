@@ -25,7 +25,7 @@ use http::{header, request, HeaderValue, Method, Request, Response};
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 
-use crate::body::{self, Body, Budget, Budgeted, Captured, Lease, OverBudget, ReadError};
+use crate::body::{self, Body, Budget, Captured, Lease, OverBudget, ReadError};
 use crate::config::{Policy, RouteConfig, UpstreamUrl};
 use crate::conn::{BodyTimeout, ClientBody};
 use crate::fingerprint::{fingerprint, RequestParts};
@@ -477,7 +477,7 @@ impl ReqBody {
             ReqBody::Read(b, lease) => Ok((b, lease)),
             ReqBody::Unread(incoming) => {
                 let mut lease = budget.lease();
-                let read = body::read_capped(Budgeted::new(incoming, &mut lease), limit).await;
+                let read = body::read_within(incoming, limit, &mut lease).await;
                 let bytes = read.map_err(|e| match e {
                     ReadError::TooLarge(limit) => Problem::BodyTooLarge { limit },
                     ReadError::Failed(e) if e.is::<BodyTimeout>() => Problem::BodyTimeout,

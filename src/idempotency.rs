@@ -236,7 +236,12 @@ impl Core {
                     tracing::error!(key = key.short(), error = %e, "unreadable record");
                     return Decision::Refused(Refusal::OutcomeUnknown(UnknownReason::Interrupted));
                 }
-                Err(e) if rules.on_store_error == OnStoreError::Pass => {
+                // The operator asked for a store that keeps records, not for idempotency when
+                // convenient: a store that may not keep them is no reason to go without.
+                Err(e)
+                    if rules.on_store_error == OnStoreError::Pass
+                        && !matches!(e, StoreError::Unsafe(_)) =>
+                {
                     // The operator chose availability over duplicates for this route.
                     tracing::warn!(key = key.short(), error = %e, "store unavailable; forwarding without idempotency (on_store_error = \"pass\")");
                     return Decision::Bypass(exec);
@@ -469,8 +474,16 @@ impl Records {
                             self.store.mark_unknown(key, token, reason),
                         )
                         .await;
-                    if let Err(e) = marked {
-                        tracing::error!(key = key.short(), error = %e, "cannot mark outcome unknown; the lease will expire instead");
+                    match marked {
+                        // Kept for ttl like a stored answer: it counts against the quota.
+                        Ok(()) => {
+                            if let Some(quota) = rules.quota {
+                                self.shared.quotas.stored(&quota);
+                            }
+                        }
+                        Err(e) => {
+                            tracing::error!(key = key.short(), error = %e, "cannot mark outcome unknown; the lease will expire instead")
+                        }
                     }
                 }
                 return Settled::Unknown { reason, retryable };

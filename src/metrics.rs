@@ -96,6 +96,11 @@ struct RequestLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PolicyLabel {
+    policy: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RouteLabel {
     route: String,
 }
@@ -158,7 +163,7 @@ pub struct Metrics {
     connections_closed: Family<ReasonLabel, Counter>,
     records_purged: Counter,
     store_syncs: Counter,
-    eviction_risk: Gauge,
+    eviction_risk: Family<PolicyLabel, Gauge>,
     /// Requests outside any route.
     unrouted: RouteMetrics,
     store_ops: [OnceLock<Histogram>; StoreOp::COUNT],
@@ -185,7 +190,7 @@ impl Metrics {
         let worker_connections = Family::<WorkerLabel, Gauge>::default();
         let records_purged = Counter::default();
         let store_syncs = Counter::default();
-        let eviction_risk = Gauge::default();
+        let eviction_risk = Family::<PolicyLabel, Gauge>::default();
         let connections_closed = Family::<ReasonLabel, Counter>::default();
         registry.register(
             "connections_closed",
@@ -244,7 +249,7 @@ impl Metrics {
         );
         registry.register(
             "store_eviction_risk",
-            "1 while Redis's maxmemory-policy can evict live records, 0 under noeviction (absent until read)",
+            "1 while Redis's maxmemory-policy (the label) can evict live records, 0 under noeviction; absent until read, and where it cannot be",
             eviction_risk.clone(),
         );
         Metrics {
@@ -358,8 +363,13 @@ impl Metrics {
         self.store_syncs
             .inner()
             .store(stats.syncs, Ordering::Relaxed);
-        if let Some(risk) = stats.eviction_risk {
-            self.eviction_risk.set(i64::from(risk));
+        // One series, for the policy read last; none while it is not known.
+        self.eviction_risk.clear();
+        if let Some(policy) = stats.eviction_policy {
+            let risk = i64::from(policy != "noeviction");
+            self.eviction_risk
+                .get_or_create(&PolicyLabel { policy })
+                .set(risk);
         }
     }
 

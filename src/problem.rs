@@ -64,7 +64,7 @@ pub enum Problem {
         retry_after: Duration,
     },
     /// A limit that keeps the gateway alive refused the request before anything ran; `what`
-    /// names it ("the memory for request bodies", "the upstream's connections").
+    /// names it ("memory for request bodies", "connections to the upstream").
     Overloaded {
         what: &'static str,
     },
@@ -163,7 +163,7 @@ impl Problem {
             Problem::KeyReused { .. } => "This idempotency key was already used with a different request (method, path, query or body). The stored result is kept; use a new key for a new operation.".into(),
             Problem::InFlight { retry_after } => format!(
                 "The original request with this idempotency key has not finished yet. Retry with the same key after {} seconds to get its result.",
-                retry_after.as_secs().max(1)
+                retry_after.as_millis().div_ceil(1000).max(1)
             ),
             Problem::BodyTooLarge { limit } => format!(
                 "The request body exceeds the {limit} bytes this endpoint accepts. It was not forwarded."
@@ -178,7 +178,7 @@ impl Problem {
             Problem::StoreFull => "The idempotency store is at its capacity, so the request was not forwarded. Retry with the same key later.".into(),
             Problem::KeyQuota { retry_after } => format!(
                 "This client stored as many results under new idempotency keys as this endpoint allows for now. The request was not forwarded. Retries of earlier keys still get their results; a new key can be used in {} seconds.",
-                retry_after.as_secs().max(1)
+                retry_after.as_millis().div_ceil(1000).max(1)
             ),
             Problem::Overloaded { what } => format!(
                 "The gateway is at its limit for {what}, so the request was not forwarded. Retry with the same key shortly."
@@ -237,7 +237,8 @@ impl Problem {
         if let Some(after) = self.retry_after() {
             h.insert(
                 header::RETRY_AFTER,
-                HeaderValue::from(after.as_secs().max(1)),
+                // Rounded up: a client that waits exactly this long must find the way clear.
+                HeaderValue::from(after.as_millis().div_ceil(1000).max(1) as u64),
             );
         }
         resp

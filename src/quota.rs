@@ -4,7 +4,8 @@
 //! A route's quota is a number of records a client scope may have stored per window of the
 //! route's `ttl` (a fixed window, so at most twice the quota of its records are alive at once).
 //! Only records that were stored count: an answer the key is released on (401, 403, 429, an
-//! unstored 5xx, ...) stores nothing and counts nothing, so a flood with made-up credentials that
+//! unstored 5xx, ...) stores nothing and counts nothing (an unknown outcome, kept for `ttl`,
+//! counts), so a flood with made-up credentials that
 //! the upstream refuses neither fills the store nor this table. A new key is refused (`429
 //! key-quota`, before anything is forwarded) once its scope is at the quota.
 //!
@@ -60,12 +61,21 @@ pub struct OverQuota {
 struct Window {
     started: Instant,
     stored: u64,
+    /// Its route's window, so that a purge knows when it is over.
+    ends: Instant,
 }
 
 /// The counters of one process.
 #[derive(Default)]
 pub struct Quotas {
-    windows: Mutex<HashMap<QuotaId, Window>>,
+    windows: Mutex<Table>,
+}
+
+#[derive(Default)]
+struct Table {
+    windows: HashMap<QuotaId, Window>,
+    /// Scopes added since the last purge of windows that are over.
+    added: usize,
 }
 
 impl Quotas {
@@ -76,8 +86,8 @@ impl Quotas {
     /// May this scope store one more record?
     pub fn check(&self, quota: &Quota) -> Result<(), OverQuota> {
         let now = Instant::now();
-        let windows = self.windows.lock().unwrap_or_else(PoisonError::into_inner);
-        match windows.get(&quota.id) {
+        let table = self.windows.lock().unwrap_or_else(PoisonError::into_inner);
+        match table.windows.get(&quota.id) {
             Some(w) if now < w.started + quota.window && w.stored >= quota.limit => {
                 Err(OverQuota {
                     retry_after: (w.started + quota.window).saturating_duration_since(now),
@@ -90,26 +100,31 @@ impl Quotas {
     /// Counts a record this scope stored.
     pub fn stored(&self, quota: &Quota) {
         let now = Instant::now();
-        let mut windows = self.windows.lock().unwrap_or_else(PoisonError::into_inner);
-        if windows.len() >= MAX_SCOPES && !windows.contains_key(&quota.id) {
-            windows.retain(|_, w| now < w.started + quota.window);
-            if windows.len() >= MAX_SCOPES {
+        let mut table = self.windows.lock().unwrap_or_else(PoisonError::into_inner);
+        if !table.windows.contains_key(&quota.id) {
+            // Windows that are over go as new scopes come: after as many new scopes as half the
+            // table (at least 1024), so the scan costs a constant per new scope.
+            table.added += 1;
+            if table.added >= (table.windows.len() / 2).max(1024) {
+                table.windows.retain(|_, w| now < w.ends);
+                table.added = 0;
+            }
+            if table.windows.len() >= MAX_SCOPES {
                 tracing::warn!(
-                    scopes = windows.len(),
+                    scopes = table.windows.len(),
                     "too many client scopes to count their quotas; this one is not counted"
                 );
                 return;
             }
         }
-        let w = windows.entry(quota.id).or_insert(Window {
+        let fresh = Window {
             started: now,
             stored: 0,
-        });
-        if now >= w.started + quota.window {
-            *w = Window {
-                started: now,
-                stored: 0,
-            };
+            ends: now + quota.window,
+        };
+        let w = table.windows.entry(quota.id).or_insert(fresh);
+        if now >= w.ends {
+            *w = fresh;
         }
         w.stored += 1;
     }
@@ -119,6 +134,7 @@ impl Quotas {
         self.windows
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
+            .windows
             .len()
     }
 
@@ -172,6 +188,20 @@ mod tests {
             ..a
         };
         q.check(&other_route).unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn windows_that_are_over_are_purged_as_new_scopes_come() {
+        let q = Quotas::new();
+        for i in 0..2000u32 {
+            q.stored(&quota(&i.to_be_bytes(), 1));
+        }
+        assert_eq!(q.len(), 2000);
+        tokio::time::advance(Duration::from_secs(61)).await;
+        for i in 2000..3100u32 {
+            q.stored(&quota(&i.to_be_bytes(), 1));
+        }
+        assert!(q.len() < 2000, "{} scopes still counted", q.len());
     }
 
     #[tokio::test(start_paused = true)]

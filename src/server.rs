@@ -503,8 +503,23 @@ pub async fn reload_on_sighup(path: std::path::PathBuf, gateway: Arc<Gateway>, r
                     continue;
                 }
             };
-            if new.store != running.store || new.server != running.server {
-                tracing::warn!("[store] and [server] changes take effect only after a restart; reloading routes, defaults and upstream only");
+            if new.store != running.store
+                || new.server != running.server
+                || new.upstream_max_connections != running.upstream_max_connections
+            {
+                tracing::warn!("[store], [server] and upstream.max_connections changes take effect only after a restart; reloading routes, defaults and upstream only");
+            }
+            // The body budget stays the running one: a route whose bodies could never fit in it
+            // would answer 503 to each of them.
+            let budget = running.server.max_buffered;
+            if let Some(r) = new.routes.iter().find(|r| r.policy.max_body > budget) {
+                tracing::error!(
+                    route = %r.name,
+                    max_body = r.policy.max_body,
+                    max_buffered = budget,
+                    "config reload refused: a route's max_body is over the running server.max_buffered (a restart applies a new one); keeping the running config"
+                );
+                continue;
             }
             let routes = new.routes.len();
             gateway.reload(Routing::new(

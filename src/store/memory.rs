@@ -521,7 +521,7 @@ impl Store for MemoryStore {
         StoreStats {
             purged: self.shared.counts.purged.load(Ordering::Relaxed),
             syncs: 0,
-            eviction_risk: None,
+            eviction_policy: None,
         }
     }
 

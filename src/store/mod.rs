@@ -211,6 +211,10 @@ pub enum StoreError {
     /// A stored record could not be decoded.
     #[error("stored record is corrupt: {0}")]
     Corrupt(String),
+    /// The store answers, but is not known to keep what it is given (`store.require_noeviction`
+    /// and Redis may evict): new keys are refused, never forwarded without idempotency.
+    #[error("store refuses new keys: {0}")]
+    Unsafe(String),
 }
 
 impl StoreError {
@@ -275,15 +279,15 @@ impl StoreOp {
 }
 
 /// What a store reports about itself for `/metrics`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct StoreStats {
     /// Expired records this process removed (0 where the backend expires records itself).
     pub purged: u64,
     /// Durable commits (fsyncs) this process made (0 where nothing is written to a local disk).
     pub syncs: u64,
-    /// Whether the store may evict live records on its own (Redis's `maxmemory-policy`);
-    /// `None` where that cannot happen or is not known yet.
-    pub eviction_risk: Option<bool>,
+    /// The store's own eviction policy (Redis's `maxmemory-policy`); `None` where there is
+    /// none, or it is not known (not read yet, or `CONFIG` disabled).
+    pub eviction_policy: Option<String>,
 }
 
 /// What a store's own configuration means for readiness.

@@ -395,6 +395,7 @@ async fn duplicates_of_one_key_are_capped_and_share_their_store_reads() {
     let original = tokio::spawn(async move { h.post("/payments", "k", "{}").await });
     up.next_arrival().await;
     let reads_before = store_reads(admin).await;
+    let waiting_since = Instant::now();
 
     let mut waiting = Vec::new();
     for _ in 0..8 {
@@ -425,10 +426,14 @@ async fn duplicates_of_one_key_are_capped_and_share_their_store_reads() {
         assert!(w.await.unwrap().is_replay());
     }
     assert_eq!(up.executions(), 1);
-    // Eight waiters, one completion: a handful of reads by the room's reader (the first, one
-    // per recheck or change), not eight per change.
+    // Eight waiters, one completion: the room's reader read when it opened, once a second while
+    // the key stayed pending, and at the change; not eight times for each.
     let reads = store_reads(admin).await - reads_before;
-    assert!(reads <= 4.0, "{reads} store reads for 8 waiters on one key");
+    let allowed = 2.0 + waiting_since.elapsed().as_secs_f64().ceil();
+    assert!(
+        (1.0..=allowed).contains(&reads),
+        "{reads} store reads for 8 waiters on one key (at most {allowed} expected)"
+    );
 }
 
 async fn store_reads(admin: SocketAddr) -> f64 {

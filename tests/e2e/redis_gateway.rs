@@ -460,15 +460,17 @@ async fn an_evicting_redis_is_reported() {
     let up = Upstream::counting().await;
     let risky = with_admin(&up.url(), &evicting.url(), "").await;
     let fine = with_admin(&up.url(), &safe.url(), "").await;
-    let risk = |admin| async move {
+    let risk = |admin, policy: &'static str| async move {
         scrape(admin)
             .await
-            .get("idemgate_store_eviction_risk")
+            .get(&format!(
+                "idemgate_store_eviction_risk{{policy=\"{policy}\"}}"
+            ))
             .copied()
     };
     let (risky_admin, fine_admin) = (risky.admin_addr().unwrap(), fine.admin_addr().unwrap());
-    assert!(eventually(|| async { risk(risky_admin).await == Some(1.0) }).await);
-    assert!(eventually(|| async { risk(fine_admin).await == Some(0.0) }).await);
+    assert!(eventually(|| async { risk(risky_admin, "allkeys-lru").await == Some(1.0) }).await);
+    assert!(eventually(|| async { risk(fine_admin, "noeviction").await == Some(0.0) }).await);
     let (status, body) = admin_get(risky_admin, "/readyz").await;
     assert_eq!(status, 200, "{body}");
     assert!(
@@ -544,4 +546,28 @@ async fn require_noeviction_refuses_an_evicting_redis() {
         .await
     );
     assert_eq!(up.executions(), 1);
+}
+
+/// `on_store_error = "pass"` is for a store that cannot be reached, not for one that may lose
+/// records: with `require_noeviction` an evicting Redis still gets nothing forwarded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn require_noeviction_is_never_passed_through() {
+    let redis = RedisServer::start_with(&["--maxmemory-policy", "allkeys-lfu"]);
+    let up = Upstream::counting().await;
+    let text = redis_config(
+        &up.url(),
+        &redis.url(),
+        &format!("[defaults]\non_store_error = \"pass\"\n{PAYMENTS}"),
+    )
+    .replacen("[store]\n", "[store]\nrequire_noeviction = true\n", 1);
+    let gw = idemgate::server::Running::start(idemgate::config::Config::parse(&text).unwrap())
+        .await
+        .unwrap();
+    let http = Http::new(gw.addr());
+    for i in 0..5 {
+        let got = http.post("/payments", &format!("k{i}"), "{}").await;
+        assert_eq!(got.status, 503);
+        assert_eq!(got.problem_type(), "store-unavailable");
+    }
+    assert_eq!(up.executions(), 0, "forwarded without idempotency");
 }

@@ -345,7 +345,7 @@ impl Store for RedisStore {
             // Records already there are still answered; only new ones are not made.
             return match self.get(key).await? {
                 Some(record) => Ok(Reservation::Existing(record)),
-                None => Err(StoreError::Unavailable(
+                None => Err(StoreError::Unsafe(
                     "Redis is not known to keep records (store.require_noeviction): its maxmemory-policy is not noeviction, or cannot be read yet".into(),
                 )),
             };
@@ -552,11 +552,7 @@ impl Store for RedisStore {
     fn stats(&self) -> StoreStats {
         // Redis expires records itself.
         StoreStats {
-            eviction_risk: match self.shared.safety.eviction() {
-                Eviction::Safe => Some(false),
-                Eviction::Evicting => Some(true),
-                Eviction::Unchecked | Eviction::Unreadable => None,
-            },
+            eviction_policy: self.shared.safety.policy(),
             ..StoreStats::default()
         }
     }

@@ -45,6 +45,9 @@ pub struct Safety {
     eviction: AtomicU8,
     /// What to tell an operator about it (never a URL or a password).
     note: Mutex<Option<String>>,
+    /// The policy read last (an evicting one, if nodes differ); `None` until read, or when it
+    /// cannot be.
+    policy: Mutex<Option<String>>,
 }
 
 impl Safety {
@@ -57,6 +60,14 @@ impl Safety {
         }
     }
 
+    /// The `maxmemory-policy` read last, if it could be read.
+    pub fn policy(&self) -> Option<String> {
+        self.policy
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
     /// What the last check found worth telling, if anything.
     pub fn note(&self) -> Option<String> {
         self.note
@@ -65,7 +76,8 @@ impl Safety {
             .clone()
     }
 
-    fn set(&self, eviction: Eviction, note: Option<String>) {
+    fn set(&self, eviction: Eviction, note: Option<String>, policy: Option<String>) {
+        *self.policy.lock().unwrap_or_else(PoisonError::into_inner) = policy;
         let before = self.eviction.swap(eviction as u8, Ordering::AcqRel);
         let mut kept = self.note.lock().unwrap_or_else(PoisonError::into_inner);
         // Logged when it changes, not every RECHECK.
@@ -84,61 +96,82 @@ impl Safety {
 pub async fn watch(handle: HandleConn, safety: Arc<Safety>, timeout: Duration) {
     loop {
         let checked = match handle.get() {
-            Ok(mut conn) => tokio::time::timeout(timeout, check(&mut conn)).await.ok(),
-            Err(_) => None,
+            Ok(mut conn) => tokio::time::timeout(timeout, check(&mut conn))
+                .await
+                .unwrap_or(Err(Unread::NoAnswer)),
+            Err(_) => Err(Unread::NoAnswer),
         };
         let pause = match checked {
-            Some(Some((eviction, note))) => {
-                safety.set(eviction, note);
+            Ok((eviction, note, policy)) => {
+                safety.set(eviction, note, Some(policy));
                 RECHECK
             }
-            // Redis answered, but not with its configuration.
-            Some(None) => {
+            // Redis answered with an error: CONFIG is not allowed here.
+            Err(Unread::Refused) => {
                 safety.set(
                     Eviction::Unreadable,
                     Some("cannot read Redis's maxmemory-policy (is CONFIG disabled?): nothing shows that Redis will not evict live records; make sure it is noeviction".into()),
+                    None,
                 );
                 RECHECK
             }
-            // Not reachable: the store reports that on its own; try again soon.
-            None => RETRY,
+            // No answer: the store reports that on its own; what was read last still holds, and
+            // the next try is soon.
+            Err(Unread::NoAnswer) => RETRY,
         };
         tokio::time::sleep(pause).await;
     }
 }
 
-/// `None`: Redis refused `CONFIG GET` or answered something else.
-async fn check(conn: &mut super::conn::RedisConn) -> Option<(Eviction, Option<String>)> {
+/// Why the configuration was not read.
+enum Unread {
+    /// Redis answered with an error, or without the value.
+    Refused,
+    /// No answer (connection lost, timeout).
+    NoAnswer,
+}
+
+/// What Redis's configuration means, a note for the operator, and the policy.
+async fn check(
+    conn: &mut super::conn::RedisConn,
+) -> Result<(Eviction, Option<String>, String), Unread> {
     let policies = config_get(conn, "maxmemory-policy").await?;
-    let appendonly = config_get(conn, "appendonly").await.unwrap_or_default();
-    let save = config_get(conn, "save").await.unwrap_or_default();
+    let appendonly = config_get(conn, "appendonly").await?;
+    let save = config_get(conn, "save").await?;
     if policies.is_empty() {
-        return None;
+        return Err(Unread::Refused);
     }
     let evicting: Vec<&String> = policies.iter().filter(|p| *p != "noeviction").collect();
     let forgets = !appendonly.is_empty()
         && appendonly.iter().all(|a| a == "no")
         && save.iter().all(String::is_empty);
     if let Some(policy) = evicting.first() {
-        return Some((
+        return Ok((
             Eviction::Evicting,
             Some(format!("Redis's maxmemory-policy is {policy}: under memory pressure Redis evicts live records, and a retry of an evicted key executes again; set maxmemory-policy noeviction (store.require_noeviction = true refuses new keys until then)")),
+            policy.to_string(),
         ));
     }
     let note = forgets.then(|| {
         "Redis neither appends to a file (appendonly no) nor snapshots (save \"\"): a Redis restart forgets every key, and their retries execute again; set appendonly yes".to_string()
     });
-    Some((Eviction::Safe, note))
+    Ok((Eviction::Safe, note, "noeviction".into()))
 }
 
 /// The values of `CONFIG GET name`, one per node that answered (a cluster may answer for each).
-async fn config_get(conn: &mut super::conn::RedisConn, name: &str) -> Option<Vec<String>> {
+async fn config_get(conn: &mut super::conn::RedisConn, name: &str) -> Result<Vec<String>, Unread> {
     let answer: Value = redis::cmd("CONFIG")
         .arg("GET")
         .arg(name)
         .query_async(conn)
         .await
-        .ok()?;
+        .map_err(|e| {
+            if e.is_io_error() || e.is_timeout() || e.is_connection_dropped() {
+                Unread::NoAnswer
+            } else {
+                Unread::Refused
+            }
+        })?;
     let mut words = Vec::new();
     flatten(&answer, &mut words, 0);
     let values: Vec<String> = words
@@ -146,7 +179,7 @@ async fn config_get(conn: &mut super::conn::RedisConn, name: &str) -> Option<Vec
         .filter(|w| w[0].eq_ignore_ascii_case(name))
         .map(|w| w[1].clone())
         .collect();
-    Some(values)
+    Ok(values)
 }
 
 /// Every string in a (possibly nested) answer, in order; nesting is bounded since an answer
