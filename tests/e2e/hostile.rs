@@ -24,19 +24,20 @@ fn config_text(upstream: &str, server: &str, routes: &str) -> String {
     )
 }
 
-async fn gateway_with(upstream: &str, server: &str, routes: &str) -> Running {
-    let config = idemgate::config::Config::parse(&config_text(upstream, server, routes)).unwrap();
-    Running::start(config).await.unwrap()
+/// The real binary on the memory store (see [`config_text`]).
+fn binary_with(upstream: &str, server: &str, routes: &str) -> GatewayProcess {
+    GatewayProcess::start(&config_text(upstream, server, routes))
 }
 
-/// The payments route under [`DEADLINES`], with an admin listener for the metrics.
+/// The payments route under [`DEADLINES`], in-process, with an admin listener for the metrics.
 async fn in_process(upstream: &str) -> Running {
-    gateway_with(
+    let text = config_text(
         upstream,
         &format!("{DEADLINES}admin = \"127.0.0.1:0\""),
         PAYMENTS,
-    )
-    .await
+    );
+    let config = idemgate::config::Config::parse(&text).unwrap();
+    Running::start(config).await.unwrap()
 }
 
 /// Reads until the peer closes (what it sent before is returned); fails if it stays open 10 s.
@@ -282,19 +283,19 @@ async fn forwarding_headers_are_believed_only_from_trusted_proxies() {
         }
         req.send().await
     };
-    let untrusted = gateway_with(&up.url(), "trusted_proxies = [\"10.0.0.0/8\"]", "").await;
-    send(untrusted.addr()).await;
+    let untrusted = binary_with(&up.url(), "trusted_proxies = [\"10.0.0.0/8\"]", "");
+    send(untrusted.addr).await;
     let seen = up.next_arrival().await;
     assert_eq!(seen.headers["x-forwarded-for"], "127.0.0.1");
     assert_eq!(seen.headers["x-forwarded-proto"], "http");
     assert_eq!(
         seen.headers["x-forwarded-host"],
-        untrusted.addr().to_string().as_str()
+        untrusted.addr.to_string().as_str()
     );
     assert!(seen.headers.get("forwarded").is_none());
 
-    let trusted = gateway_with(&up.url(), "trusted_proxies = [\"127.0.0.1\"]", "").await;
-    send(trusted.addr()).await;
+    let trusted = binary_with(&up.url(), "trusted_proxies = [\"127.0.0.1\"]", "");
+    send(trusted.addr).await;
     let seen = up.next_arrival().await;
     assert_eq!(seen.headers["x-forwarded-for"], "10.9.9.9, 127.0.0.1");
     assert_eq!(seen.headers["x-forwarded-host"], "admin.internal");
@@ -307,8 +308,8 @@ async fn forwarding_headers_are_believed_only_from_trusted_proxies() {
 #[tokio::test]
 async fn variants_of_an_idempotent_route_are_not_an_unchecked_path() {
     let up = Upstream::counting().await;
-    let gw = gateway_with(&up.url(), "", PAYMENTS).await;
-    let http = Http::new(gw.addr());
+    let gw = binary_with(&up.url(), "", PAYMENTS);
+    let http = Http::new(gw.addr);
     for path in ["/PAYMENTS", "/payments;jsessionid=1", "/x%2F..%2Fpayments"] {
         let got = http.request("POST", path).json("{}").send().await;
         assert_eq!(got.status, 400, "{path}");
@@ -329,9 +330,9 @@ async fn variants_of_an_idempotent_route_are_not_an_unchecked_path() {
 #[tokio::test]
 async fn connection_cannot_strip_the_headers_the_gateway_used() {
     let up = Upstream::counting().await;
-    let gw = gateway_with(&up.url(), "", PAYMENTS).await;
+    let gw = binary_with(&up.url(), "", PAYMENTS);
     let answer = raw(
-        gw.addr(),
+        gw.addr,
         b"POST /payments HTTP/1.1\r\nHost: api.example\r\nConnection: close, Idempotency-Key, Content-Type, Authorization\r\nIdempotency-Key: conn-1\r\nAuthorization: Bearer a\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}",
     )
     .await;
@@ -351,8 +352,8 @@ async fn anonymous_callers_are_refused_and_clients_stay_apart() {
     let routes = format!(
         "[defaults]\nclient_header = [\"Authorization\", \"X-API-Key\"]\nrequire_client = true\n{PAYMENTS}"
     );
-    let gw = gateway_with(&up.url(), "", &routes).await;
-    let http = Http::new(gw.addr());
+    let gw = binary_with(&up.url(), "", &routes);
+    let http = Http::new(gw.addr);
     let anonymous = http.post("/payments", "shared-key", "{}").await;
     assert_eq!(anonymous.status, 401);
     assert_eq!(anonymous.problem_type(), "client-required");
