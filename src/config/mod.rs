@@ -397,13 +397,14 @@ impl Config {
         let d = &self.server.deadlines;
         let _ = writeln!(
             out,
-            "connections: max {}, header_timeout {}, body_timeout {}, idle_timeout {}, send_timeout {}, max_streams {}",
+            "connections: max {}, header_timeout {}, body_timeout {}, idle_timeout {}, send_timeout {}, max_streams {}, max_buffered {}",
             self.server.max_connections,
             humantime::format_duration(d.header),
             humantime::format_duration(d.body),
             humantime::format_duration(d.idle),
             humantime::format_duration(d.send),
-            self.server.max_streams
+            self.server.max_streams,
+            self.server.max_buffered
         );
         if !self.server.trusted_proxies.is_empty() {
             let list: Vec<String> = self
