@@ -4,8 +4,11 @@
 //! ```text
 //! classify ─ no route ───────────────────────────────────────────────▶ pass_through (streams)
 //!    │ idempotent route
+//! identify ──── no client header + require_client ─▶ 401 problem
+//! verify ────── signed route, signature fails ──────▶ 401 problem (body read first, nothing stored)
 //! extract_key ─ missing/invalid ─▶ 400 problem   (missing + require_key=false ▶ pass_through)
 //! read_body ─── over max_body ───▶ 413 problem   (counted while reading, upstream not called)
+//!               over max_buffered ▶ 503 problem
 //! fingerprint
 //! core ─────── Owned ──▶ the upstream's answer (stored), or its problem (unreachable, unknown)
 //!    │         Replay ─▶ the stored response, byte for byte, marked
@@ -35,6 +38,7 @@ use crate::metrics::{Metrics, Outcome, RouteMetrics};
 use crate::problem::Problem;
 use crate::quota::{Quota, QuotaId};
 use crate::route::{RoutePattern, Routed, Router};
+use crate::signature;
 use crate::store::{Store, StoredResponse, UnknownReason};
 use crate::upstream::{
     prepare_request, ClientAddr, ConnectionLimits, NoConnectionSlot, UpstreamBody, UpstreamError,
@@ -273,13 +277,27 @@ impl Gateway {
         });
 
         // Phase `read_body`, first when the key lives in the body (deliveries keyed by message or
-        // business id); otherwise only once the key is known to be valid.
+        // business id) or the body is signed; otherwise only once the key is known to be valid.
         let mut body = ReqBody::Unread(incoming);
-        if config.key.needs_body() {
+        if config.key.needs_body() || config.signature.is_some() {
             body = match body.read(policy.max_body, &self.budget).await {
                 Ok((b, lease)) => ReqBody::Read(b, lease),
                 Err(p) => return Answer::problem(p),
             };
+        }
+
+        // Phase `verify`: a delivery that its sender did not sign claims no key and reaches no
+        // handler.
+        if let Some(sig) = &config.signature {
+            let checked = signature::verify(sig, &parts.headers, body.bytes(), now_s());
+            self.metrics.signature(
+                &route.metrics,
+                checked.map_or_else(|why| why.as_str(), |()| "verified"),
+            );
+            if let Err(why) = checked {
+                tracing::info!(route = %config.name, scheme = sig.scheme.name(), why = why.as_str(), "delivery signature rejected");
+                return Answer::problem(Problem::SignatureRejected { why: why.as_str() });
+            }
         }
 
         // Phase `extract_key`.
@@ -660,6 +678,13 @@ fn refusal_problem(policy: &Policy, refusal: Refusal) -> Problem {
     }
 }
 
+/// Seconds since the Unix epoch, for signed timestamps (0 if the clock is before 1970).
+fn now_s() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
+}
+
 /// Why a request was not sent: the upstream's connection cap, or the upstream unreachable.
 fn not_sent_problem(e: &(dyn std::error::Error + 'static)) -> Problem {
     if e.is::<NoConnectionSlot>() {
@@ -682,7 +707,8 @@ fn outcome_of(p: &Problem) -> Outcome {
         Problem::BadRequestBody
         | Problem::BodyTimeout
         | Problem::MethodNotAllowed
-        | Problem::ClientRequired { .. } => Outcome::BadRequest,
+        | Problem::ClientRequired { .. }
+        | Problem::SignatureRejected { .. } => Outcome::BadRequest,
         Problem::StoreUnavailable | Problem::StoreFull => Outcome::StoreError,
         Problem::KeyQuota { .. } | Problem::Overloaded { .. } => Outcome::Limited,
         Problem::UpstreamUnreachable | Problem::UpstreamTimeout | Problem::UpstreamFailed => {

@@ -21,6 +21,7 @@
 //! - [`body`] - the body type, capped reading, streaming what is too large to keep.
 //! - [`idempotency`] - the core: reserve, wait, decide, execute, settle, for any front; its
 //!   decisions are pure functions with tests of their own (start here).
+//! - [`signature`] - webhook senders' signatures, verified before a delivery claims its key.
 //! - [`quota`] - records stored per client scope, so no client can fill the store for others.
 //! - [`waiting`] - duplicates waiting on one key: a capped room, one store read for all.
 //! - [`gateway`] - the HTTP front on the core, phase by phase. A new kind of front (a broker
@@ -47,6 +48,7 @@ pub mod problem;
 pub mod quota;
 pub mod route;
 pub mod server;
+pub mod signature;
 pub mod store;
 pub mod telemetry;
 pub mod upstream;

@@ -96,6 +96,12 @@ struct RequestLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct SignatureLabels {
+    route: String,
+    result: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct PolicyLabel {
     policy: String,
 }
@@ -161,6 +167,7 @@ pub struct Metrics {
     buffered: Gauge,
     worker_connections: Family<WorkerLabel, Gauge>,
     connections_closed: Family<ReasonLabel, Counter>,
+    signatures: Family<SignatureLabels, Counter>,
     records_purged: Counter,
     store_syncs: Counter,
     eviction_risk: Family<PolicyLabel, Gauge>,
@@ -192,6 +199,12 @@ impl Metrics {
         let store_syncs = Counter::default();
         let eviction_risk = Family::<PolicyLabel, Gauge>::default();
         let connections_closed = Family::<ReasonLabel, Counter>::default();
+        let signatures = Family::<SignatureLabels, Counter>::default();
+        registry.register(
+            "signatures",
+            "Deliveries on routes with a signature, by route and result (verified, missing, stale, invalid)",
+            signatures.clone(),
+        );
         registry.register(
             "connections_closed",
             "Client connections closed by a deadline, by reason",
@@ -264,6 +277,7 @@ impl Metrics {
             buffered,
             worker_connections,
             connections_closed,
+            signatures,
             records_purged,
             store_syncs,
             unrouted: RouteMetrics::new(""),
@@ -338,6 +352,16 @@ impl Metrics {
                 worker: index.to_string(),
             })
             .clone()
+    }
+
+    /// A delivery's signature checked on `route`: `result` is `verified` or why not.
+    pub fn signature(&self, route: &RouteMetrics, result: &'static str) {
+        self.signatures
+            .get_or_create(&SignatureLabels {
+                route: route.route.clone(),
+                result,
+            })
+            .inc();
     }
 
     /// The count of duplicates waiting on keys ([`crate::waiting`] keeps it).

@@ -52,6 +52,11 @@ pub enum Problem {
     BodyTimeout,
     /// A method the gateway never forwards (CONNECT).
     MethodNotAllowed,
+    /// The route verifies its sender's signature and this delivery's did not pass: `why` is
+    /// "missing", "stale" or "invalid".
+    SignatureRejected {
+        why: &'static str,
+    },
     /// `require_client = true` and the request names no client; `what` names the headers.
     ClientRequired {
         what: String,
@@ -95,6 +100,7 @@ impl Problem {
             Problem::BodyTimeout => "body-timeout",
             Problem::MethodNotAllowed => "method-not-allowed",
             Problem::ClientRequired { .. } => "client-required",
+            Problem::SignatureRejected { .. } => "signature-rejected",
             Problem::StoreUnavailable => "store-unavailable",
             Problem::StoreFull => "store-full",
             Problem::KeyQuota { .. } => "key-quota",
@@ -113,7 +119,9 @@ impl Problem {
             }
             Problem::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
             Problem::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
-            Problem::ClientRequired { .. } => StatusCode::UNAUTHORIZED,
+            Problem::ClientRequired { .. } | Problem::SignatureRejected { .. } => {
+                StatusCode::UNAUTHORIZED
+            }
             Problem::KeyReused { status } => *status,
             Problem::InFlight { .. } => StatusCode::CONFLICT,
             Problem::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
@@ -141,6 +149,7 @@ impl Problem {
             Problem::BodyTimeout => "Request body stopped arriving",
             Problem::MethodNotAllowed => "Method not allowed",
             Problem::ClientRequired { .. } => "Client identification required",
+            Problem::SignatureRejected { .. } => "Delivery signature not verified",
             Problem::StoreUnavailable => "Idempotency store unavailable",
             Problem::StoreFull => "Idempotency store full",
             Problem::KeyQuota { .. } => "Too many new idempotency keys",
@@ -174,6 +183,14 @@ impl Problem {
             Problem::ClientRequired { what } => format!(
                 "This endpoint requires {what}: idempotency keys are kept per client, and a request that names none cannot be told apart from another's. It was not forwarded."
             ),
+            Problem::SignatureRejected { why } => {
+                let what = match *why {
+                    "missing" => "carries no signature in the format this endpoint's sender uses",
+                    "stale" => "is signed with a timestamp too far from now",
+                    _ => "has a signature that matches none of this endpoint's secrets over the bytes received",
+                };
+                format!("This delivery {what}. It was not forwarded and nothing was stored.")
+            }
             Problem::StoreUnavailable => "The idempotency store cannot be reached, so the request was not forwarded. Retry with the same key later.".into(),
             Problem::StoreFull => "The idempotency store is at its capacity, so the request was not forwarded. Retry with the same key later.".into(),
             Problem::KeyQuota { retry_after } => format!(

@@ -359,7 +359,82 @@ pub struct RouteConfig {
     /// False for deliveries deduplicated by business id: a later, different message with the
     /// same key gets the stored response instead of a mismatch.
     pub check_fingerprint: bool,
+    /// Deliveries on this route must carry their sender's signature (`signature = {...}`).
+    pub signature: Option<SignatureConfig>,
     pub policy: Policy,
+}
+
+/// How a route verifies its sender's signature ([`crate::signature`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SignatureConfig {
+    pub scheme: SignatureScheme,
+    /// Every secret accepted now (more than one while a secret is rotated), as the HMAC key.
+    pub secrets: Vec<Secret>,
+    /// For timestamped schemes: how far a delivery's timestamp may be from now.
+    pub tolerance: Duration,
+}
+
+/// A sender's signature scheme, each to its sender's published spec.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SignatureScheme {
+    /// Standard Webhooks (Svix, OpenAI, Resend...): `webhook-id`, `webhook-timestamp`,
+    /// `webhook-signature` (or their `svix-` names).
+    StandardWebhooks,
+    /// GitHub: `X-Hub-Signature-256`.
+    Github,
+    /// Stripe: `Stripe-Signature` with `t=` and `v1=`.
+    Stripe,
+    /// Shopify: `X-Shopify-Hmac-Sha256`.
+    Shopify,
+    /// Slack: `X-Slack-Signature` over `X-Slack-Request-Timestamp` and the body.
+    Slack,
+    /// HMAC-SHA256 of the body in a header, hex or base64, after an optional prefix.
+    Hmac {
+        header: HeaderName,
+        base64: bool,
+        prefix: String,
+    },
+}
+
+impl SignatureScheme {
+    pub fn name(&self) -> &'static str {
+        match self {
+            SignatureScheme::StandardWebhooks => "standard-webhooks",
+            SignatureScheme::Github => "github",
+            SignatureScheme::Stripe => "stripe",
+            SignatureScheme::Shopify => "shopify",
+            SignatureScheme::Slack => "slack",
+            SignatureScheme::Hmac { .. } => "hmac-sha256",
+        }
+    }
+
+    /// Whether deliveries carry a signed timestamp (and so a tolerance applies).
+    pub fn is_timestamped(&self) -> bool {
+        matches!(
+            self,
+            SignatureScheme::StandardWebhooks | SignatureScheme::Stripe | SignatureScheme::Slack
+        )
+    }
+}
+
+/// A signing secret: never printed, logged or compared except by the HMAC it keys.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(Vec<u8>);
+
+impl Secret {
+    pub fn new(key: Vec<u8>) -> Self {
+        Secret(key)
+    }
+
+    pub fn key(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Secret(***)")
+    }
 }
 
 impl Config {
@@ -491,6 +566,24 @@ impl Config {
                 p.on_store_error,
                 p.on_unknown,
             );
+            if let Some(sig) = &r.signature {
+                // The scheme and how many secrets, never a secret.
+                let timestamps = if sig.scheme.is_timestamped() {
+                    format!(
+                        ", timestamps within {}",
+                        humantime::format_duration(sig.tolerance)
+                    )
+                } else {
+                    String::new()
+                };
+                let _ = writeln!(
+                    out,
+                    "  signature {} ({} secret{}{timestamps}): deliveries that fail get 401",
+                    sig.scheme.name(),
+                    sig.secrets.len(),
+                    if sig.secrets.len() == 1 { "" } else { "s" },
+                );
+            }
         }
         let _ = writeln!(out, "everything else: passed through to {}", self.upstream);
         out

@@ -102,6 +102,21 @@ pub(super) struct RawRouteOwn {
     pub(super) fingerprint_ignore: Vec<String>,
     pub(super) key: Option<RawKey>,
     pub(super) check_fingerprint: Option<bool>,
+    pub(super) signature: Option<RawSignature>,
+}
+
+/// `signature = { scheme = "...", secret_env = "NAME" }` on a route.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawSignature {
+    pub(super) scheme: Option<String>,
+    pub(super) secret_env: Option<OneOrMany>,
+    pub(super) secret_file: Option<OneOrMany>,
+    pub(super) tolerance: Option<String>,
+    /// `hmac-sha256` only.
+    pub(super) header: Option<String>,
+    pub(super) encoding: Option<String>,
+    pub(super) prefix: Option<String>,
 }
 
 /// `key = { header = "webhook-id" }`, `key = { json = ["/data/object/id", "/type"] }`, or both.
@@ -136,4 +151,5 @@ pub(super) const ROUTE_OWN_KEYS: &[&str] = &[
     "fingerprint_ignore",
     "key",
     "check_fingerprint",
+    "signature",
 ];

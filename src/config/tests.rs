@@ -688,3 +688,53 @@ fn server_deadlines_and_trusted_proxies_are_checked() {
         assert!(err.contains("server."), "{bad}: {err}");
     }
 }
+
+fn signed_route(signature: &str) -> Result<Config, ConfigError> {
+    with(&format!("signature = {signature}\n"))
+}
+
+#[test]
+fn signature_settings_are_checked_and_secrets_never_shown() {
+    let dir = std::env::temp_dir().join(format!("idemgate-sig-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("secret");
+    std::fs::write(&file, "  topsecretvalue\n").unwrap();
+    let f = file.display();
+    let ok = signed_route(&format!("{{ scheme = \"github\", secret_file = \"{f}\" }}")).unwrap();
+    let sig = ok.routes[0].signature.as_ref().unwrap();
+    assert_eq!(sig.secrets[0].key(), b"topsecretvalue", "trimmed");
+    assert!(
+        !format!("{ok:?}").contains("topsecretvalue"),
+        "Debug shows a secret"
+    );
+    assert!(!ok.describe().contains("topsecretvalue"));
+
+    let refused = [
+        (format!("{{ scheme = \"gitlab\", secret_file = \"{f}\" }}"), "routes[0].signature.scheme"),
+        (format!("{{ scheme = \"github\", secret_file = \"{f}\", tolerance = \"1m\" }}"), "routes[0].signature.tolerance"),
+        (format!("{{ scheme = \"stripe\", secret_file = \"{f}\", tolerance = \"2h\" }}"), "routes[0].signature.tolerance"),
+        (format!("{{ scheme = \"github\", secret_file = \"{f}\", header = \"x\" }}"), "routes[0].signature.header"),
+        (format!("{{ scheme = \"hmac-sha256\", header = \"x-sig\", encoding = \"b32\", secret_file = \"{f}\" }}"), "routes[0].signature.encoding"),
+        ("{ scheme = \"github\", secret_file = \"/nonexistent/idemgate-secret\" }".to_string(), "routes[0].signature.secret_file"),
+        ("{ scheme = \"github\", secret_env = \"IDEMGATE_TEST_SURELY_UNSET_VARIABLE\" }".to_string(), "routes[0].signature.secret_env"),
+    ];
+    for (text, field) in refused {
+        let (got, _) = invalid_field(signed_route(&text));
+        assert_eq!(got, field, "{text}");
+    }
+    // A standard-webhooks secret that is not whsec_ base64: named by where it came from.
+    let err = signed_route(&format!(
+        "{{ scheme = \"standard-webhooks\", secret_file = \"{f}\" }}"
+    ))
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("secret_file") && !err.contains("topsecretvalue"),
+        "{err}"
+    );
+    assert!(matches!(
+        signed_route("{ scheme = \"github\" }"),
+        Err(ConfigError::Missing { .. })
+    ));
+    std::fs::remove_dir_all(&dir).ok();
+}

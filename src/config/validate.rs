@@ -9,12 +9,13 @@ use std::time::Duration;
 use http::{HeaderName, Method, StatusCode};
 
 use super::raw::{
-    OneOrMany, RawConfig, RawKey, RawPolicy, RawRouteOwn, RawServer, RawSize, RawStore,
-    ROUTE_OWN_KEYS,
+    OneOrMany, RawConfig, RawKey, RawPolicy, RawRouteOwn, RawServer, RawSignature, RawSize,
+    RawStore, ROUTE_OWN_KEYS,
 };
 use super::{
     redact_url, Config, ConfigError, Deadlines, DiskSettings, OnStoreError, OnUnknown, Policy,
-    RedisSettings, RedisTarget, RouteConfig, ServerConfig, StoreConfig, SyncMode, UpstreamUrl,
+    RedisSettings, RedisTarget, RouteConfig, Secret, ServerConfig, SignatureConfig,
+    SignatureScheme, StoreConfig, SyncMode, UpstreamUrl,
 };
 use crate::fingerprint::IgnoredFields;
 use crate::key::KeySource;
@@ -520,6 +521,10 @@ fn validate_route(
         None => KeySource::header(policy.key_header.clone()),
         Some(raw) => validate_key_source(&at("key"), raw)?,
     };
+    let signature = match own.signature {
+        None => None,
+        Some(raw) => Some(validate_signature(&at("signature"), raw)?),
+    };
     Ok(RouteConfig {
         name,
         pattern,
@@ -528,7 +533,153 @@ fn validate_route(
         fingerprint_ignore: IgnoredFields::new(&own.fingerprint_ignore),
         key,
         check_fingerprint: own.check_fingerprint.unwrap_or(true),
+        signature,
         policy,
+    })
+}
+
+/// At most this many secrets per route: each one is an HMAC over the whole body per delivery.
+const MAX_SECRETS: usize = 8;
+
+/// A route's `signature`: the scheme, and its secrets read now from the environment or files
+/// (errors name the variable or file, never what is in it).
+fn validate_signature(field: &str, raw: RawSignature) -> Result<SignatureConfig, ConfigError> {
+    let f = |name: &str| format!("{field}.{name}");
+    let schemes =
+        "\"standard-webhooks\", \"github\", \"stripe\", \"shopify\", \"slack\" or \"hmac-sha256\"";
+    let scheme_name = raw
+        .scheme
+        .ok_or_else(|| ConfigError::Missing { field: f("scheme") })?;
+    let only_hmac = |name: &str, set: bool| {
+        if set {
+            Err(ConfigError::invalid(
+                f(name),
+                "(set)",
+                "only with scheme = \"hmac-sha256\"; the other schemes name their own header",
+            ))
+        } else {
+            Ok(())
+        }
+    };
+    let scheme = match scheme_name.as_str() {
+        "hmac-sha256" => {
+            let header = raw
+                .header
+                .ok_or_else(|| ConfigError::Missing { field: f("header") })?;
+            let base64 = match raw.encoding.as_deref() {
+                None | Some("hex") => false,
+                Some("base64") => true,
+                Some(other) => {
+                    return Err(ConfigError::invalid(
+                        f("encoding"),
+                        other,
+                        "\"hex\" (the default) or \"base64\"",
+                    ))
+                }
+            };
+            SignatureScheme::Hmac {
+                header: parse_header_name(&f("header"), &header)?,
+                base64,
+                prefix: raw.prefix.unwrap_or_default(),
+            }
+        }
+        other => {
+            only_hmac("header", raw.header.is_some())?;
+            only_hmac("encoding", raw.encoding.is_some())?;
+            only_hmac("prefix", raw.prefix.is_some())?;
+            match other {
+                "standard-webhooks" => SignatureScheme::StandardWebhooks,
+                "github" => SignatureScheme::Github,
+                "stripe" => SignatureScheme::Stripe,
+                "shopify" => SignatureScheme::Shopify,
+                "slack" => SignatureScheme::Slack,
+                _ => return Err(ConfigError::invalid(f("scheme"), other, schemes)),
+            }
+        }
+    };
+    let tolerance = match raw.tolerance {
+        None => Duration::from_secs(300),
+        Some(_) if !scheme.is_timestamped() => {
+            return Err(ConfigError::invalid(
+                f("tolerance"),
+                "(set)",
+                format!(
+                    "only for the schemes whose deliveries carry a timestamp (standard-webhooks, stripe, slack); {} has none",
+                    scheme.name()
+                ),
+            ))
+        }
+        Some(s) => {
+            let d = parse_duration(&f("tolerance"), &s)?;
+            if d < Duration::from_secs(1) || d > Duration::from_secs(3600) {
+                return Err(ConfigError::invalid(
+                    f("tolerance"),
+                    s,
+                    "from \"1s\" to \"1h\" (the senders' libraries use 5 minutes)",
+                ));
+            }
+            d
+        }
+    };
+    let mut raw_secrets: Vec<(String, String)> = Vec::new();
+    for name in raw.secret_env.map(OneOrMany::into_vec).unwrap_or_default() {
+        let field = f("secret_env");
+        let value = std::env::var(&name).map_err(|_| {
+            ConfigError::invalid(
+                &field,
+                &name,
+                "the name of an environment variable that is set (it holds the signing secret)",
+            )
+        })?;
+        raw_secrets.push((format!("{field} {name}"), value.trim().to_string()));
+    }
+    for path in raw.secret_file.map(OneOrMany::into_vec).unwrap_or_default() {
+        let field = f("secret_file");
+        let text = std::fs::read_to_string(&path).map_err(|e| {
+            ConfigError::invalid(
+                &field,
+                &path,
+                format!("a readable file holding the signing secret ({})", e.kind()),
+            )
+        })?;
+        raw_secrets.push((format!("{field} {path}"), text.trim().to_string()));
+    }
+    if raw_secrets.is_empty() {
+        return Err(ConfigError::Missing {
+            field: format!("{field}.secret_env (or secret_file)"),
+        });
+    }
+    if raw_secrets.len() > MAX_SECRETS {
+        return Err(ConfigError::invalid(
+            f("secret_env"),
+            format!("{} secrets", raw_secrets.len()),
+            format!("at most {MAX_SECRETS} secrets (the current one and those being rotated out)"),
+        ));
+    }
+    let mut secrets = Vec::with_capacity(raw_secrets.len());
+    for (source, value) in raw_secrets {
+        // Where the secret came from, never what it is.
+        let bad = |why: &str| ConfigError::invalid(&source, "(its content)", why);
+        if value.is_empty() {
+            return Err(bad("a signing secret, not empty"));
+        }
+        let key = match scheme {
+            // The key is the base64 after "whsec_" (the spec's format), not the text.
+            SignatureScheme::StandardWebhooks => {
+                use base64::Engine as _;
+                let b64 = value.strip_prefix("whsec_").unwrap_or(&value);
+                base64::engine::general_purpose::STANDARD
+                    .decode(b64)
+                    .map_err(|_| bad("a Standard Webhooks secret: \"whsec_\" and base64"))?
+            }
+            _ => value.into_bytes(),
+        };
+        secrets.push(Secret::new(key));
+    }
+    Ok(SignatureConfig {
+        scheme,
+        secrets,
+        tolerance,
     })
 }
 

@@ -139,3 +139,53 @@ fn check_into_a_closed_pipe_exits_cleanly() {
         .unwrap();
     assert_eq!(status.code(), Some(0), "{status:?}");
 }
+
+/// `check` on the shipped webhook example: with a signing secret missing it fails naming the
+/// variable; with all of them set it shows each route's scheme and never a secret.
+#[test]
+fn check_names_a_missing_signing_secret_and_never_prints_one() {
+    let example = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/webhooks.toml");
+    let secrets = [
+        (
+            "STANDARD_WEBHOOKS_SECRET",
+            "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw",
+        ),
+        ("GITHUB_WEBHOOK_SECRET", "gh-very-secret-value"),
+        ("STRIPE_WEBHOOK_SECRET", "whsec_stripe-very-secret-value"),
+        ("SHOPIFY_API_SECRET", "shopify-very-secret-value"),
+        ("SLACK_SIGNING_SECRET", "slack-very-secret-value"),
+    ];
+    let run = |skip: Option<&str>| {
+        let mut cmd = Command::new(BIN);
+        cmd.args(["check", "--config", example]);
+        for (k, v) in secrets {
+            cmd.env_remove(k);
+            if Some(k) != skip {
+                cmd.env(k, v);
+            }
+        }
+        cmd.output().unwrap()
+    };
+    let missing = run(Some("GITHUB_WEBHOOK_SECRET"));
+    assert_eq!(missing.status.code(), Some(64));
+    let err = String::from_utf8_lossy(&missing.stderr);
+    assert!(err.contains("GITHUB_WEBHOOK_SECRET"), "{err}");
+    assert!(err.contains("routes[1].signature.secret_env"), "{err}");
+
+    let ok = run(None);
+    let out = format!(
+        "{}{}",
+        String::from_utf8_lossy(&ok.stdout),
+        String::from_utf8_lossy(&ok.stderr)
+    );
+    assert!(ok.status.success(), "{out}");
+    assert!(out.contains("signature github (1 secret)"), "{out}");
+    assert!(
+        out.contains("signature stripe (1 secret, timestamps within 5m)"),
+        "{out}"
+    );
+    for (_, secret) in secrets {
+        assert!(!out.contains(secret), "check printed a secret: {out}");
+    }
+    assert!(!out.contains("MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"));
+}

@@ -1,11 +1,26 @@
 //! At-least-once deliveries deduplicated by message id or business id, with the documented
 //! sender configurations of `examples/webhooks.toml` and realistic deliveries from each sender.
 
+use base64::Engine as _;
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+
 use crate::support::*;
 
-/// The shipped example config, pointed at the test upstream and a free port.
+/// The senders' signing secrets in these tests (Standard Webhooks', GitHub's and Slack's are
+/// the ones their docs use in their examples).
+const STANDARD_SECRET: &str = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
+const GITHUB_SECRET: &str = "It's a Secret to Everybody";
+const STRIPE_SECRET: &str = "whsec_test_5f2b1c3d4e";
+const SHOPIFY_SECRET: &str = "hush-shopify-app-secret";
+const SLACK_SECRET: &str = "8f742231b10e8888abcd99yyyzzz85a5";
+
+/// The shipped example config, pointed at the test upstream and a free port, with each
+/// `secret_env` variable made a file holding the test secret (tests share one process: they
+/// never set environment variables).
 async fn webhook_gateway(up: &Upstream) -> Running {
-    let text = std::fs::read_to_string(concat!(
+    let dir = TempDir::new("webhook-secrets");
+    let mut text = std::fs::read_to_string(concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/examples/webhooks.toml"
     ))
@@ -15,9 +30,95 @@ async fn webhook_gateway(up: &Upstream) -> Running {
         "url = \"http://127.0.0.1:3000\"",
         &format!("url = \"{}\"", up.url()),
     );
+    for (var, secret) in [
+        ("STANDARD_WEBHOOKS_SECRET", STANDARD_SECRET),
+        ("GITHUB_WEBHOOK_SECRET", GITHUB_SECRET),
+        ("STRIPE_WEBHOOK_SECRET", STRIPE_SECRET),
+        ("SHOPIFY_API_SECRET", SHOPIFY_SECRET),
+        ("SLACK_SIGNING_SECRET", SLACK_SECRET),
+    ] {
+        let path = dir.path.join(var);
+        std::fs::write(&path, format!("{secret}\n")).unwrap();
+        text = text.replace(
+            &format!("secret_env = \"{var}\""),
+            &format!("secret_file = \"{}\"", path.display()),
+        );
+    }
+    assert!(
+        !text
+            .lines()
+            .any(|l| !l.trim_start().starts_with('#') && l.contains("secret_env")),
+        "a sender without a test secret"
+    );
     Running::start(idemgate::config::Config::parse(&text).unwrap())
         .await
         .unwrap()
+}
+
+// Each sender's signature, computed here as its docs describe it (not with the gateway's code).
+
+fn hmac(key: &[u8], parts: &[&[u8]]) -> Vec<u8> {
+    let mut m = Hmac::<Sha256>::new_from_slice(key).unwrap();
+    for p in parts {
+        m.update(p);
+    }
+    m.finalize().into_bytes().to_vec()
+}
+
+fn b64(b: &[u8]) -> String {
+    base64::engine::general_purpose::STANDARD.encode(b)
+}
+
+fn now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+}
+
+/// Standard Webhooks: base64 HMAC of "id.timestamp.body" under the base64 key after "whsec_".
+fn standard_signature(secret: &str, id: &str, ts: u64, body: &str) -> String {
+    let key = base64::engine::general_purpose::STANDARD
+        .decode(secret.strip_prefix("whsec_").unwrap())
+        .unwrap();
+    format!(
+        "v1,{}",
+        b64(&hmac(
+            &key,
+            &[format!("{id}.{ts}.").as_bytes(), body.as_bytes()]
+        ))
+    )
+}
+
+/// GitHub: "sha256=" and the hex HMAC of the body.
+fn github_signature(secret: &str, body: &str) -> String {
+    format!(
+        "sha256={}",
+        hex::encode(hmac(secret.as_bytes(), &[body.as_bytes()]))
+    )
+}
+
+/// Stripe: "t=<ts>,v1=<hex HMAC of "ts.body">".
+fn stripe_signature(secret: &str, ts: u64, body: &str) -> String {
+    let sig = hmac(
+        secret.as_bytes(),
+        &[format!("{ts}.").as_bytes(), body.as_bytes()],
+    );
+    format!("t={ts},v1={}", hex::encode(sig))
+}
+
+/// Shopify: the base64 HMAC of the body.
+fn shopify_signature(secret: &str, body: &str) -> String {
+    b64(&hmac(secret.as_bytes(), &[body.as_bytes()]))
+}
+
+/// Slack: "v0=" and the hex HMAC of "v0:ts:body".
+fn slack_signature(secret: &str, ts: u64, body: &str) -> String {
+    let sig = hmac(
+        secret.as_bytes(),
+        &[format!("v0:{ts}:").as_bytes(), body.as_bytes()],
+    );
+    format!("v0={}", hex::encode(sig))
 }
 
 /// A delivery: path, headers, body.
@@ -72,33 +173,25 @@ fn json() -> (&'static str, String) {
 #[tokio::test]
 async fn standard_webhooks_by_webhook_id() {
     let body = r#"{"type":"contact.created","timestamp":"2022-11-03T20:26:10.344522Z","data":{"id":"1f81eb52-5198-4599-803e-771906343485","type":"contact"}}"#;
-    let delivery = |id: &str, ts: &str, sig: &str| Delivery {
+    let delivery = |id: &str, ts: u64| Delivery {
         path: "/webhooks/standard",
         headers: vec![
             json(),
             ("webhook-id", id.into()),
-            ("webhook-timestamp", ts.into()),
-            ("webhook-signature", sig.into()),
+            ("webhook-timestamp", ts.to_string()),
+            (
+                "webhook-signature",
+                standard_signature(STANDARD_SECRET, id, ts, body),
+            ),
         ],
         body: body.into(),
     };
     // A redelivery is signed again, with a new timestamp: only webhook-id stays.
+    let t = now();
     check_sender(
-        delivery(
-            "msg_2KWPBgLlAfxdpx2AI54pPJ85f4W",
-            "1674087231",
-            "v1,K5oZfzN95Z9UVu1EsfQmfVNQhnkZ2pj9o9NDN/H/pI4=",
-        ),
-        delivery(
-            "msg_2KWPBgLlAfxdpx2AI54pPJ85f4W",
-            "1674087291",
-            "v1,7mTbqLz3yW1fGH2Bx9v0bHq8cCkz1J1e3m0QbQ0x5yE=",
-        ),
-        delivery(
-            "msg_2KWPBgLlAfxdpx2AI54pPJ85f5X",
-            "1674087300",
-            "v1,Zm9vYmFyYmF6cXV4cXV1eHF1dXhxdXV4cXV1eHF1dXg=",
-        ),
+        delivery("msg_2KWPBgLlAfxdpx2AI54pPJ85f4W", t - 60),
+        delivery("msg_2KWPBgLlAfxdpx2AI54pPJ85f4W", t),
+        delivery("msg_2KWPBgLlAfxdpx2AI54pPJ85f5X", t),
     )
     .await;
 }
@@ -113,10 +206,7 @@ async fn github_by_delivery_guid() {
             ("x-github-event", "push".into()),
             ("x-github-delivery", guid.into()),
             ("x-github-hook-id", "292430182".into()),
-            (
-                "x-hub-signature-256",
-                "sha256=d57c68ca6f92289e6987922ff26938930f6e66a2d161ef06abdf1859230aa23c".into(),
-            ),
+            ("x-hub-signature-256", github_signature(GITHUB_SECRET, body)),
             ("user-agent", "GitHub-Hookshot/044aadd".into()),
         ],
         body: body.into(),
@@ -136,15 +226,15 @@ fn stripe_event(event_id: &str, created: u64, payment_intent: &str) -> String {
 }
 
 fn stripe(path: &'static str, body: String) -> Delivery {
+    stripe_signed_with(STRIPE_SECRET, path, body)
+}
+
+fn stripe_signed_with(secret: &str, path: &'static str, body: String) -> Delivery {
     Delivery {
         path,
         headers: vec![
             ("content-type", "application/json; charset=utf-8".into()),
-            (
-                "stripe-signature",
-                "t=1686089970,v1=5257a869e7ecebeda32affa62cdca3fa51cad7e77a0e56ff536d0ce8e108d8bd"
-                    .into(),
-            ),
+            ("stripe-signature", stripe_signature(secret, now(), &body)),
             (
                 "user-agent",
                 "Stripe/1.0 (+https://stripe.com/docs/webhooks)".into(),
@@ -271,8 +361,8 @@ async fn aws_sns_by_message_id() {
 
 #[tokio::test]
 async fn shopify_by_event_id() {
-    let delivery = |event_id: &str, webhook_id: &str| {
-        Delivery {
+    let body = r#"{"id":820982911946154508,"email":"jon@example.com","total_price":"598.94","currency":"USD","line_items":[{"id":866550311766439020,"quantity":1}]}"#;
+    let delivery = |event_id: &str, webhook_id: &str| Delivery {
         path: "/webhooks/shopify",
         headers: vec![
             json(),
@@ -280,11 +370,13 @@ async fn shopify_by_event_id() {
             ("x-shopify-event-id", event_id.into()),
             ("x-shopify-webhook-id", webhook_id.into()),
             ("x-shopify-shop-domain", "example.myshopify.com".into()),
-            ("x-shopify-hmac-sha256", "XWmrwMey6OsLMeiZKwP4FppHH3cmAiiJJAweH5Jo4bM=".into()),
+            (
+                "x-shopify-hmac-sha256",
+                shopify_signature(SHOPIFY_SECRET, body),
+            ),
             ("x-shopify-api-version", "2025-01".into()),
         ],
-        body: r#"{"id":820982911946154508,"email":"jon@example.com","total_price":"598.94","currency":"USD","line_items":[{"id":866550311766439020,"quantity":1}]}"#.into(),
-    }
+        body: body.into(),
     };
     // Each retry carries a new X-Shopify-Webhook-Id; the event id stays.
     check_sender(
@@ -355,4 +447,157 @@ async fn a_delivery_without_its_id_is_refused_and_a_nested_object_is_not_an_id()
     assert_eq!(no_header.problem_type(), "missing-key");
     assert!(no_header.text().contains("X-Amz-Sns-Message-Id"));
     assert_eq!(up.executions(), 0);
+}
+
+#[tokio::test]
+async fn slack_events_by_event_id() {
+    let event = |event_id: &str, ts: u64, retry: Option<&str>| {
+        let body = format!(
+            r#"{{"token":"Jhj5dZrVaK7ZwHHjRyZWjbDl","team_id":"T061EG9RZ","api_app_id":"A0FFV41KK","event":{{"type":"reaction_added","user":"U061F1EUR","reaction":"slightly_smiling_face","item":{{"type":"message","channel":"C061EG9SL","ts":"1464196127.000002"}}}},"type":"event_callback","event_id":"{event_id}","event_time":1599616881}}"#
+        );
+        let mut headers = vec![
+            json(),
+            ("x-slack-request-timestamp", ts.to_string()),
+            (
+                "x-slack-signature",
+                slack_signature(SLACK_SECRET, ts, &body),
+            ),
+        ];
+        if let Some(n) = retry {
+            headers.push(("x-slack-retry-num", n.into()));
+            headers.push(("x-slack-retry-reason", "http_timeout".into()));
+        }
+        Delivery {
+            path: "/slack/events",
+            headers,
+            body,
+        }
+    };
+    let t = now();
+    check_sender(
+        event("Ev08MFMKH6", t - 5, None),
+        event("Ev08MFMKH6", t, Some("1")),
+        event("Ev08MFMKH7", t, None),
+    )
+    .await;
+}
+
+/// The attack from the issue: a forged delivery with a real event id, before the genuine one.
+/// It is refused (401) without claiming the key; the genuine delivery executes once, and its
+/// redeliveries replay it.
+#[tokio::test]
+async fn a_forged_delivery_cannot_claim_the_key_of_the_genuine_one() {
+    let up = Upstream::counting().await;
+    let gw = webhook_gateway(&up).await;
+    let http = Http::new(gw.addr());
+    let event = stripe_event("evt_real_1", 1686089970, "pi_real");
+    let forged = stripe_signed_with("whsec_guessed", "/webhooks/stripe", event.clone())
+        .send(&http)
+        .await;
+    assert_eq!(forged.status, 401);
+    assert_eq!(forged.problem_type(), "signature-rejected");
+    assert_eq!(up.executions(), 0);
+    let genuine = stripe("/webhooks/stripe", event.clone()).send(&http).await;
+    assert_eq!(genuine.status, 201, "{genuine:?}");
+    assert!(!genuine.is_replay());
+    let redelivered = stripe("/webhooks/stripe", event).send(&http).await;
+    assert!(redelivered.is_replay());
+    assert_eq!(up.executions(), 1);
+}
+
+/// Every way a delivery can fail its signature: nothing stored, nothing forwarded, counted.
+#[tokio::test]
+async fn tampered_stale_unsigned_and_wrongly_signed_deliveries_are_refused() {
+    let up = Upstream::counting().await;
+    let dir = TempDir::new("rotation");
+    let (new, old) = (dir.path.join("new"), dir.path.join("old"));
+    std::fs::write(&new, "s3cret-new").unwrap();
+    std::fs::write(&old, "s3cret-old\n").unwrap();
+    let config = format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin = \"127.0.0.1:0\"\n[upstream]\nurl = \"{}\"\n[store]\nbackend = \"memory\"\n[[routes]]\nname = \"gh\"\npath = \"/gh\"\nclient_header = \"\"\nkey = {{ header = \"X-GitHub-Delivery\" }}\nsignature = {{ scheme = \"github\", secret_file = [\"{}\", \"{}\"] }}\n[[routes]]\nname = \"slack\"\npath = \"/slack\"\nclient_header = \"\"\nkey = {{ json = \"/event_id\" }}\nsignature = {{ scheme = \"slack\", secret_file = \"{}\", tolerance = \"1m\" }}\n",
+        up.url(),
+        new.display(),
+        old.display(),
+        new.display()
+    );
+    let gw = Running::start(idemgate::config::Config::parse(&config).unwrap())
+        .await
+        .unwrap();
+    let http = Http::new(gw.addr());
+    let body = r#"{"zen":"Design for failure."}"#;
+    let gh = |guid: &str, sig: Option<String>, body: &str| {
+        let mut req = http
+            .request("POST", "/gh")
+            .header("x-github-delivery", guid)
+            .header("content-type", "application/json");
+        if let Some(sig) = sig {
+            req = req.header("x-hub-signature-256", &sig);
+        }
+        req.body(body.to_string()).send()
+    };
+    // Signed with the new secret, and with the old one still configured during a rotation.
+    assert_eq!(
+        gh("d-1", Some(github_signature("s3cret-new", body)), body)
+            .await
+            .status,
+        201
+    );
+    assert_eq!(
+        gh("d-2", Some(github_signature("s3cret-old", body)), body)
+            .await
+            .status,
+        201
+    );
+    // A wrong secret, a tampered body, no signature, a malformed one.
+    for (guid, sig, sent) in [
+        ("d-3", Some(github_signature("s3cret-other", body)), body),
+        (
+            "d-4",
+            Some(github_signature("s3cret-new", body)),
+            r#"{"zen":"Design for success."}"#,
+        ),
+        ("d-5", None, body),
+        ("d-6", Some("sha1=0123".to_string()), body),
+    ] {
+        let got = gh(guid, sig, sent).await;
+        assert_eq!(got.status, 401, "{guid}");
+        assert_eq!(got.problem_type(), "signature-rejected", "{guid}");
+    }
+    // A Slack event signed 2 minutes ago, past this route's 1-minute tolerance: an old signed
+    // delivery replayed after its record expired would be this.
+    let slack_body = r#"{"type":"event_callback","event_id":"Ev1"}"#;
+    let ts = now() - 120;
+    let stale = http
+        .request("POST", "/slack")
+        .header("x-slack-request-timestamp", &ts.to_string())
+        .header(
+            "x-slack-signature",
+            &slack_signature("s3cret-new", ts, slack_body),
+        )
+        .body(slack_body)
+        .send()
+        .await;
+    assert_eq!(stale.status, 401);
+    assert!(stale.text().contains("timestamp"), "{}", stale.text());
+    assert_eq!(up.executions(), 2, "only the two signed deliveries ran");
+    // Refused deliveries claimed nothing: d-3 signed properly now runs.
+    assert_eq!(
+        gh("d-3", Some(github_signature("s3cret-new", body)), body)
+            .await
+            .status,
+        201
+    );
+    let metrics = scrape(gw.admin_addr().unwrap()).await;
+    let count = |route: &str, result: &str| {
+        metrics
+            .get(&format!(
+                "idemgate_signatures_total{{route=\"{route}\",result=\"{result}\"}}"
+            ))
+            .copied()
+            .unwrap_or(0.0)
+    };
+    assert_eq!(count("gh", "verified"), 3.0);
+    assert_eq!(count("gh", "invalid"), 2.0);
+    assert_eq!(count("gh", "missing"), 2.0);
+    assert_eq!(count("slack", "stale"), 1.0);
 }
