@@ -62,20 +62,28 @@ pub fn verify(
     };
     match &config.scheme {
         SignatureScheme::StandardWebhooks => {
-            let get = |name: &str| {
-                header(headers, &format!("webhook-{name}"))
-                    .or_else(|| header(headers, &format!("svix-{name}")))
-                    .ok_or(Rejection::Missing)
+            // One family of headers, whole: mixing them would let a captured delivery's
+            // signature vouch for another id (the key).
+            let has = |prefix: &str| headers.keys().any(|k| k.as_str().starts_with(prefix));
+            let family = match (has("webhook-"), has("svix-")) {
+                (true, false) => "webhook",
+                (false, true) => "svix",
+                _ => return Err(Rejection::Missing),
             };
+            let get =
+                |name: &str| header(headers, &format!("{family}-{name}")).ok_or(Rejection::Missing);
             let (id, ts, sigs) = (get("id")?, get("timestamp")?, get("signature")?);
-            fresh(ts)?;
-            // "v1,<base64>" entries separated by spaces.
+            // "v1,<base64>" entries separated by spaces (asymmetric "v1a" ones are not ours).
             let candidates: Vec<Vec<u8>> = sigs
                 .split(' ')
                 .filter_map(|s| s.strip_prefix("v1,"))
                 .filter_map(|b64| base64::engine::general_purpose::STANDARD.decode(b64).ok())
                 .take(MAX_CANDIDATES)
                 .collect();
+            if candidates.is_empty() {
+                return Err(Rejection::Missing);
+            }
+            fresh(ts)?;
             matches(
                 &config.secrets,
                 &[id.as_bytes(), b".", ts.as_bytes(), b".", body],
@@ -430,6 +438,32 @@ mod tests {
         assert_eq!(verify(&c, &both, b"{}", 1000), Ok(()));
         let no_t = headers(&[("stripe-signature", &format!("v1={v1}"))]);
         assert_eq!(verify(&c, &no_t, b"{}", 1000), Err(Rejection::Missing));
+    }
+
+    #[test]
+    fn standard_webhooks_takes_svix_names_but_never_a_mix() {
+        let key = b"0123456789abcdef0123456789abcdef";
+        let c = config(SignatureScheme::StandardWebhooks, &[key]);
+        let signed = sign(&c.scheme, &c.secrets[0], "msg_1", 1000, b"{}");
+        let svix: Vec<(String, String)> = signed
+            .iter()
+            .map(|(k, v)| (k.replace("webhook-", "svix-"), v.clone()))
+            .collect();
+        let as_map = |pairs: &[(String, String)]| {
+            let refs: Vec<(&str, &str)> = pairs
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.as_str()))
+                .collect();
+            headers(&refs)
+        };
+        assert_eq!(verify(&c, &as_map(&svix), b"{}", 1000), Ok(()));
+        // A captured svix delivery with a webhook-id naming another key: refused.
+        let mut mixed = svix.clone();
+        mixed.push(("webhook-id".into(), "msg_other".into()));
+        assert_eq!(
+            verify(&c, &as_map(&mixed), b"{}", 1000),
+            Err(Rejection::Missing)
+        );
     }
 
     #[test]

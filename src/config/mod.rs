@@ -583,6 +583,18 @@ impl Config {
                     sig.secrets.len(),
                     if sig.secrets.len() == 1 { "" } else { "s" },
                 );
+                // Only Standard Webhooks signs its id; any other header in the key can be
+                // changed on a captured delivery, which then runs again under the new key.
+                let signed_id = |h: &HeaderName| {
+                    sig.scheme == SignatureScheme::StandardWebhooks
+                        && matches!(h.as_str(), "webhook-id" | "svix-id")
+                };
+                for h in r.key.headers.iter().filter(|h| !signed_id(h)) {
+                    let _ = writeln!(
+                        out,
+                        "  note: the key's header {h} is not covered by the signature: a captured delivery sent again with another {h} runs again"
+                    );
+                }
             }
         }
         let _ = writeln!(out, "everything else: passed through to {}", self.upstream);

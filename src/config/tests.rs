@@ -736,5 +736,25 @@ fn signature_settings_are_checked_and_secrets_never_shown() {
         signed_route("{ scheme = \"github\" }"),
         Err(ConfigError::Missing { .. })
     ));
+    // "whsec_" alone would be an empty key, which anyone can sign with.
+    let empty = dir.join("empty-whsec");
+    std::fs::write(&empty, "whsec_").unwrap();
+    let err = signed_route(&format!(
+        "{{ scheme = \"standard-webhooks\", secret_file = \"{}\" }}",
+        empty.display()
+    ))
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("24 to 64 bytes"), "{err}");
+    // A secret pasted where a variable's name goes is not echoed.
+    let err = signed_route("{ scheme = \"github\", secret_env = \"s3cr3t value!\" }")
+        .unwrap_err()
+        .to_string();
+    assert!(!err.contains("s3cr3t"), "{err}");
+    // A record must outlive the tolerance of a timestamped scheme.
+    let (field, _) = invalid_field(with(&format!(
+        "ttl = \"2m\"\nupstream_timeout = \"10s\"\nlock_timeout = \"10s\"\nsignature = {{ scheme = \"stripe\", secret_file = \"{f}\" }}\n"
+    )));
+    assert_eq!(field, "routes[0].ttl");
     std::fs::remove_dir_all(&dir).ok();
 }

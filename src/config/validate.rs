@@ -525,6 +525,20 @@ fn validate_route(
         None => None,
         Some(raw) => Some(validate_signature(&at("signature"), raw)?),
     };
+    if let Some(sig) = signature.as_ref().filter(|s| s.scheme.is_timestamped()) {
+        // A record that expires within the tolerance would let the same signed delivery, sent
+        // again, run again.
+        if policy.ttl < sig.tolerance {
+            return Err(ConfigError::invalid(
+                at("ttl"),
+                humantime::format_duration(policy.ttl).to_string(),
+                format!(
+                    "at least the signature's tolerance ({}) on a signed route",
+                    humantime::format_duration(sig.tolerance)
+                ),
+            ));
+        }
+    }
     Ok(RouteConfig {
         name,
         pattern,
@@ -624,6 +638,17 @@ fn validate_signature(field: &str, raw: RawSignature) -> Result<SignatureConfig,
     let mut raw_secrets: Vec<(String, String)> = Vec::new();
     for name in raw.secret_env.map(OneOrMany::into_vec).unwrap_or_default() {
         let field = f("secret_env");
+        // Only a name is echoed: a secret pasted here by mistake is not.
+        let is_name = !name.is_empty()
+            && !name.starts_with(|c: char| c.is_ascii_digit())
+            && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+        if !is_name {
+            return Err(ConfigError::invalid(
+                &field,
+                "(not shown: not a variable name)",
+                "the name of an environment variable, such as \"STRIPE_WEBHOOK_SECRET\", not the secret itself",
+            ));
+        }
         let value = std::env::var(&name).map_err(|_| {
             ConfigError::invalid(
                 &field,
@@ -651,7 +676,7 @@ fn validate_signature(field: &str, raw: RawSignature) -> Result<SignatureConfig,
     }
     if raw_secrets.len() > MAX_SECRETS {
         return Err(ConfigError::invalid(
-            f("secret_env"),
+            f("secret_env (and secret_file)"),
             format!("{} secrets", raw_secrets.len()),
             format!("at most {MAX_SECRETS} secrets (the current one and those being rotated out)"),
         ));
@@ -667,10 +692,18 @@ fn validate_signature(field: &str, raw: RawSignature) -> Result<SignatureConfig,
             // The key is the base64 after "whsec_" (the spec's format), not the text.
             SignatureScheme::StandardWebhooks => {
                 use base64::Engine as _;
-                let b64 = value.strip_prefix("whsec_").unwrap_or(&value);
-                base64::engine::general_purpose::STANDARD
+                let wrong = || {
+                    bad("a Standard Webhooks secret: \"whsec_\" and the base64 of 24 to 64 bytes")
+                };
+                let b64 = value.strip_prefix("whsec_").ok_or_else(wrong)?;
+                let key = base64::engine::general_purpose::STANDARD
                     .decode(b64)
-                    .map_err(|_| bad("a Standard Webhooks secret: \"whsec_\" and base64"))?
+                    .map_err(|_| wrong())?;
+                // An empty key is one anyone can sign with.
+                if !(24..=64).contains(&key.len()) {
+                    return Err(wrong());
+                }
+                key
             }
             _ => value.into_bytes(),
         };

@@ -601,3 +601,36 @@ async fn tampered_stale_unsigned_and_wrongly_signed_deliveries_are_refused() {
     assert_eq!(count("gh", "missing"), 2.0);
     assert_eq!(count("slack", "stale"), 1.0);
 }
+
+/// With `require_key = false`, a delivery without its key passes through, but only signed:
+/// the signature is checked on every delivery to the route.
+#[tokio::test]
+async fn without_a_key_a_delivery_still_needs_its_signature() {
+    let up = Upstream::counting().await;
+    let dir = TempDir::new("unkeyed");
+    let secret = dir.path.join("secret");
+    std::fs::write(&secret, GITHUB_SECRET).unwrap();
+    let config = format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\n[upstream]\nurl = \"{}\"\n[store]\nbackend = \"memory\"\n[[routes]]\npath = \"/gh\"\nclient_header = \"\"\nrequire_key = false\nkey = {{ header = \"X-GitHub-Delivery\" }}\nsignature = {{ scheme = \"github\", secret_file = \"{}\" }}\n",
+        up.url(),
+        secret.display()
+    );
+    let gw = Running::start(idemgate::config::Config::parse(&config).unwrap())
+        .await
+        .unwrap();
+    let http = Http::new(gw.addr());
+    let body = r#"{"zen":"Keep it logically awesome."}"#;
+    let unsigned = http.request("POST", "/gh").body(body).send().await;
+    assert_eq!(unsigned.status, 401);
+    let signed = http
+        .request("POST", "/gh")
+        .header(
+            "x-hub-signature-256",
+            &github_signature(GITHUB_SECRET, body),
+        )
+        .body(body)
+        .send()
+        .await;
+    assert_eq!(signed.status, 201);
+    assert_eq!(up.executions(), 1);
+}
