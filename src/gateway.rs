@@ -42,7 +42,7 @@ use crate::signature;
 use crate::store::{Store, StoredResponse, UnknownReason};
 use crate::upstream::{
     prepare_request, ClientAddr, ConnectionLimits, NoConnectionSlot, UpstreamBody, UpstreamError,
-    UpstreamPool,
+    UpstreamPool, UpstreamTlsConnector,
 };
 
 /// Header on a replay whose body was too large to keep: the body is deliberately empty.
@@ -121,6 +121,8 @@ pub struct Gateway {
     connect_timeout: Duration,
     /// The cap on connections per upstream that every worker's pool shares.
     upstream_limits: Arc<ConnectionLimits>,
+    /// TLS for `https://` upstreams, shared by every worker's pool (and its session cache).
+    upstream_tls: Arc<UpstreamTlsConnector>,
     /// Request bodies buffered at once, all requests together.
     budget: Arc<Budget>,
     metrics: Arc<Metrics>,
@@ -154,10 +156,12 @@ impl Gateway {
         metrics: Arc<Metrics>,
         connect_timeout: Duration,
         upstream_limits: Arc<ConnectionLimits>,
+        upstream_tls: Arc<UpstreamTlsConnector>,
         max_buffered: usize,
     ) -> Self {
         Gateway {
             upstream_limits,
+            upstream_tls,
             budget: Budget::new(max_buffered, metrics.buffered()),
             routing: ArcSwap::from_pointee(routing),
             store,
@@ -171,7 +175,11 @@ impl Gateway {
     /// A worker's own upstream pool and store handle; called on the worker's thread.
     pub fn worker_context(&self) -> WorkerContext {
         WorkerContext {
-            upstream: UpstreamPool::new(self.connect_timeout, Arc::clone(&self.upstream_limits)),
+            upstream: UpstreamPool::new(
+                self.connect_timeout,
+                Arc::clone(&self.upstream_limits),
+                Arc::clone(&self.upstream_tls),
+            ),
             store: self.store.for_worker(),
         }
     }

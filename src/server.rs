@@ -27,7 +27,7 @@ use crate::conn;
 use crate::gateway::{ClientConn, Gateway, Routing, WorkerContext};
 use crate::metrics::Metrics;
 use crate::store;
-use crate::upstream::{ClientAddr, ConnectionLimits};
+use crate::upstream::{ClientAddr, ConnectionLimits, TlsSetupError, UpstreamTlsConnector};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
@@ -40,6 +40,8 @@ pub enum ServerError {
     Store(#[from] store::OpenError),
     #[error("cannot start the worker threads: {0}")]
     Workers(std::io::Error),
+    #[error("{0}")]
+    UpstreamTls(#[from] TlsSetupError),
 }
 
 /// A bound, not yet serving gateway.
@@ -80,6 +82,7 @@ impl Server {
             metrics,
             connect_timeout,
             ConnectionLimits::new(config.upstream_max_connections),
+            UpstreamTlsConnector::new(&config.upstream_tls)?,
             config.server.max_buffered,
         ));
         Ok(Server {
@@ -506,8 +509,9 @@ pub async fn reload_on_sighup(path: std::path::PathBuf, gateway: Arc<Gateway>, r
             if new.store != running.store
                 || new.server != running.server
                 || new.upstream_max_connections != running.upstream_max_connections
+                || new.upstream_tls != running.upstream_tls
             {
-                tracing::warn!("[store], [server] and upstream.max_connections changes take effect only after a restart; reloading routes, defaults and upstream only");
+                tracing::warn!("[store], [server], upstream.max_connections and upstream.tls_* changes take effect only after a restart; reloading routes, defaults and upstream only");
             }
             // The body budget stays the running one: a route whose bodies could never fit in it
             // would answer 503 to each of them.

@@ -70,6 +70,8 @@ pub struct Config {
     /// `[upstream] max_connections`: the cap on connections to each upstream (host and port),
     /// across workers; fixed at startup.
     pub upstream_max_connections: usize,
+    /// `[upstream] tls_*`: for every `https://` upstream.
+    pub upstream_tls: UpstreamTls,
     /// `[defaults]` over the built-ins: what pass-through traffic outside any route uses.
     pub defaults: Policy,
     pub routes: Vec<RouteConfig>,
@@ -243,9 +245,11 @@ pub fn redact_url(url: &str) -> String {
     }
 }
 
-/// An `http://host:port[/prefix]` upstream. Requests go to `prefix + original path`.
+/// An `http(s)://host:port[/prefix]` upstream. Requests go to `prefix + original path`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct UpstreamUrl {
+    /// `https://`: connections are TLS ([`UpstreamTls`]).
+    pub tls: bool,
     pub authority: http::uri::Authority,
     /// Path prefix without a trailing slash ("" for none).
     pub prefix: String,
@@ -253,21 +257,15 @@ pub struct UpstreamUrl {
 
 impl UpstreamUrl {
     pub fn parse(field: &str, raw: &str) -> Result<Self, ConfigError> {
-        let allowed = "an absolute http:// URL such as \"http://127.0.0.1:3000\" or \"http://payments:3000/api\", without query";
+        let allowed = "an absolute http:// or https:// URL such as \"http://127.0.0.1:3000\" or \"https://payments.internal/api\", without query";
         let uri: Uri = raw
             .parse()
             .map_err(|_| ConfigError::invalid(field, raw, allowed))?;
-        match uri.scheme_str() {
-            Some("http") => {}
-            Some("https") => {
-                return Err(ConfigError::invalid(
-                    field,
-                    raw,
-                    "an http:// URL; https upstreams are not supported yet (terminate TLS in front of the upstream, or run idemgate as a sidecar next to it)",
-                ))
-            }
+        let tls = match uri.scheme_str() {
+            Some("http") => false,
+            Some("https") => true,
             _ => return Err(ConfigError::invalid(field, raw, allowed)),
-        }
+        };
         let authority = uri
             .authority()
             .cloned()
@@ -276,14 +274,39 @@ impl UpstreamUrl {
             return Err(ConfigError::invalid(field, raw, allowed));
         }
         let prefix = uri.path().trim_end_matches('/').to_string();
-        Ok(UpstreamUrl { authority, prefix })
+        Ok(UpstreamUrl {
+            tls,
+            authority,
+            prefix,
+        })
+    }
+
+    /// The port connected to: the URL's, or the scheme's.
+    pub fn port(&self) -> u16 {
+        self.authority
+            .port_u16()
+            .unwrap_or(if self.tls { 443 } else { 80 })
     }
 }
 
 impl std::fmt::Display for UpstreamUrl {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "http://{}{}", self.authority, self.prefix)
+        let scheme = if self.tls { "https" } else { "http" };
+        write!(f, "{scheme}://{}{}", self.authority, self.prefix)
     }
+}
+
+/// How `https://` upstreams are trusted and who the gateway is to them (`[upstream] tls_*`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct UpstreamTls {
+    /// PEM certificates of the CA(s) that sign the upstreams' certificates; `None`: the system's
+    /// trusted roots.
+    pub ca_file: Option<std::path::PathBuf>,
+    /// PEM chain and key the gateway presents to upstreams that ask (mTLS).
+    pub client_cert: Option<std::path::PathBuf>,
+    pub client_key: Option<std::path::PathBuf>,
+    /// The name the upstream's certificate must carry, sent as SNI, instead of the URL's host.
+    pub server_name: Option<String>,
 }
 
 /// Idempotency behaviour of one route, after defaults were applied.

@@ -57,6 +57,10 @@ pub(super) struct RawStore {
 pub(super) struct RawUpstream {
     pub(super) url: Option<String>,
     pub(super) max_connections: Option<i64>,
+    pub(super) tls_ca_file: Option<String>,
+    pub(super) tls_client_cert: Option<String>,
+    pub(super) tls_client_key: Option<String>,
+    pub(super) tls_server_name: Option<String>,
 }
 
 /// A size written as a byte count (`1048576`) or with a unit (`"1MiB"`).

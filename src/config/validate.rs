@@ -15,7 +15,7 @@ use super::raw::{
 use super::{
     redact_url, Config, ConfigError, Deadlines, DiskSettings, OnStoreError, OnUnknown, Policy,
     RedisSettings, RedisTarget, RouteConfig, Secret, ServerConfig, SignatureConfig,
-    SignatureScheme, StoreConfig, SyncMode, UpstreamUrl,
+    SignatureScheme, StoreConfig, SyncMode, UpstreamTls, UpstreamUrl,
 };
 use crate::fingerprint::IgnoredFields;
 use crate::key::KeySource;
@@ -85,11 +85,18 @@ impl RawConfig {
                 ));
             }
         }
+        let upstream_tls = validate_upstream_tls(
+            raw_upstream.tls_ca_file,
+            raw_upstream.tls_client_cert,
+            raw_upstream.tls_client_key,
+            raw_upstream.tls_server_name,
+        )?;
         Ok(Config {
             server,
             store,
             upstream,
             upstream_max_connections,
+            upstream_tls,
             defaults,
             routes,
         })
@@ -549,6 +556,65 @@ fn validate_route(
         check_fingerprint: own.check_fingerprint.unwrap_or(true),
         signature,
         policy,
+    })
+}
+
+/// A PEM file that must hold at least one `block` ("CERTIFICATE", or "PRIVATE KEY", which
+/// also finds "RSA PRIVATE KEY" and "EC PRIVATE KEY"); errors name the file, never its content.
+fn pem_file(field: &str, path: String, block: &str) -> Result<std::path::PathBuf, ConfigError> {
+    let pem = std::fs::read_to_string(&path).map_err(|e| {
+        ConfigError::invalid(field, &path, format!("a readable PEM file ({})", e.kind()))
+    })?;
+    if !pem.contains("-----BEGIN ") || !pem.contains(&format!("{block}-----")) {
+        return Err(ConfigError::invalid(
+            field,
+            &path,
+            format!("a PEM file with a {block} block"),
+        ));
+    }
+    Ok(std::path::PathBuf::from(path))
+}
+
+fn validate_upstream_tls(
+    ca_file: Option<String>,
+    client_cert: Option<String>,
+    client_key: Option<String>,
+    server_name: Option<String>,
+) -> Result<UpstreamTls, ConfigError> {
+    let ca_file = ca_file
+        .map(|p| pem_file("upstream.tls_ca_file", p, "CERTIFICATE"))
+        .transpose()?;
+    let (client_cert, client_key) = match (client_cert, client_key) {
+        (None, None) => (None, None),
+        (Some(c), Some(k)) => (
+            Some(pem_file("upstream.tls_client_cert", c, "CERTIFICATE")?),
+            Some(pem_file("upstream.tls_client_key", k, "PRIVATE KEY")?),
+        ),
+        (Some(_), None) => {
+            return Err(ConfigError::Missing {
+                field: "upstream.tls_client_key (with tls_client_cert)".into(),
+            })
+        }
+        (None, Some(_)) => {
+            return Err(ConfigError::Missing {
+                field: "upstream.tls_client_cert (with tls_client_key)".into(),
+            })
+        }
+    };
+    if let Some(name) = &server_name {
+        if rustls::pki_types::ServerName::try_from(name.as_str()).is_err() {
+            return Err(ConfigError::invalid(
+                "upstream.tls_server_name",
+                name,
+                "a DNS name or IP address that the upstream's certificate names",
+            ));
+        }
+    }
+    Ok(UpstreamTls {
+        ca_file,
+        client_cert,
+        client_key,
+        server_name,
     })
 }
 

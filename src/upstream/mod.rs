@@ -22,6 +22,7 @@
 mod limit;
 mod pool;
 mod rewrite;
+mod tls;
 
 use std::time::Duration;
 
@@ -30,6 +31,7 @@ use crate::body::BoxError;
 pub use limit::{ConnectionLimits, NoConnectionSlot};
 pub use pool::{UpstreamBody, UpstreamPool};
 pub use rewrite::{prepare_request, ClientAddr};
+pub use tls::{TlsSetupError, UpstreamTlsConnector};
 
 /// How long establishing a TCP connection to the upstream may take at most.
 pub const MAX_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);

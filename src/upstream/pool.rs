@@ -19,6 +19,7 @@ use tokio::time::Instant;
 
 use super::limit::{ConnectionLimits, Gate};
 use super::rewrite::strip_hop_by_hop;
+use super::tls::UpstreamTlsConnector;
 use super::{UpstreamError, MAX_CONNECT_TIMEOUT};
 use crate::body::{Body, BoxError};
 
@@ -38,6 +39,8 @@ struct Pool {
     /// For a new connection: waiting for a slot, then connecting.
     connect_timeout: Duration,
     limits: Arc<ConnectionLimits>,
+    /// For `https://` upstreams.
+    tls: Arc<UpstreamTlsConnector>,
     /// Per upstream, its gate and its idle connections, the most recently used last. A route
     /// has one upstream and a config a handful, so a list beats a map.
     idle: Mutex<Vec<Upstream>>,
@@ -45,6 +48,8 @@ struct Pool {
 
 struct Upstream {
     authority: Authority,
+    /// Connections to it are TLS.
+    secure: bool,
     gate: Arc<Gate>,
     conns: VecDeque<Idle>,
 }
@@ -57,11 +62,16 @@ struct Idle {
 impl UpstreamPool {
     /// `connect_timeout` (waiting for a connection slot, then connecting) is capped at
     /// [`MAX_CONNECT_TIMEOUT`]; `limits` are shared by every worker's pool.
-    pub fn new(connect_timeout: Duration, limits: Arc<ConnectionLimits>) -> Self {
+    pub fn new(
+        connect_timeout: Duration,
+        limits: Arc<ConnectionLimits>,
+        tls: Arc<UpstreamTlsConnector>,
+    ) -> Self {
         UpstreamPool {
             pool: Arc::new(Pool {
                 connect_timeout: connect_timeout.min(MAX_CONNECT_TIMEOUT),
                 limits,
+                tls,
                 idle: Mutex::new(Vec::new()),
             }),
         }
@@ -122,6 +132,7 @@ impl UpstreamPool {
                 "the request names no upstream".into(),
             ));
         };
+        let secure = req.uri().scheme() == Some(&http::uri::Scheme::HTTPS);
         let origin_form = req
             .uri()
             .path_and_query()
@@ -129,14 +140,14 @@ impl UpstreamPool {
             .unwrap_or_else(|| PathAndQuery::from_static("/"));
         *req.uri_mut() = Uri::from(origin_form);
         if !req.headers().contains_key(header::HOST) {
-            if let Ok(host) = HeaderValue::from_str(&host_header(&authority)) {
+            if let Ok(host) = HeaderValue::from_str(&host_header(&authority, secure)) {
                 req.headers_mut().insert(header::HOST, host);
             }
         }
         loop {
-            let (mut sender, reused) = match self.pool.checkout(&authority) {
+            let (mut sender, reused) = match self.pool.checkout(&authority, secure) {
                 Some(sender) => (sender, true),
-                None => (self.pool.connect(&authority).await?, false),
+                None => (self.pool.connect(&authority, secure).await?, false),
             };
             match sender.try_send_request(req).await {
                 Ok(mut resp) => {
@@ -144,7 +155,9 @@ impl UpstreamPool {
                     // frame.
                     strip_hop_by_hop(resp.headers_mut());
                     let pool = Arc::clone(&self.pool);
-                    return Ok(resp.map(|body| UpstreamBody::new(body, pool, authority, sender)));
+                    return Ok(
+                        resp.map(|body| UpstreamBody::new(body, pool, (authority, secure), sender))
+                    );
                 }
                 Err(mut e) => match e.take_message() {
                     // Handed back unwritten by a connection the upstream had closed while it sat
@@ -166,9 +179,12 @@ impl Pool {
     }
 
     /// The most recently used idle connection to `authority` that is ready for a request.
-    fn checkout(&self, authority: &Authority) -> Option<SendRequest<Body>> {
+    fn checkout(&self, authority: &Authority, secure: bool) -> Option<SendRequest<Body>> {
         let mut idle = self.idle();
-        let conns = &mut idle.iter_mut().find(|u| u.authority == *authority)?.conns;
+        let conns = &mut idle
+            .iter_mut()
+            .find(|u| u.authority == *authority && u.secure == secure)?
+            .conns;
         let stale = Instant::now().checked_sub(IDLE_TIMEOUT);
         while conns
             .front()
@@ -187,15 +203,19 @@ impl Pool {
     }
 
     /// Pools `sender`, which must be ready ([`UpstreamBody`] sees to it).
-    fn give_back(&self, authority: Authority, sender: SendRequest<Body>) {
+    fn give_back(&self, (authority, secure): (Authority, bool), sender: SendRequest<Body>) {
         let since = Instant::now();
         let mut idle = self.idle();
-        let i = match idle.iter().position(|u| u.authority == authority) {
+        let i = match idle
+            .iter()
+            .position(|u| u.authority == authority && u.secure == secure)
+        {
             Some(i) => i,
             None => {
                 let gate = self.limits.gate(&authority);
                 idle.push(Upstream {
                     authority,
+                    secure,
                     gate,
                     conns: VecDeque::new(),
                 });
@@ -216,13 +236,19 @@ impl Pool {
     }
 
     /// A new connection to `authority`; any failure here means nothing was sent.
-    async fn connect(&self, authority: &Authority) -> Result<SendRequest<Body>, UpstreamError> {
+    async fn connect(
+        &self,
+        authority: &Authority,
+        secure: bool,
+    ) -> Result<SendRequest<Body>, UpstreamError> {
         // `[::1]` in a URI is `::1` to the resolver.
         let host = authority
             .host()
             .trim_start_matches('[')
             .trim_end_matches(']');
-        let port = authority.port_u16().unwrap_or(80);
+        let port = authority
+            .port_u16()
+            .unwrap_or(if secure { 443 } else { 80 });
         let deadline = Instant::now() + self.connect_timeout;
         let gate = self.limits.gate(authority);
         let slot = gate
@@ -232,16 +258,12 @@ impl Pool {
         let connecting = async {
             let stream = TcpStream::connect((host, port)).await?;
             stream.set_nodelay(true)?;
-            let (sender, conn) = http1::handshake(TokioIo::new(stream)).await?;
-            tokio::spawn(async move {
-                // The slot is the socket's: given back when the connection has ended, however
-                // long after its last request that is.
-                let _slot = slot;
-                if let Err(e) = conn.await {
-                    tracing::debug!(error = %e, "upstream connection ended");
-                }
-            });
-            Ok::<_, BoxError>(sender)
+            if secure {
+                let stream = self.tls.connect(host, stream).await?;
+                start(TokioIo::new(stream), slot).await
+            } else {
+                start(TokioIo::new(stream), slot).await
+            }
         };
         match tokio::time::timeout_at(deadline, connecting).await {
             Ok(Ok(sender)) => Ok(sender),
@@ -253,11 +275,32 @@ impl Pool {
     }
 }
 
+/// The HTTP/1.1 handshake on a new connection, whose task holds the connection's `slot`.
+async fn start<IO>(
+    io: IO,
+    slot: tokio::sync::OwnedSemaphorePermit,
+) -> Result<SendRequest<Body>, BoxError>
+where
+    IO: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+{
+    let (sender, conn) = http1::handshake(io).await?;
+    tokio::spawn(async move {
+        // The slot is the socket's: given back when the connection has ended, however long
+        // after its last request that is.
+        let _slot = slot;
+        if let Err(e) = conn.await {
+            tracing::debug!(error = %e, "upstream connection ended");
+        }
+    });
+    Ok(sender)
+}
+
 /// `Host` for a request that came without one (an HTTP/2 client that sent no `:authority`):
-/// the upstream's, with the port unless it is 80.
-fn host_header(authority: &Authority) -> String {
+/// the upstream's, with the port unless it is the scheme's.
+fn host_header(authority: &Authority, secure: bool) -> String {
+    let default = if secure { 443 } else { 80 };
     match authority.port_u16() {
-        Some(port) if port != 80 => format!("{}:{port}", authority.host()),
+        Some(port) if port != default => format!("{}:{port}", authority.host()),
         _ => authority.host().to_string(),
     }
 }
@@ -266,14 +309,17 @@ fn host_header(authority: &Authority) -> String {
 /// end, and closes if it is dropped before.
 pub struct UpstreamBody {
     inner: Incoming,
-    reuse: Option<(Arc<Pool>, Authority, SendRequest<Body>)>,
+    reuse: Option<Reuse>,
 }
+
+/// Where a connection goes back to: its pool, its upstream (authority, TLS or not), itself.
+type Reuse = (Arc<Pool>, (Authority, bool), SendRequest<Body>);
 
 impl UpstreamBody {
     fn new(
         inner: Incoming,
         pool: Arc<Pool>,
-        authority: Authority,
+        authority: (Authority, bool),
         sender: SendRequest<Body>,
     ) -> Self {
         let mut body = UpstreamBody {
@@ -341,6 +387,10 @@ impl HttpBody for UpstreamBody {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn test_tls() -> Arc<UpstreamTlsConnector> {
+        UpstreamTlsConnector::new(&crate::config::UpstreamTls::default()).unwrap()
+    }
     use std::net::SocketAddr;
 
     /// A raw HTTP/1.1 upstream on loopback that counts its connections and answers each request
@@ -409,7 +459,11 @@ mod tests {
     #[tokio::test]
     async fn sequential_requests_share_one_connection() {
         let up = RawUpstream::start(|_| (OK.to_vec(), false)).await;
-        let client = UpstreamPool::new(Duration::from_secs(1), ConnectionLimits::new(64));
+        let client = UpstreamPool::new(
+            Duration::from_secs(1),
+            ConnectionLimits::new(64),
+            test_tls(),
+        );
         for _ in 0..3 {
             let resp = client.exchange(up.request("/x")).await.unwrap();
             assert_eq!(read_all(resp).await, "ok");
@@ -422,7 +476,11 @@ mod tests {
         // Closes after every answer without saying so: each pooled connection is dead when
         // reused, and the request must still go through, on a new one.
         let up = RawUpstream::start(|_| (OK.to_vec(), true)).await;
-        let client = UpstreamPool::new(Duration::from_secs(1), ConnectionLimits::new(64));
+        let client = UpstreamPool::new(
+            Duration::from_secs(1),
+            ConnectionLimits::new(64),
+            test_tls(),
+        );
         for _ in 0..3 {
             let resp = client.exchange(up.request("/x")).await.unwrap();
             assert_eq!(read_all(resp).await, "ok");
@@ -443,7 +501,11 @@ mod tests {
             }
         }
         let up = RawUpstream::start(answer).await;
-        let client = UpstreamPool::new(Duration::from_secs(1), ConnectionLimits::new(64));
+        let client = UpstreamPool::new(
+            Duration::from_secs(1),
+            ConnectionLimits::new(64),
+            test_tls(),
+        );
         let mut streaming = client.exchange(up.request("/stream")).await.unwrap();
         {
             use http_body_util::BodyExt;
@@ -492,7 +554,11 @@ mod tests {
     async fn a_connection_still_sending_its_request_body_is_not_handed_out() {
         // The upstream answers as soon as it has the head, as one refusing an upload does.
         let up = RawUpstream::start(|_| (OK.to_vec(), false)).await;
-        let client = UpstreamPool::new(Duration::from_secs(1), ConnectionLimits::new(64));
+        let client = UpstreamPool::new(
+            Duration::from_secs(1),
+            ConnectionLimits::new(64),
+            test_tls(),
+        );
         let (tx, rx) = tokio::sync::mpsc::channel(1);
         tx.send(Bytes::from_static(b"part")).await.unwrap();
         let upload = Request::post(format!("http://{}/upload", up.addr))
@@ -515,7 +581,11 @@ mod tests {
     #[tokio::test]
     async fn idle_connections_of_an_upstream_no_longer_used_are_closed() {
         let up = RawUpstream::start(|_| (OK.to_vec(), false)).await;
-        let client = UpstreamPool::new(Duration::from_secs(1), ConnectionLimits::new(64));
+        let client = UpstreamPool::new(
+            Duration::from_secs(1),
+            ConnectionLimits::new(64),
+            test_tls(),
+        );
         let resp = client.exchange(up.request("/a")).await.unwrap();
         assert_eq!(read_all(resp).await, "ok");
         assert_eq!(client.idle_upstreams(), 1);
@@ -540,7 +610,11 @@ mod tests {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
         drop(listener);
-        let client = UpstreamPool::new(Duration::from_secs(1), ConnectionLimits::new(64));
+        let client = UpstreamPool::new(
+            Duration::from_secs(1),
+            ConnectionLimits::new(64),
+            test_tls(),
+        );
         let req = Request::get(format!("http://{addr}/x"))
             .body(crate::body::full(Bytes::new()))
             .unwrap();
@@ -554,7 +628,11 @@ mod tests {
     #[tokio::test]
     async fn a_response_without_a_body_returns_its_connection_at_once() {
         let up = RawUpstream::start(|_| (b"HTTP/1.1 204 No Content\r\n\r\n".to_vec(), false)).await;
-        let client = UpstreamPool::new(Duration::from_secs(1), ConnectionLimits::new(64));
+        let client = UpstreamPool::new(
+            Duration::from_secs(1),
+            ConnectionLimits::new(64),
+            test_tls(),
+        );
         for _ in 0..3 {
             let resp = client.exchange(up.request("/x")).await.unwrap();
             assert_eq!(resp.status(), 204);

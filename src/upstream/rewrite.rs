@@ -58,7 +58,11 @@ pub fn prepare_request(
         }
     };
     let mut uri = uri::Parts::default();
-    uri.scheme = Some(Scheme::HTTP);
+    uri.scheme = Some(if target.tls {
+        Scheme::HTTPS
+    } else {
+        Scheme::HTTP
+    });
     uri.authority = Some(target.authority.clone());
     uri.path_and_query = Some(path_and_query);
     parts.uri = Uri::from_parts(uri)?;

@@ -19,5 +19,6 @@ mod hostile;
 mod operations;
 mod redis_gateway;
 mod store_contract;
+mod tls;
 mod webhooks;
 mod wire_fuzz;

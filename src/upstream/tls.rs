@@ -1,0 +1,123 @@
+//! TLS to `https://` upstreams: one rustls client config for the process (`[upstream] tls_*`),
+//! so that every worker's connections share its session cache and a reconnect resumes its
+//! session instead of a full handshake.
+//!
+//! Certificates are always verified: against the system's trusted roots, or only against
+//! `tls_ca_file` when it is set; the name checked (and sent as SNI) is the URL's host, or
+//! `tls_server_name`. There is no setting that turns verification off. A handshake that fails
+//! (unknown CA, expired certificate, another name) means nothing was sent: the key is released
+//! and the client gets `502 upstream-unreachable`, and the log line says why.
+
+use std::sync::Arc;
+
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+use rustls::{ClientConfig, RootCertStore};
+use tokio::net::TcpStream;
+use tokio_rustls::client::TlsStream;
+use tokio_rustls::TlsConnector;
+
+use crate::body::BoxError;
+use crate::config::UpstreamTls;
+
+/// Why the TLS settings could not be used (at startup).
+#[derive(Debug, thiserror::Error)]
+pub enum TlsSetupError {
+    #[error("upstream.tls_ca_file {path}: {reason}")]
+    Ca { path: String, reason: String },
+    #[error("upstream.tls_client_cert / tls_client_key: {0}")]
+    ClientAuth(String),
+    #[error("TLS for upstreams: {0}")]
+    Config(String),
+}
+
+/// Opens TLS connections to upstreams; one per process.
+pub struct UpstreamTlsConnector {
+    connector: TlsConnector,
+    /// `tls_server_name`, for every https upstream.
+    server_name: Option<ServerName<'static>>,
+}
+
+impl UpstreamTlsConnector {
+    pub fn new(settings: &UpstreamTls) -> Result<Arc<Self>, TlsSetupError> {
+        let mut roots = RootCertStore::empty();
+        match &settings.ca_file {
+            Some(path) => {
+                let shown = path.display().to_string();
+                let certs = CertificateDer::pem_file_iter(path)
+                    .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
+                    .map_err(|e| TlsSetupError::Ca {
+                        path: shown.clone(),
+                        reason: e.to_string(),
+                    })?;
+                let (added, _) = roots.add_parsable_certificates(certs);
+                if added == 0 {
+                    return Err(TlsSetupError::Ca {
+                        path: shown,
+                        reason: "no usable CA certificate in it".into(),
+                    });
+                }
+            }
+            None => {
+                let found = rustls_native_certs::load_native_certs();
+                let (added, _) = roots.add_parsable_certificates(found.certs);
+                if added == 0 {
+                    // Only a problem if an https upstream is used: its connections then fail,
+                    // each saying why.
+                    tracing::warn!("no trusted root certificates found on this system; https upstreams need upstream.tls_ca_file");
+                }
+            }
+        }
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let builder = ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .map_err(|e| TlsSetupError::Config(e.to_string()))?
+            .with_root_certificates(roots);
+        let mut config = match (&settings.client_cert, &settings.client_key) {
+            (Some(cert), Some(key)) => {
+                let chain = CertificateDer::pem_file_iter(cert)
+                    .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
+                    .map_err(|e| TlsSetupError::ClientAuth(format!("{}: {e}", cert.display())))?;
+                let key = PrivateKeyDer::from_pem_file(key)
+                    .map_err(|e| TlsSetupError::ClientAuth(format!("{}: {e}", key.display())))?;
+                builder
+                    .with_client_auth_cert(chain, key)
+                    .map_err(|e| TlsSetupError::ClientAuth(e.to_string()))?
+            }
+            _ => builder.with_no_client_auth(),
+        };
+        // HTTP/1.1 is what this pool speaks; saying so lets an upstream that prefers h2 know.
+        config.alpn_protocols = vec![b"http/1.1".to_vec()];
+        let server_name = match &settings.server_name {
+            None => None,
+            Some(name) => Some(
+                ServerName::try_from(name.clone())
+                    .map_err(|e| TlsSetupError::Config(format!("tls_server_name: {e}")))?,
+            ),
+        };
+        Ok(Arc::new(UpstreamTlsConnector {
+            connector: TlsConnector::from(Arc::new(config)),
+            server_name,
+        }))
+    }
+
+    /// The TLS handshake on `stream` with the upstream at `host`; any failure means nothing
+    /// was sent.
+    pub async fn connect(
+        &self,
+        host: &str,
+        stream: TcpStream,
+    ) -> Result<TlsStream<TcpStream>, BoxError> {
+        let name = match &self.server_name {
+            Some(name) => name.clone(),
+            None => ServerName::try_from(host.to_string())
+                .map_err(|e| format!("upstream host {host:?} is not a TLS server name: {e}"))?,
+        };
+        let stream = self
+            .connector
+            .connect(name, stream)
+            .await
+            .map_err(|e| format!("TLS handshake with the upstream failed: {e}"))?;
+        Ok(stream)
+    }
+}

@@ -1,0 +1,301 @@
+//! `https://` upstreams: a real HTTPS upstream (hyper over rustls) with certificates made here
+//! (rcgen), and the real gateway binary in front, whose log says why a handshake failed.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use rcgen::{BasicConstraints, Certificate, CertificateParams, DnType, IsCa, KeyPair, SanType};
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use tokio::net::TcpListener;
+
+use crate::support::*;
+
+/// A certificate authority for the tests.
+struct Ca {
+    cert: Certificate,
+    key: KeyPair,
+}
+
+impl Ca {
+    fn new(name: &str) -> Ca {
+        let key = KeyPair::generate().unwrap();
+        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params.distinguished_name.push(DnType::CommonName, name);
+        Ca {
+            cert: params.self_signed(&key).unwrap(),
+            key,
+        }
+    }
+
+    /// A leaf for `names` (DNS names, or 127.0.0.1), valid now unless `expired`: (cert, key)
+    /// in PEM.
+    fn leaf(&self, names: &[&str], expired: bool) -> (String, String) {
+        let key = KeyPair::generate().unwrap();
+        let mut params = CertificateParams::new(
+            names
+                .iter()
+                .filter(|n| n.parse::<std::net::IpAddr>().is_err())
+                .map(|n| n.to_string())
+                .collect::<Vec<_>>(),
+        )
+        .unwrap();
+        for n in names {
+            if let Ok(ip) = n.parse() {
+                params.subject_alt_names.push(SanType::IpAddress(ip));
+            }
+        }
+        if expired {
+            params.not_before = rcgen::date_time_ymd(2020, 1, 1);
+            params.not_after = rcgen::date_time_ymd(2021, 1, 1);
+        }
+        let cert = params.signed_by(&key, &self.cert, &self.key).unwrap();
+        (cert.pem(), key.serialize_pem())
+    }
+}
+
+/// An HTTPS upstream that answers 201 and counts requests and TLS handshakes; with
+/// `client_ca`, it asks for a client certificate signed by it.
+struct HttpsUpstream {
+    addr: SocketAddr,
+    requests: Arc<AtomicUsize>,
+    handshakes: Arc<AtomicUsize>,
+}
+
+impl HttpsUpstream {
+    async fn start(cert_pem: &str, key_pem: &str, client_ca: Option<&Ca>) -> HttpsUpstream {
+        let chain: Vec<CertificateDer<'static>> =
+            CertificateDer::pem_slice_iter(cert_pem.as_bytes())
+                .collect::<Result<_, _>>()
+                .unwrap();
+        let key = PrivateKeyDer::from_pem_slice(key_pem.as_bytes()).unwrap();
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let builder = rustls::ServerConfig::builder_with_provider(Arc::clone(&provider))
+            .with_safe_default_protocol_versions()
+            .unwrap();
+        let builder = match client_ca {
+            None => builder.with_no_client_auth(),
+            Some(ca) => {
+                let mut roots = rustls::RootCertStore::empty();
+                roots.add(ca.cert.der().clone()).unwrap();
+                let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+                    Arc::new(roots),
+                    provider,
+                )
+                .build()
+                .unwrap();
+                builder.with_client_cert_verifier(verifier)
+            }
+        };
+        let config = builder.with_single_cert(chain, key).unwrap();
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let up = HttpsUpstream {
+            addr: listener.local_addr().unwrap(),
+            requests: Arc::default(),
+            handshakes: Arc::default(),
+        };
+        let (requests, handshakes) = (Arc::clone(&up.requests), Arc::clone(&up.handshakes));
+        tokio::spawn(async move {
+            while let Ok((sock, _)) = listener.accept().await {
+                let acceptor = acceptor.clone();
+                let (requests, handshakes) = (Arc::clone(&requests), Arc::clone(&handshakes));
+                tokio::spawn(async move {
+                    let Ok(tls) = acceptor.accept(sock).await else {
+                        return;
+                    };
+                    handshakes.fetch_add(1, Ordering::SeqCst);
+                    let service = service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+                        let requests = Arc::clone(&requests);
+                        async move {
+                            let _ = req.into_body().collect().await;
+                            let n = requests.fetch_add(1, Ordering::SeqCst) + 1;
+                            let mut resp = hyper::Response::new(Full::new(Bytes::from(format!(
+                                "{{\"over\":\"tls\",\"n\":{n}}}"
+                            ))));
+                            *resp.status_mut() = hyper::StatusCode::CREATED;
+                            Ok::<_, std::convert::Infallible>(resp)
+                        }
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(tls), service)
+                        .await;
+                });
+            }
+        });
+        up
+    }
+}
+
+/// Writes `files` into a fresh directory and starts the binary with `upstream_section` (the
+/// whole `[upstream]` table, paths relative to that directory as `{dir}`).
+fn gateway(dir: &TempDir, upstream_section: &str) -> GatewayProcess {
+    let section = upstream_section.replace("{dir}", &dir.path.display().to_string());
+    GatewayProcess::start(&format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\nworkers = 1\n{section}\n[store]\nbackend = \"memory\"\n{PAYMENTS}"
+    ))
+}
+
+fn write(dir: &TempDir, name: &str, text: &str) {
+    std::fs::write(dir.path.join(name), text).unwrap();
+}
+
+/// Through an HTTPS upstream: executed once, replayed, and one TLS handshake for many requests
+/// (the pool keeps the connection).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_https_upstream_is_verified_pooled_and_idempotent() {
+    let ca = Ca::new("test CA");
+    let (cert, key) = ca.leaf(&["localhost"], false);
+    let up = HttpsUpstream::start(&cert, &key, None).await;
+    let dir = TempDir::new("tls-ok");
+    write(&dir, "ca.pem", &ca.cert.pem());
+    let gw = gateway(
+        &dir,
+        &format!(
+            "[upstream]\nurl = \"https://localhost:{}\"\ntls_ca_file = \"{{dir}}/ca.pem\"",
+            up.addr.port()
+        ),
+    );
+    let http = Http::new(gw.addr);
+    let first = http.post("/payments", "tls-1", "{}").await;
+    assert_eq!(first.status, 201, "{first:?}");
+    assert!(http.post("/payments", "tls-1", "{}").await.is_replay());
+    for i in 0..20 {
+        assert_eq!(
+            http.post("/payments", &format!("n-{i}"), "{}").await.status,
+            201
+        );
+    }
+    assert_eq!(
+        http.request("GET", "/status").send().await.status,
+        201,
+        "pass-through over TLS"
+    );
+    assert_eq!(up.requests.load(Ordering::SeqCst), 22);
+    assert_eq!(
+        up.handshakes.load(Ordering::SeqCst),
+        1,
+        "a handshake per connection, not per request"
+    );
+}
+
+/// Each way a certificate can be wrong fails closed: 502, nothing executed, and the log says
+/// why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_ca_an_expired_certificate_or_another_name_fail_closed() {
+    let ca = Ca::new("test CA");
+    let other_ca = Ca::new("someone else's CA");
+    let cases = [
+        (
+            "unknown CA",
+            other_ca.leaf(&["localhost"], false),
+            "UnknownIssuer",
+        ),
+        ("expired", ca.leaf(&["localhost"], true), "xpired"),
+        (
+            "another name",
+            ca.leaf(&["payments.internal"], false),
+            "not valid for name",
+        ),
+    ];
+    for (what, (cert, key), said) in cases {
+        let up = HttpsUpstream::start(&cert, &key, None).await;
+        let dir = TempDir::new("tls-bad");
+        write(&dir, "ca.pem", &ca.cert.pem());
+        let gw = gateway(
+            &dir,
+            &format!(
+                "[upstream]\nurl = \"https://localhost:{}\"\ntls_ca_file = \"{{dir}}/ca.pem\"",
+                up.addr.port()
+            ),
+        );
+        let got = Http::new(gw.addr).post("/payments", "k", "{}").await;
+        assert_eq!(got.status, 502, "{what}: {got:?}");
+        assert_eq!(got.problem_type(), "upstream-unreachable", "{what}");
+        let line = gw.wait_log("TLS handshake with the upstream failed");
+        assert!(line.contains(said), "{what}: {line}");
+        assert_eq!(up.requests.load(Ordering::SeqCst), 0, "{what}");
+        // Nothing was sent, so the key was released: fixed upstream or not, a retry may run.
+        drop(gw);
+    }
+}
+
+/// An upstream reached by IP whose certificate names a host: `tls_server_name` says which
+/// name to expect (and sends it as SNI).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_server_name_names_the_certificate_of_an_upstream_reached_by_address() {
+    let ca = Ca::new("test CA");
+    let (cert, key) = ca.leaf(&["payments.internal"], false);
+    let up = HttpsUpstream::start(&cert, &key, None).await;
+    let dir = TempDir::new("tls-sni");
+    write(&dir, "ca.pem", &ca.cert.pem());
+    let gw = gateway(
+        &dir,
+        &format!(
+            "[upstream]\nurl = \"https://127.0.0.1:{}\"\ntls_ca_file = \"{{dir}}/ca.pem\"\ntls_server_name = \"payments.internal\"",
+            up.addr.port()
+        ),
+    );
+    assert_eq!(
+        Http::new(gw.addr).post("/payments", "k", "{}").await.status,
+        201
+    );
+}
+
+/// An upstream that requires a client certificate (mTLS): served with the gateway's, refused
+/// without one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mutual_tls_to_the_upstream() {
+    let ca = Ca::new("test CA");
+    let (cert, key) = ca.leaf(&["localhost"], false);
+    let up = HttpsUpstream::start(&cert, &key, Some(&ca)).await;
+    let (client_cert, client_key) = ca.leaf(&["idemgate"], false);
+    let dir = TempDir::new("tls-mtls");
+    write(&dir, "ca.pem", &ca.cert.pem());
+    write(&dir, "client.pem", &client_cert);
+    write(&dir, "client.key", &client_key);
+    let base = format!(
+        "[upstream]\nurl = \"https://localhost:{}\"\ntls_ca_file = \"{{dir}}/ca.pem\"",
+        up.addr.port()
+    );
+    let with_cert = gateway(
+        &dir,
+        &format!("{base}\ntls_client_cert = \"{{dir}}/client.pem\"\ntls_client_key = \"{{dir}}/client.key\""),
+    );
+    assert_eq!(
+        Http::new(with_cert.addr)
+            .request("GET", "/status")
+            .send()
+            .await
+            .status,
+        201
+    );
+    let without = gateway(&dir, &base);
+    let refused = Http::new(without.addr)
+        .request("GET", "/status")
+        .send()
+        .await;
+    assert_eq!(refused.status, 502, "{refused:?}");
+    assert_eq!(up.requests.load(Ordering::SeqCst), 1);
+}
+
+#[test]
+fn a_client_certificate_without_its_key_is_refused_at_startup() {
+    let dir = TempDir::new("tls-cfg");
+    let ca = Ca::new("test CA");
+    write(&dir, "client.pem", &ca.cert.pem());
+    let text = format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\n[upstream]\nurl = \"https://localhost:1\"\ntls_client_cert = \"{}/client.pem\"\n",
+        dir.path.display()
+    );
+    let err = idemgate::config::Config::parse(&text)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("tls_client_key"), "{err}");
+}
