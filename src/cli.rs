@@ -136,7 +136,12 @@ fn run(path: PathBuf, config: Config) -> ExitCode {
                 return ExitCode::from(EXIT_CANNOT_START);
             }
         };
-        let reloader = tokio::spawn(reload_on_sighup(path, Arc::clone(server.gateway()), config));
+        let reloader = tokio::spawn(reload_on_sighup(
+            path,
+            Arc::clone(server.gateway()),
+            config,
+            server.listener_tls(),
+        ));
         let served = server.run(shutdown_signal()).await;
         reloader.abort();
         match served {

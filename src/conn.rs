@@ -36,7 +36,6 @@ use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::net::TcpStream;
 use tokio::time::{Instant, Sleep};
 use tokio_util::sync::CancellationToken;
 
@@ -184,13 +183,14 @@ async fn watchdog(activity: &Activity, d: Deadlines) -> Expiry {
     }
 }
 
-/// A client socket that tells [`Activity`] when bytes arrive and when writes wait.
-struct Watched {
-    io: TcpStream,
+/// A client socket (TCP, or TLS over it) that tells [`Activity`] when bytes arrive and when
+/// writes wait.
+struct Watched<S> {
+    io: S,
     activity: Arc<Activity>,
 }
 
-impl AsyncRead for Watched {
+impl<S: AsyncRead + Unpin> AsyncRead for Watched<S> {
     fn poll_read(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -205,14 +205,14 @@ impl AsyncRead for Watched {
     }
 }
 
-impl Watched {
+impl<S> Watched<S> {
     fn track<T>(&self, polled: Poll<T>) -> Poll<T> {
         self.activity.write_waits(polled.is_pending());
         polled
     }
 }
 
-impl AsyncWrite for Watched {
+impl<S: AsyncWrite + Unpin> AsyncWrite for Watched<S> {
     fn poll_write(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -407,14 +407,15 @@ const CLOSE_GRACE: Duration = Duration::from_secs(1);
 
 /// Serves one connection until it ends, a deadline closes it (returned), or `stop` is
 /// cancelled (then it finishes the requests it has, for as long as its caller waits).
-pub async fn serve<H, F>(
-    stream: TcpStream,
+pub async fn serve<S, H, F>(
+    stream: S,
     builder: &auto::Builder<TokioExecutor>,
     deadlines: Deadlines,
     stop: &CancellationToken,
     handler: H,
 ) -> Option<Expiry>
 where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     H: Fn(Request<ClientBody>) -> F + Send + Sync + 'static,
     F: Future<Output = Response<Body>> + Send + 'static,
 {

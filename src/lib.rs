@@ -28,6 +28,7 @@
 //!   consumer) goes beside it, on the same core.
 //! - [`problem`] - every response the gateway makes itself (RFC 9457), in one place.
 //! - [`conn`] - one client connection under a deadline in every phase (slow and idle clients).
+//! - [`tls`] - TLS on the traffic listener, its certificate reloaded on SIGHUP.
 //! - [`server`] - the acceptor, worker threads (one runtime and one context each), shutdown.
 //! - [`admin`] - the admin listener: `/healthz`, `/readyz`, `/metrics`.
 //! - [`metrics`] - the Prometheus metrics and the outcome names they count.
@@ -51,5 +52,6 @@ pub mod server;
 pub mod signature;
 pub mod store;
 pub mod telemetry;
+pub mod tls;
 pub mod upstream;
 pub mod waiting;

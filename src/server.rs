@@ -27,6 +27,7 @@ use crate::conn;
 use crate::gateway::{ClientConn, Gateway, Routing, WorkerContext};
 use crate::metrics::Metrics;
 use crate::store;
+use crate::tls::{ListenerTls, ListenerTlsError};
 use crate::upstream::{ClientAddr, ConnectionLimits, TlsSetupError, UpstreamTlsConnector};
 
 #[derive(Debug, thiserror::Error)]
@@ -42,6 +43,8 @@ pub enum ServerError {
     Workers(std::io::Error),
     #[error("{0}")]
     UpstreamTls(#[from] TlsSetupError),
+    #[error("{0}")]
+    ListenerTls(#[from] ListenerTlsError),
 }
 
 /// A bound, not yet serving gateway.
@@ -50,6 +53,8 @@ pub struct Server {
     admin: Option<TcpListener>,
     gateway: Arc<Gateway>,
     settings: ServerConfig,
+    /// TLS on the traffic listener, when configured.
+    tls: Option<Arc<ListenerTls>>,
 }
 
 impl Server {
@@ -85,11 +90,16 @@ impl Server {
             UpstreamTlsConnector::new(&config.upstream_tls)?,
             config.server.max_buffered,
         ));
+        let tls = match &config.server.tls {
+            Some((cert, key)) => Some(Arc::new(ListenerTls::new(cert, key)?)),
+            None => None,
+        };
         Ok(Server {
             listener,
             admin,
             gateway,
             settings: config.server,
+            tls,
         })
     }
 
@@ -106,6 +116,11 @@ impl Server {
         &self.gateway
     }
 
+    /// The listener's TLS, for reloading its certificate.
+    pub fn listener_tls(&self) -> Option<Arc<ListenerTls>> {
+        self.tls.clone()
+    }
+
     /// Serves until `shutdown` resolves, then drains. Returns once everything has finished or the
     /// grace period is over, or at once if the worker threads cannot start.
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<(), ServerError> {
@@ -114,6 +129,7 @@ impl Server {
             admin,
             gateway,
             settings,
+            tls,
         } = self;
         // Every worker thread holds a `done` sender: `all_done` ends when the last one has stopped.
         let (done, mut all_done) = mpsc::channel::<()>(1);
@@ -130,6 +146,7 @@ impl Server {
                 grace: settings.shutdown_grace,
                 deadlines: settings.deadlines,
                 max_streams: settings.max_streams,
+                tls: tls.clone(),
                 _done: done.clone(),
             };
             let (ready, is_ready) = oneshot::channel();
@@ -331,6 +348,7 @@ struct Worker {
     grace: Duration,
     deadlines: Deadlines,
     max_streams: u32,
+    tls: Option<Arc<ListenerTls>>,
     /// Dropped when the thread ends; the server waits for all of them.
     _done: mpsc::Sender<()>,
 }
@@ -354,6 +372,7 @@ impl Worker {
             grace,
             deadlines,
             max_streams,
+            tls,
             _done,
         } = self;
         runtime.block_on(async move {
@@ -381,7 +400,7 @@ impl Worker {
                 };
                 let gw = Arc::clone(&gateway);
                 let conn = Arc::new(ClientConn {
-                    addr: ClientAddr::new(peer, trusted),
+                    addr: ClientAddr::new(peer, trusted).over_tls(tls.is_some()),
                     worker: Arc::clone(&context),
                 });
                 let handler = move |req| {
@@ -392,10 +411,30 @@ impl Worker {
                 let builder = builder.clone();
                 let stop = stop.clone();
                 let metrics = Arc::clone(gateway.metrics());
+                let tls = tls.clone();
                 connections.spawn(async move {
-                    if let Some(why) =
-                        conn::serve(stream, &builder, deadlines, &stop, handler).await
-                    {
+                    let served = match tls {
+                        None => conn::serve(stream, &builder, deadlines, &stop, handler).await,
+                        // The handshake is part of getting to a request head: header_timeout.
+                        Some(tls) => {
+                            match tokio::time::timeout(
+                                deadlines.header,
+                                tls.acceptor().accept(stream),
+                            )
+                            .await
+                            {
+                                Ok(Ok(s)) => {
+                                    conn::serve(s, &builder, deadlines, &stop, handler).await
+                                }
+                                Ok(Err(e)) => {
+                                    tracing::debug!(%peer, error = %e, "TLS handshake failed");
+                                    None
+                                }
+                                Err(_) => Some(conn::Expiry::Header),
+                            }
+                        }
+                    };
+                    if let Some(why) = served {
                         tracing::debug!(%peer, reason = why.as_str(), "connection closed");
                         metrics.connection_closed(why);
                     }
@@ -487,7 +526,12 @@ impl Drop for Running {
 /// validated first; on any error the running config stays and the error is logged. Requests
 /// already running finish with the routing they started with. Store and server settings cannot
 /// change without a restart, and a reload that changes them says so.
-pub async fn reload_on_sighup(path: std::path::PathBuf, gateway: Arc<Gateway>, running: Config) {
+pub async fn reload_on_sighup(
+    path: std::path::PathBuf,
+    gateway: Arc<Gateway>,
+    running: Config,
+    tls: Option<Arc<ListenerTls>>,
+) {
     #[cfg(unix)]
     {
         use tokio::signal::unix::{signal, SignalKind};
@@ -499,6 +543,16 @@ pub async fn reload_on_sighup(path: std::path::PathBuf, gateway: Arc<Gateway>, r
             }
         };
         while hup.recv().await.is_some() {
+            // The listener's certificate first: rotated files are picked up even if the config
+            // has an error.
+            if let Some(tls) = &tls {
+                match tls.reload() {
+                    Ok(()) => tracing::info!("TLS certificate reloaded"),
+                    Err(e) => {
+                        tracing::error!(error = %e, "TLS certificate reload failed; keeping the one in use")
+                    }
+                }
+            }
             let new = match Config::load(&path) {
                 Ok(c) => c,
                 Err(e) => {
@@ -538,7 +592,7 @@ pub async fn reload_on_sighup(path: std::path::PathBuf, gateway: Arc<Gateway>, r
     }
     #[cfg(not(unix))]
     {
-        let _ = (path, gateway, running);
+        let _ = (path, gateway, running, tls);
     }
 }
 

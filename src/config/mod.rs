@@ -103,6 +103,9 @@ pub struct ServerConfig {
     pub max_streams: u32,
     /// `server.max_buffered`: bytes of request bodies buffered at once, all requests together.
     pub max_buffered: usize,
+    /// `server.tls_cert` and `server.tls_key`: the listener speaks TLS with this PEM chain and
+    /// key (re-read on SIGHUP).
+    pub tls: Option<(std::path::PathBuf, std::path::PathBuf)>,
     /// Peers whose `X-Forwarded-*` and `Forwarded` headers are believed (load balancers in
     /// front); from any other peer they are replaced.
     pub trusted_proxies: Vec<ipnet::IpNet>,

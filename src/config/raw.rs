@@ -30,6 +30,8 @@ pub(super) struct RawServer {
     pub(super) send_timeout: Option<String>,
     pub(super) max_streams: Option<i64>,
     pub(super) max_buffered: Option<RawSize>,
+    pub(super) tls_cert: Option<String>,
+    pub(super) tls_key: Option<String>,
     pub(super) trusted_proxies: Option<Vec<String>>,
     pub(super) case_sensitive_routes: Option<bool>,
 }

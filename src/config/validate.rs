@@ -213,6 +213,23 @@ fn validate_server(raw: Option<RawServer>) -> Result<ServerConfig, ConfigError> 
             "at least 64KiB (64MiB is the default)",
         ));
     }
+    let tls = match (raw.tls_cert, raw.tls_key) {
+        (None, None) => None,
+        (Some(cert), Some(key)) => Some((
+            pem_file("server.tls_cert", cert, "CERTIFICATE")?,
+            pem_file("server.tls_key", key, "PRIVATE KEY")?,
+        )),
+        (Some(_), None) => {
+            return Err(ConfigError::Missing {
+                field: "server.tls_key (with tls_cert)".into(),
+            })
+        }
+        (None, Some(_)) => {
+            return Err(ConfigError::Missing {
+                field: "server.tls_cert (with tls_key)".into(),
+            })
+        }
+    };
     let mut trusted_proxies = Vec::new();
     for (i, raw) in raw
         .trusted_proxies
@@ -242,6 +259,7 @@ fn validate_server(raw: Option<RawServer>) -> Result<ServerConfig, ConfigError> 
         deadlines,
         max_streams,
         max_buffered,
+        tls,
         trusted_proxies,
         case_sensitive_routes: raw.case_sensitive_routes.unwrap_or(false),
     })

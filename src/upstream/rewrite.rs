@@ -16,6 +16,8 @@ pub struct ClientAddr {
     ip: HeaderValue,
     /// The peer is one of `server.trusted_proxies`: its forwarding headers are believed.
     trusted: bool,
+    /// It came over TLS (`X-Forwarded-Proto: https`).
+    tls: bool,
 }
 
 impl ClientAddr {
@@ -23,7 +25,16 @@ impl ClientAddr {
         // An IP address always formats to a valid header value; the fallback is unreachable.
         let ip = HeaderValue::from_str(&addr.ip().to_canonical().to_string())
             .unwrap_or(HeaderValue::from_static("unknown"));
-        ClientAddr { ip, trusted }
+        ClientAddr {
+            ip,
+            trusted,
+            tls: false,
+        }
+    }
+
+    /// The same peer, on the TLS listener.
+    pub fn over_tls(self, tls: bool) -> Self {
+        ClientAddr { tls, ..self }
     }
 }
 
@@ -96,7 +107,8 @@ pub fn prepare_request(
     };
     headers.insert(X_FORWARDED_FOR, forwarded_for);
     if !headers.contains_key(X_FORWARDED_PROTO) {
-        headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
+        let proto = if peer.tls { "https" } else { "http" };
+        headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static(proto));
     }
     if !headers.contains_key(X_FORWARDED_HOST) {
         if let Some(host) = headers.get(header::HOST).cloned() {

@@ -299,3 +299,171 @@ fn a_client_certificate_without_its_key_is_refused_at_startup() {
         .to_string();
     assert!(err.contains("tls_client_key"), "{err}");
 }
+
+/// A TLS client of the gateway's listener that trusts `ca`, offering `alpn`.
+async fn tls_client(
+    addr: SocketAddr,
+    ca: &Ca,
+    alpn: &[&[u8]],
+) -> tokio_rustls::client::TlsStream<tokio::net::TcpStream> {
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(ca.cert.der().clone()).unwrap();
+    let mut config = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    tokio_rustls::TlsConnector::from(Arc::new(config))
+        .connect(
+            rustls::pki_types::ServerName::try_from("localhost").unwrap(),
+            tcp,
+        )
+        .await
+        .unwrap()
+}
+
+fn listener_config(dir: &TempDir, upstream: &str) -> String {
+    format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\nworkers = 1\ntls_cert = \"{0}/cert.pem\"\ntls_key = \"{0}/key.pem\"\n[upstream]\nurl = \"{upstream}\"\n[store]\nbackend = \"memory\"\n{PAYMENTS}",
+        dir.path.display()
+    )
+}
+
+async fn post_over(
+    sender: &mut hyper::client::conn::http1::SendRequest<Full<Bytes>>,
+    key: &str,
+) -> u16 {
+    let req = hyper::Request::post("/payments")
+        .header("host", "localhost")
+        .header("idempotency-key", key)
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from_static(b"{}")))
+        .unwrap();
+    let resp = sender.send_request(req).await.unwrap();
+    let status = resp.status().as_u16();
+    let _ = resp.into_body().collect().await;
+    status
+}
+
+/// The listener speaks TLS (HTTP/1.1 and, by ALPN, h2), and a SIGHUP after the files were
+/// replaced makes new handshakes present the new certificate while a connection already open
+/// keeps being served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_listener_speaks_tls_and_rotates_its_certificate_on_sighup() {
+    let ca = Ca::new("test CA");
+    let (cert_a, key_a) = ca.leaf(&["localhost"], false);
+    let (cert_b, key_b) = ca.leaf(&["localhost", "127.0.0.1"], false);
+    let dir = TempDir::new("tls-listener");
+    write(&dir, "cert.pem", &cert_a);
+    write(&dir, "key.pem", &key_a);
+    let up = Upstream::counting().await;
+    let gw = GatewayProcess::start(&listener_config(&dir, &up.url()));
+
+    let presented = |s: &tokio_rustls::client::TlsStream<tokio::net::TcpStream>| {
+        s.get_ref().1.peer_certificates().unwrap()[0]
+            .as_ref()
+            .to_vec()
+    };
+    let der_of = |pem: &str| {
+        CertificateDer::from_pem_slice(pem.as_bytes())
+            .unwrap()
+            .as_ref()
+            .to_vec()
+    };
+    let old = tls_client(gw.addr, &ca, &[b"http/1.1"]).await;
+    assert_eq!(presented(&old), der_of(&cert_a));
+    let (mut old_sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(old))
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    assert_eq!(post_over(&mut old_sender, "tls-a").await, 201);
+
+    // h2 by ALPN.
+    let h2 = tls_client(gw.addr, &ca, &[b"h2"]).await;
+    assert_eq!(h2.get_ref().1.alpn_protocol(), Some(&b"h2"[..]));
+    let (mut h2_sender, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        TokioIo::new(h2),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    let resp = h2_sender
+        .send_request(
+            hyper::Request::get(format!("https://localhost:{}/status", gw.addr.port()))
+                .body(Full::new(Bytes::new()))
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 201);
+
+    // Rotation, as cert-manager does it: the files replaced, then SIGHUP.
+    write(&dir, "cert.pem", &cert_b);
+    write(&dir, "key.pem", &key_b);
+    gw.signal("-HUP");
+    gw.wait_log("TLS certificate reloaded");
+    let new = tls_client(gw.addr, &ca, &[b"http/1.1"]).await;
+    assert_eq!(presented(&new), der_of(&cert_b));
+    assert_eq!(
+        post_over(&mut old_sender, "tls-a").await,
+        201,
+        "the connection opened before the rotation is still served"
+    );
+    // A reload that cannot read the files keeps the certificate in use.
+    write(&dir, "key.pem", "not a key");
+    gw.signal("-HUP");
+    gw.wait_log("TLS certificate reload failed");
+    let still = tls_client(gw.addr, &ca, &[b"http/1.1"]).await;
+    assert_eq!(presented(&still), der_of(&cert_b));
+    assert_eq!(up.executions(), 2);
+}
+
+/// A client that opens TCP and never starts the handshake is closed at header_timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_client_of_the_tls_listener_is_closed_at_header_timeout() {
+    let ca = Ca::new("test CA");
+    let (cert, key) = ca.leaf(&["localhost"], false);
+    let dir = TempDir::new("tls-silent");
+    write(&dir, "cert.pem", &cert);
+    write(&dir, "key.pem", &key);
+    let up = Upstream::counting().await;
+    let gw = GatewayProcess::start(&listener_config(&dir, &up.url()).replacen(
+        "workers = 1\n",
+        "workers = 1\nheader_timeout = \"500ms\"\n",
+        1,
+    ));
+    let mut silent = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    let started = std::time::Instant::now();
+    let mut buf = [0u8; 16];
+    use tokio::io::AsyncReadExt;
+    let closed = tokio::time::timeout(std::time::Duration::from_secs(10), silent.read(&mut buf))
+        .await
+        .expect("the silent TLS connection stayed open");
+    assert!(matches!(closed, Ok(0) | Err(_)));
+    assert!(started.elapsed() >= std::time::Duration::from_millis(450));
+}
+
+/// On the TLS listener, the upstream is told the client came over https.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_upstream_learns_the_client_came_over_tls() {
+    let ca = Ca::new("test CA");
+    let (cert, key) = ca.leaf(&["localhost"], false);
+    let dir = TempDir::new("tls-proto");
+    write(&dir, "cert.pem", &cert);
+    write(&dir, "key.pem", &key);
+    let up = Upstream::counting().await;
+    let gw = GatewayProcess::start(&listener_config(&dir, &up.url()));
+    let tls = tls_client(gw.addr, &ca, &[b"http/1.1"]).await;
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    assert_eq!(post_over(&mut sender, "proto").await, 201);
+    let seen = up.next_arrival().await;
+    assert_eq!(seen.headers["x-forwarded-proto"], "https");
+}

@@ -1,0 +1,111 @@
+//! TLS on the traffic listener (`server.tls_cert`, `server.tls_key`): rustls, ALPN `h2` and
+//! `http/1.1`, TLS 1.2 and 1.3 (rustls has no older version).
+//!
+//! The certificate is kept behind a resolver that a SIGHUP swaps ([`ListenerTls::reload`]):
+//! cert-manager and its kind rewrite the files in place, and the next handshake presents the
+//! new certificate while every connection already open goes on undisturbed. A reload that cannot
+//! read or parse the files keeps the certificate in use and says why.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
+use rustls::crypto::CryptoProvider;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::server::{ClientHello, ResolvesServerCert};
+use rustls::sign::CertifiedKey;
+use rustls::ServerConfig;
+use tokio_rustls::TlsAcceptor;
+
+/// Why the listener's certificate could not be loaded.
+#[derive(Debug, thiserror::Error)]
+#[error("server.tls_cert / tls_key ({cert}, {key}): {reason}")]
+pub struct ListenerTlsError {
+    cert: String,
+    key: String,
+    reason: String,
+}
+
+/// The listener's TLS: its acceptor, and the certificate it presents, reloadable.
+pub struct ListenerTls {
+    acceptor: TlsAcceptor,
+    current: Arc<Current>,
+    cert: PathBuf,
+    key: PathBuf,
+    provider: Arc<CryptoProvider>,
+}
+
+/// The certificate presented to every new handshake.
+#[derive(Debug)]
+struct Current(ArcSwap<CertifiedKey>);
+
+impl ResolvesServerCert for Current {
+    fn resolve(&self, _hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        Some(self.0.load_full())
+    }
+}
+
+impl ListenerTls {
+    pub fn new(cert: &Path, key: &Path) -> Result<Self, ListenerTlsError> {
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let loaded = load(cert, key, &provider)?;
+        let current = Arc::new(Current(ArcSwap::from_pointee(loaded)));
+        let mut config = ServerConfig::builder_with_provider(Arc::clone(&provider))
+            .with_safe_default_protocol_versions()
+            .map_err(|e| error(cert, key, e.to_string()))?
+            .with_no_client_auth()
+            .with_cert_resolver(Arc::clone(&current) as Arc<dyn ResolvesServerCert>);
+        config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+        Ok(ListenerTls {
+            acceptor: TlsAcceptor::from(Arc::new(config)),
+            current,
+            cert: cert.to_path_buf(),
+            key: key.to_path_buf(),
+            provider,
+        })
+    }
+
+    pub fn acceptor(&self) -> &TlsAcceptor {
+        &self.acceptor
+    }
+
+    /// Reads the certificate and key again; the next handshakes present them. On error the
+    /// certificate in use stays.
+    pub fn reload(&self) -> Result<(), ListenerTlsError> {
+        let loaded = load(&self.cert, &self.key, &self.provider)?;
+        self.current.0.store(Arc::new(loaded));
+        Ok(())
+    }
+}
+
+fn error(cert: &Path, key: &Path, reason: String) -> ListenerTlsError {
+    ListenerTlsError {
+        cert: cert.display().to_string(),
+        key: key.display().to_string(),
+        reason,
+    }
+}
+
+/// The chain and its key, checked to belong together.
+fn load(
+    cert: &Path,
+    key: &Path,
+    provider: &CryptoProvider,
+) -> Result<CertifiedKey, ListenerTlsError> {
+    let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(cert)
+        .and_then(|certs| certs.collect())
+        .map_err(|e| error(cert, key, format!("the certificate chain: {e}")))?;
+    if chain.is_empty() {
+        return Err(error(cert, key, "no certificate in the chain file".into()));
+    }
+    let private = PrivateKeyDer::from_pem_file(key)
+        .map_err(|e| error(cert, key, format!("the private key: {e}")))?;
+    CertifiedKey::from_der(chain, private, provider).map_err(|e| {
+        error(
+            cert,
+            key,
+            format!("the key does not fit the certificate: {e}"),
+        )
+    })
+}
