@@ -189,6 +189,8 @@ pub struct RedisSettings {
     pub tls_ca_file: Option<std::path::PathBuf>,
     /// Refuse new keys (503) unless Redis says its `maxmemory-policy` is `noeviction`.
     pub require_noeviction: bool,
+    /// PEM certificate and key presented to a Redis that verifies its clients (mTLS).
+    pub tls_client: Option<(std::path::PathBuf, std::path::PathBuf)>,
 }
 
 #[derive(Clone, PartialEq, Eq)]

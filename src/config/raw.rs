@@ -48,6 +48,8 @@ pub(super) struct RawStore {
     pub(super) command_timeout: Option<String>,
     pub(super) tls_ca_file: Option<String>,
     pub(super) require_noeviction: Option<bool>,
+    pub(super) tls_client_cert: Option<String>,
+    pub(super) tls_client_key: Option<String>,
     pub(super) path: Option<String>,
     pub(super) sync: Option<String>,
     pub(super) sync_interval: Option<String>,

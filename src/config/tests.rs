@@ -353,6 +353,7 @@ fn redis_store_settings() {
             command_timeout: Duration::from_millis(500),
             tls_ca_file: None,
             require_noeviction: false,
+            tls_client: None,
         })
     );
     let shown = c.describe();

@@ -296,6 +296,8 @@ fn validate_store(raw: RawStore) -> Result<StoreConfig, ConfigError> {
                 raw.require_noeviction.is_some(),
                 "redis",
             )?;
+            only("tls_client_cert", raw.tls_client_cert.is_some(), "redis")?;
+            only("tls_client_key", raw.tls_client_key.is_some(), "redis")?;
             only("max_keys", raw.max_keys.is_some(), "memory")?;
             only("max_bytes", raw.max_bytes.is_some(), "memory")?;
             let path = match raw.path {
@@ -373,6 +375,8 @@ fn validate_store(raw: RawStore) -> Result<StoreConfig, ConfigError> {
                 raw.require_noeviction.is_some(),
                 "redis",
             )?;
+            only("tls_client_cert", raw.tls_client_cert.is_some(), "redis")?;
+            only("tls_client_key", raw.tls_client_key.is_some(), "redis")?;
             let max_keys = match raw.max_keys {
                 None => 1_000_000,
                 Some(n) if (1..=100_000_000).contains(&n) => n as usize,
@@ -464,12 +468,30 @@ fn validate_store(raw: RawStore) -> Result<StoreConfig, ConfigError> {
                     Some(std::path::PathBuf::from(path))
                 }
             };
+            let tls_client = match (raw.tls_client_cert, raw.tls_client_key) {
+                (None, None) => None,
+                (Some(c), Some(k)) => Some((
+                    pem_file("store.tls_client_cert", c, "CERTIFICATE")?,
+                    pem_file("store.tls_client_key", k, "PRIVATE KEY")?,
+                )),
+                (Some(_), None) => {
+                    return Err(ConfigError::Missing {
+                        field: "store.tls_client_key (with tls_client_cert)".into(),
+                    })
+                }
+                (None, Some(_)) => {
+                    return Err(ConfigError::Missing {
+                        field: "store.tls_client_cert (with tls_client_key)".into(),
+                    })
+                }
+            };
             Ok(StoreConfig::Redis(RedisSettings {
                 target,
                 key_prefix,
                 command_timeout,
                 tls_ca_file,
                 require_noeviction: raw.require_noeviction.unwrap_or(false),
+                tls_client,
             }))
         }
         other => Err(ConfigError::invalid(

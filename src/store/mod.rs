@@ -237,7 +237,7 @@ pub enum OpenError {
         path: std::path::PathBuf,
         reason: String,
     },
-    #[error("cannot read tls_ca_file {path}: {source}")]
+    #[error("cannot read {path} (store.tls_*): {source}")]
     TlsCaFile {
         path: std::path::PathBuf,
         source: std::io::Error,

@@ -499,6 +499,7 @@ fn settings(target: RedisTarget) -> RedisSettings {
         command_timeout: Duration::from_secs(2),
         tls_ca_file: None,
         require_noeviction: false,
+        tls_client: None,
     }
 }
 
@@ -581,6 +582,30 @@ async fn redis_over_tls_passes_every_check() {
         assert!(
             untrusted.ping().await.is_err(),
             "connected without trusting the server"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A Redis that verifies its clients' certificates (mTLS): the store with the client
+/// certificate works; without it, it never connects.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_with_client_certificates() {
+    let server = RedisServer::start_mtls();
+    let mut with_cert = settings(RedisTarget::Single(server.url()));
+    with_cert.tls_ca_file = server.tls_ca.clone();
+    with_cert.tls_client = server.tls_client.clone();
+    let store = redis_store(with_cert).await;
+    exactly_one_of_many_concurrent_reservations_owns_a_key(Arc::clone(&store)).await;
+    a_completed_record_is_returned_exactly(Arc::clone(&store)).await;
+
+    let mut without = settings(RedisTarget::Single(server.url()));
+    without.tls_ca_file = server.tls_ca.clone();
+    let refused = RedisStore::new(&without).unwrap();
+    for _ in 0..3 {
+        assert!(
+            refused.ping().await.is_err(),
+            "connected without a client certificate"
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }

@@ -87,16 +87,25 @@ impl RedisStore {
         let channel = format!("{}done", settings.key_prefix);
         let mut tasks = Vec::new();
         let timeout = settings.command_timeout;
-        let certs = match &settings.tls_ca_file {
+        let read = |path: &std::path::PathBuf| {
+            std::fs::read(path).map_err(|source| OpenError::TlsCaFile {
+                path: path.clone(),
+                source,
+            })
+        };
+        let client_tls = match &settings.tls_client {
             None => None,
-            Some(path) => Some(redis::TlsCertificates {
-                client_tls: None,
-                root_cert: Some(std::fs::read(path).map_err(|source| OpenError::TlsCaFile {
-                    path: path.clone(),
-                    source,
-                })?),
+            Some((cert, key)) => Some(redis::ClientTlsConfig {
+                client_cert: read(cert)?,
+                client_key: read(key)?,
             }),
         };
+        let root_cert = settings.tls_ca_file.as_ref().map(read).transpose()?;
+        let certs =
+            (client_tls.is_some() || root_cert.is_some()).then_some(redis::TlsCertificates {
+                client_tls,
+                root_cert,
+            });
         let open = |url: &str| -> Result<redis::Client, OpenError> {
             match &certs {
                 None => redis::Client::open(url),

@@ -61,6 +61,8 @@ pub struct RedisServer {
     pub port: u16,
     /// The CA certificate when the server speaks TLS only (`start_tls`).
     pub tls_ca: Option<PathBuf>,
+    /// A client certificate and key it accepts, when it requires one (`start_mtls`).
+    pub tls_client: Option<(PathBuf, PathBuf)>,
     dir: PathBuf,
     extra: Vec<String>,
     child: Option<Child>,
@@ -86,6 +88,7 @@ impl RedisServer {
         let mut s = RedisServer {
             port,
             tls_ca: None,
+            tls_client: None,
             dir: scratch_dir("single"),
             extra: extra.iter().map(|s| s.to_string()).collect(),
             child: None,
@@ -97,6 +100,16 @@ impl RedisServer {
     /// A server that speaks TLS only, with a certificate for 127.0.0.1 signed by a test CA
     /// (made with `openssl`); its CA is in `tls_ca`.
     pub fn start_tls() -> RedisServer {
+        Self::start_tls_with(false)
+    }
+
+    /// A TLS-only server that also requires a client certificate signed by its CA (mTLS); a
+    /// valid one is in `tls_client`.
+    pub fn start_mtls() -> RedisServer {
+        Self::start_tls_with(true)
+    }
+
+    fn start_tls_with(client_auth: bool) -> RedisServer {
         let dir = scratch_dir("tls");
         let run = |args: &[&str]| {
             let out = Command::new("openssl")
@@ -161,6 +174,39 @@ impl RedisServer {
             "-extfile",
             "ext.cnf",
         ]);
+        if client_auth {
+            std::fs::write(dir.join("client.cnf"), "extendedKeyUsage=clientAuth\n").unwrap();
+            run(&[
+                "req",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-keyout",
+                "client.key",
+                "-out",
+                "client.csr",
+                "-subj",
+                "/CN=idemgate",
+            ]);
+            run(&[
+                "x509",
+                "-req",
+                "-in",
+                "client.csr",
+                "-CA",
+                "ca.crt",
+                "-CAkey",
+                "ca.key",
+                "-CAcreateserial",
+                "-out",
+                "client.crt",
+                "-days",
+                "2",
+                // An extension makes it X.509 v3: rustls refuses v1 certificates.
+                "-extfile",
+                "client.cnf",
+            ]);
+        }
         let port = free_port(false);
         let d = |f: &str| dir.join(f).display().to_string();
         let extra = [
@@ -175,11 +221,12 @@ impl RedisServer {
             "--tls-ca-cert-file".into(),
             d("ca.crt"),
             "--tls-auth-clients".into(),
-            "no".into(),
+            if client_auth { "yes" } else { "no" }.into(),
         ];
         let mut s = RedisServer {
             port,
             tls_ca: Some(dir.join("ca.crt")),
+            tls_client: client_auth.then(|| (dir.join("client.crt"), dir.join("client.key"))),
             // Certificates and data share the directory, removed on drop.
             dir: dir.clone(),
             extra: extra.to_vec(),
