@@ -438,7 +438,8 @@ where
             }
         })
     };
-    let conn = builder.serve_connection(io, svc);
+    // With upgrades: a WebSocket's 101 hands the socket over to the gateway's tunnel.
+    let conn = builder.serve_connection_with_upgrades(io, svc);
     tokio::pin!(conn);
     // The watchdog and the stop signal, polled only when one of their own timers or signals
     // fires: polled beside the connection at every wake-up (as `select!` does), they cost about

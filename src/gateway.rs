@@ -221,7 +221,21 @@ impl Gateway {
             return Problem::MethodNotAllowed.into_response();
         }
         let routing = self.routing.load_full();
+        let upgrade = wants_upgrade(&req);
         let Some(route) = routing.router.find(req.method(), req.uri().path()).cloned() else {
+            if upgrade {
+                let resp = self
+                    .tunnel(
+                        req,
+                        conn,
+                        &routing.default_upstream,
+                        routing.default_timeout,
+                    )
+                    .await;
+                self.metrics
+                    .request(self.metrics.unrouted(), Outcome::Passthrough);
+                return resp;
+            }
             let resp = self
                 .pass_through(
                     req.map(body::boxed),
@@ -236,6 +250,10 @@ impl Gateway {
             return resp;
         };
         drop(routing);
+        if upgrade {
+            self.metrics.request(&route.metrics, Outcome::BadRequest);
+            return Problem::UpgradeRefused.into_response();
+        }
         let started = Instant::now();
         // Boxed: the idempotent path's future is many times the size of the pass-through one,
         // and every future of a request is moved a few times (into hyper's connection state,
@@ -447,6 +465,70 @@ impl Gateway {
         let timeout = route.config.policy.upstream_timeout;
         self.pass_through(req, conn, &route.config.upstream, timeout, &route.metrics)
             .await
+    }
+
+    /// A protocol upgrade (WebSocket) outside any route: forwarded with its `Upgrade`; if the
+    /// upstream switches (101), both sockets are relayed to each other until either side
+    /// closes, in a task that shutdown waits for (up to its grace).
+    async fn tunnel(
+        &self,
+        mut req: Request<ClientBody>,
+        conn: &Arc<ClientConn>,
+        target: &UpstreamUrl,
+        timeout: Duration,
+    ) -> Response<Body> {
+        let client_side = hyper::upgrade::on(&mut req);
+        let protocol = req.headers().get(header::UPGRADE).cloned();
+        let (mut parts, body) = req.into_parts();
+        if prepare_request(&mut parts, target, &conn.addr).is_err() {
+            return Problem::UpstreamUnreachable.into_response();
+        }
+        // Hop-by-hop as they are, these two are the request here.
+        if let Some(protocol) = protocol {
+            parts.headers.insert(header::UPGRADE, protocol);
+            parts
+                .headers
+                .insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+        }
+        let sent = conn
+            .worker
+            .upstream
+            .send_upgrade(Request::from_parts(parts, body::boxed(body)), timeout)
+            .await;
+        let mut resp = match sent {
+            Ok(resp) => resp,
+            Err(e) => {
+                tracing::warn!(error = %e, "upgrade request failed");
+                return match e {
+                    UpstreamError::NotSent(e) => not_sent_problem(&*e),
+                    UpstreamError::Timeout(_) => Problem::UpstreamTimeout,
+                    UpstreamError::Failed(_) => Problem::UpstreamFailed,
+                }
+                .into_response();
+            }
+        };
+        if resp.status() != http::StatusCode::SWITCHING_PROTOCOLS {
+            return resp.map(body::boxed);
+        }
+        let upstream_side = hyper::upgrade::on(&mut resp);
+        let open = self.metrics.tunnels();
+        self.core.tasks().spawn(async move {
+            let (client, upstream) = match tokio::try_join!(client_side, upstream_side) {
+                Ok(both) => both,
+                Err(e) => {
+                    tracing::debug!(error = %e, "upgrade not completed");
+                    return;
+                }
+            };
+            open.inc();
+            let mut client = hyper_util::rt::TokioIo::new(client);
+            let mut upstream = hyper_util::rt::TokioIo::new(upstream);
+            if let Err(e) = tokio::io::copy_bidirectional(&mut client, &mut upstream).await {
+                tracing::debug!(error = %e, "tunnel ended");
+            }
+            open.dec();
+        });
+        resp.map(body::boxed)
     }
 
     /// Forwards a request that is not made idempotent, streaming both ways.
@@ -686,6 +768,18 @@ fn refusal_problem(policy: &Policy, refusal: Refusal) -> Problem {
     }
 }
 
+/// An HTTP/1.1 request to switch protocols (`Connection: upgrade` with `Upgrade`).
+fn wants_upgrade<B>(req: &Request<B>) -> bool {
+    req.headers().contains_key(header::UPGRADE)
+        && req
+            .headers()
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .any(|t| t.trim().eq_ignore_ascii_case("upgrade"))
+}
+
 /// Seconds since the Unix epoch, for signed timestamps (0 if the clock is before 1970).
 fn now_s() -> i64 {
     std::time::SystemTime::now()
@@ -716,7 +810,8 @@ fn outcome_of(p: &Problem) -> Outcome {
         | Problem::BodyTimeout
         | Problem::MethodNotAllowed
         | Problem::ClientRequired { .. }
-        | Problem::SignatureRejected { .. } => Outcome::BadRequest,
+        | Problem::SignatureRejected { .. }
+        | Problem::UpgradeRefused => Outcome::BadRequest,
         Problem::StoreUnavailable | Problem::StoreFull => Outcome::StoreError,
         Problem::KeyQuota { .. } | Problem::Overloaded { .. } => Outcome::Limited,
         Problem::UpstreamUnreachable | Problem::UpstreamTimeout | Problem::UpstreamFailed => {

@@ -165,6 +165,7 @@ pub struct Metrics {
     in_flight: Gauge,
     waiting: Gauge,
     buffered: Gauge,
+    tunnels: Gauge,
     worker_connections: Family<WorkerLabel, Gauge>,
     connections_closed: Family<ReasonLabel, Counter>,
     signatures: Family<SignatureLabels, Counter>,
@@ -194,6 +195,12 @@ impl Metrics {
         let in_flight = Gauge::default();
         let waiting = Gauge::default();
         let buffered = Gauge::default();
+        let tunnels = Gauge::default();
+        registry.register(
+            "tunnels_open",
+            "Upgraded connections (WebSocket) being relayed between a client and an upstream",
+            tunnels.clone(),
+        );
         let worker_connections = Family::<WorkerLabel, Gauge>::default();
         let records_purged = Counter::default();
         let store_syncs = Counter::default();
@@ -275,6 +282,7 @@ impl Metrics {
             in_flight,
             waiting,
             buffered,
+            tunnels,
             worker_connections,
             connections_closed,
             signatures,
@@ -367,6 +375,11 @@ impl Metrics {
     /// The count of duplicates waiting on keys ([`crate::waiting`] keeps it).
     pub fn waiting(&self) -> Gauge {
         self.waiting.clone()
+    }
+
+    /// The tunnels open now (one per upgraded connection).
+    pub fn tunnels(&self) -> Gauge {
+        self.tunnels.clone()
     }
 
     /// The bytes of request bodies buffered now ([`crate::body::Budget`] counts in it).

@@ -52,6 +52,8 @@ pub enum Problem {
     BodyTimeout,
     /// A method the gateway never forwards (CONNECT).
     MethodNotAllowed,
+    /// A protocol upgrade (WebSocket) on an idempotent route: a tunnel has no response to store.
+    UpgradeRefused,
     /// The route verifies its sender's signature and this delivery's did not pass: `why` is
     /// "missing", "stale" or "invalid".
     SignatureRejected {
@@ -99,6 +101,7 @@ impl Problem {
             Problem::BadRequestBody => "bad-request-body",
             Problem::BodyTimeout => "body-timeout",
             Problem::MethodNotAllowed => "method-not-allowed",
+            Problem::UpgradeRefused => "upgrade-refused",
             Problem::ClientRequired { .. } => "client-required",
             Problem::SignatureRejected { .. } => "signature-rejected",
             Problem::StoreUnavailable => "store-unavailable",
@@ -119,6 +122,7 @@ impl Problem {
             }
             Problem::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
             Problem::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
+            Problem::UpgradeRefused => StatusCode::BAD_REQUEST,
             Problem::ClientRequired { .. } | Problem::SignatureRejected { .. } => {
                 StatusCode::UNAUTHORIZED
             }
@@ -148,6 +152,7 @@ impl Problem {
             Problem::BadRequestBody => "Request body could not be read",
             Problem::BodyTimeout => "Request body stopped arriving",
             Problem::MethodNotAllowed => "Method not allowed",
+            Problem::UpgradeRefused => "Protocol upgrade not allowed here",
             Problem::ClientRequired { .. } => "Client identification required",
             Problem::SignatureRejected { .. } => "Delivery signature not verified",
             Problem::StoreUnavailable => "Idempotency store unavailable",
@@ -180,6 +185,7 @@ impl Problem {
             Problem::BadRequestBody => "The request body ended before it was complete. It was not forwarded; retry with the same key.".into(),
             Problem::BodyTimeout => "No part of the request body arrived for too long. It was not forwarded; retry with the same key.".into(),
             Problem::MethodNotAllowed => "This gateway does not forward CONNECT requests.".into(),
+            Problem::UpgradeRefused => "This endpoint is made idempotent: its requests are executed once and their responses stored, which a protocol upgrade (WebSocket) cannot be. It was not forwarded.".into(),
             Problem::ClientRequired { what } => format!(
                 "This endpoint requires {what}: idempotency keys are kept per client, and a request that names none cannot be told apart from another's. It was not forwarded."
             ),

@@ -127,27 +127,11 @@ impl UpstreamPool {
         &self,
         mut req: Request<Body>,
     ) -> Result<Response<UpstreamBody>, UpstreamError> {
-        let Some(authority) = req.uri().authority().cloned() else {
-            return Err(UpstreamError::NotSent(
-                "the request names no upstream".into(),
-            ));
-        };
-        let secure = req.uri().scheme() == Some(&http::uri::Scheme::HTTPS);
-        let origin_form = req
-            .uri()
-            .path_and_query()
-            .cloned()
-            .unwrap_or_else(|| PathAndQuery::from_static("/"));
-        *req.uri_mut() = Uri::from(origin_form);
-        if !req.headers().contains_key(header::HOST) {
-            if let Ok(host) = HeaderValue::from_str(&host_header(&authority, secure)) {
-                req.headers_mut().insert(header::HOST, host);
-            }
-        }
+        let (authority, secure) = to_origin_form(&mut req)?;
         loop {
             let (mut sender, reused) = match self.pool.checkout(&authority, secure) {
                 Some(sender) => (sender, true),
-                None => (self.pool.connect(&authority, secure).await?, false),
+                None => (self.pool.connect(&authority, secure, false).await?, false),
             };
             match sender.try_send_request(req).await {
                 Ok(mut resp) => {
@@ -170,6 +154,58 @@ impl UpstreamPool {
             }
         }
     }
+}
+
+impl UpstreamPool {
+    /// A protocol upgrade (WebSocket): sent on a connection of its own, never pooled, whose
+    /// socket the upstream's `101` hands over ([`hyper::upgrade::on`] on the response).
+    pub async fn send_upgrade(
+        &self,
+        mut req: Request<Body>,
+        timeout: Duration,
+    ) -> Result<Response<UpstreamBody>, UpstreamError> {
+        let exchange = async {
+            let (authority, secure) = to_origin_form(&mut req)?;
+            let mut sender = self.pool.connect(&authority, secure, true).await?;
+            match sender.send_request(req).await {
+                Ok(mut resp) => {
+                    // A 101's `Upgrade` and `Connection` are what the client must see.
+                    if resp.status() != http::StatusCode::SWITCHING_PROTOCOLS {
+                        strip_hop_by_hop(resp.headers_mut());
+                    }
+                    Ok(resp.map(UpstreamBody::unpooled))
+                }
+                Err(e) if e.is_canceled() => Err(UpstreamError::NotSent(e.into())),
+                Err(e) => Err(UpstreamError::Failed(e.into())),
+            }
+        };
+        tokio::time::timeout(timeout, exchange)
+            .await
+            .unwrap_or(Err(UpstreamError::Timeout(timeout)))
+    }
+}
+
+/// Puts the request in origin form for the wire (with a `Host` if it had none); returns the
+/// upstream it names and whether it is `https://`.
+fn to_origin_form(req: &mut Request<Body>) -> Result<(Authority, bool), UpstreamError> {
+    let Some(authority) = req.uri().authority().cloned() else {
+        return Err(UpstreamError::NotSent(
+            "the request names no upstream".into(),
+        ));
+    };
+    let secure = req.uri().scheme() == Some(&http::uri::Scheme::HTTPS);
+    let origin_form = req
+        .uri()
+        .path_and_query()
+        .cloned()
+        .unwrap_or_else(|| PathAndQuery::from_static("/"));
+    *req.uri_mut() = Uri::from(origin_form);
+    if !req.headers().contains_key(header::HOST) {
+        if let Ok(host) = HeaderValue::from_str(&host_header(&authority, secure)) {
+            req.headers_mut().insert(header::HOST, host);
+        }
+    }
+    Ok((authority, secure))
 }
 
 impl Pool {
@@ -236,10 +272,12 @@ impl Pool {
     }
 
     /// A new connection to `authority`; any failure here means nothing was sent.
+    /// With `upgrades`, the connection can be handed over by a `101` (not for pooled ones).
     async fn connect(
         &self,
         authority: &Authority,
         secure: bool,
+        upgrades: bool,
     ) -> Result<SendRequest<Body>, UpstreamError> {
         // `[::1]` in a URI is `::1` to the resolver.
         let host = authority
@@ -260,9 +298,9 @@ impl Pool {
             stream.set_nodelay(true)?;
             if secure {
                 let stream = self.tls.connect(host, stream).await?;
-                start(TokioIo::new(stream), slot).await
+                start(TokioIo::new(stream), slot, upgrades).await
             } else {
-                start(TokioIo::new(stream), slot).await
+                start(TokioIo::new(stream), slot, upgrades).await
             }
         };
         match tokio::time::timeout_at(deadline, connecting).await {
@@ -279,6 +317,7 @@ impl Pool {
 async fn start<IO>(
     io: IO,
     slot: tokio::sync::OwnedSemaphorePermit,
+    upgrades: bool,
 ) -> Result<SendRequest<Body>, BoxError>
 where
     IO: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
@@ -286,9 +325,14 @@ where
     let (sender, conn) = http1::handshake(io).await?;
     tokio::spawn(async move {
         // The slot is the socket's: given back when the connection has ended, however long
-        // after its last request that is.
+        // after its last request that is (or when it was handed over to a tunnel).
         let _slot = slot;
-        if let Err(e) = conn.await {
+        let ended = if upgrades {
+            conn.with_upgrades().await
+        } else {
+            conn.await
+        };
+        if let Err(e) = ended {
             tracing::debug!(error = %e, "upstream connection ended");
         }
     });
@@ -331,6 +375,11 @@ impl UpstreamBody {
             body.give_back();
         }
         body
+    }
+
+    /// A body whose connection never goes back to the pool (a protocol switch).
+    fn unpooled(inner: Incoming) -> Self {
+        UpstreamBody { inner, reuse: None }
     }
 
     fn give_back(&mut self) {

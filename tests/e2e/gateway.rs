@@ -905,3 +905,87 @@ async fn http2_clients_are_served() {
     assert_eq!(up.executions(), 1);
     assert_eq!(up.seen()[0].headers["host"], gw.addr().to_string());
 }
+
+/// An upstream that switches to an echo protocol on `Upgrade: websocket` (101), then sends back
+/// every byte it gets.
+async fn echo_upstream() -> std::net::SocketAddr {
+    use hyper::service::service_fn;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((sock, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let service = service_fn(
+                    |mut req: hyper::Request<hyper::body::Incoming>| async move {
+                        let upgraded = hyper::upgrade::on(&mut req);
+                        tokio::spawn(async move {
+                            if let Ok(io) = upgraded.await {
+                                let mut io = hyper_util::rt::TokioIo::new(io);
+                                let (mut r, mut w) = tokio::io::split(&mut io);
+                                let _ = tokio::io::copy(&mut r, &mut w).await;
+                            }
+                        });
+                        let resp = hyper::Response::builder()
+                            .status(101)
+                            .header("upgrade", "websocket")
+                            .header("connection", "Upgrade")
+                            .header("sec-websocket-accept", "s3pPLMBiTxaQ9kYGzzhZRbK+xOo=")
+                            .body(http_body_util::Empty::<Bytes>::new())
+                            .unwrap();
+                        Ok::<_, std::convert::Infallible>(resp)
+                    },
+                );
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(sock), service)
+                    .with_upgrades()
+                    .await;
+            });
+        }
+    });
+    addr
+}
+
+/// A WebSocket handshake outside any route is passed through, and once the upstream switches
+/// protocols the bytes flow both ways until the client closes; on an idempotent route an
+/// upgrade is refused.
+#[tokio::test]
+async fn websocket_upgrades_pass_through_and_are_refused_on_idempotent_routes() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let echo = echo_upstream().await;
+    let gw = gateway(&format!("http://{echo}"), PAYMENTS).await;
+    let mut s = tokio::net::TcpStream::connect(gw.addr()).await.unwrap();
+    s.write_all(b"GET /chat HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+        .await
+        .unwrap();
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        assert_eq!(s.read(&mut byte).await.unwrap(), 1, "closed during the 101");
+        head.push(byte[0]);
+    }
+    let head = String::from_utf8_lossy(&head).to_ascii_lowercase();
+    assert!(head.starts_with("http/1.1 101"), "{head}");
+    assert!(head.contains("upgrade: websocket"), "{head}");
+    assert!(
+        head.contains("sec-websocket-accept: s3pplmbitxaq9kygzzhzrbk+xoo="),
+        "{head}"
+    );
+    for message in [&b"hello"[..], b"\x81\x05world", &[0u8; 3000]] {
+        s.write_all(message).await.unwrap();
+        let mut back = vec![0u8; message.len()];
+        tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut back))
+            .await
+            .expect("no echo through the tunnel")
+            .unwrap();
+        assert_eq!(back, message);
+    }
+    drop(s);
+
+    let refused = raw(
+        gw.addr(),
+        b"POST /payments HTTP/1.1\r\nHost: x\r\nIdempotency-Key: k\r\nUpgrade: websocket\r\nConnection: Upgrade, close\r\nContent-Length: 0\r\n\r\n",
+    )
+    .await;
+    assert!(refused.starts_with("HTTP/1.1 400"), "{refused}");
+    assert!(refused.contains("upgrade-refused"), "{refused}");
+}
