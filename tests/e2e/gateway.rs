@@ -970,6 +970,14 @@ async fn websocket_upgrades_pass_through_and_are_refused_on_idempotent_routes() 
         head.contains("sec-websocket-accept: s3pplmbitxaq9kygzzhzrbk+xoo="),
         "{head}"
     );
+    let tunnels = |gw: &Running| {
+        gw.gateway()
+            .metrics()
+            .encode()
+            .lines()
+            .find_map(|l| l.strip_prefix("idemgate_tunnels_open "))
+            .map(|v| v.trim().to_string())
+    };
     for message in [&b"hello"[..], b"\x81\x05world", &[0u8; 3000]] {
         s.write_all(message).await.unwrap();
         let mut back = vec![0u8; message.len()];
@@ -979,7 +987,12 @@ async fn websocket_upgrades_pass_through_and_are_refused_on_idempotent_routes() 
             .unwrap();
         assert_eq!(back, message);
     }
+    assert_eq!(tunnels(&gw).as_deref(), Some("1"));
     drop(s);
+    assert!(
+        eventually(|| async { tunnels(&gw).as_deref() == Some("0") }).await,
+        "the tunnel outlived its client"
+    );
 
     let refused = raw(
         gw.addr(),
