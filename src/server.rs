@@ -22,13 +22,14 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::config::{Config, Deadlines, ServerConfig};
-use crate::conn;
+use crate::config::{Config, Deadlines, ServerConfig, CLIENT_SUBJECT_HEADER};
+use crate::conn::{self, ClientBody};
 use crate::gateway::{ClientConn, Gateway, Routing, WorkerContext};
 use crate::metrics::Metrics;
 use crate::store;
 use crate::tls::{ListenerTls, ListenerTlsError};
 use crate::upstream::{ClientAddr, ConnectionLimits, TlsSetupError, UpstreamTlsConnector};
+use http::{HeaderValue, Request};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
@@ -91,7 +92,11 @@ impl Server {
             config.server.max_buffered,
         ));
         let tls = match &config.server.tls {
-            Some((cert, key)) => Some(Arc::new(ListenerTls::new(cert, key)?)),
+            Some((cert, key)) => Some(Arc::new(ListenerTls::new(
+                cert,
+                key,
+                config.server.tls_client_ca.as_deref(),
+            )?)),
             None => None,
         };
         Ok(Server {
@@ -147,6 +152,7 @@ impl Server {
                 deadlines: settings.deadlines,
                 max_streams: settings.max_streams,
                 tls: tls.clone(),
+                verify_clients: settings.tls_client_ca.is_some(),
                 _done: done.clone(),
             };
             let (ready, is_ready) = oneshot::channel();
@@ -349,6 +355,8 @@ struct Worker {
     deadlines: Deadlines,
     max_streams: u32,
     tls: Option<Arc<ListenerTls>>,
+    /// `server.tls_client_ca` is set: the subject header is set from certificates only.
+    verify_clients: bool,
     /// Dropped when the thread ends; the server waits for all of them.
     _done: mpsc::Sender<()>,
 }
@@ -373,6 +381,7 @@ impl Worker {
             deadlines,
             max_streams,
             tls,
+            verify_clients,
             _done,
         } = self;
         runtime.block_on(async move {
@@ -403,10 +412,20 @@ impl Worker {
                     addr: ClientAddr::new(peer, trusted).over_tls(tls.is_some()),
                     worker: Arc::clone(&context),
                 });
-                let handler = move |req| {
-                    let gw = Arc::clone(&gw);
-                    let conn = Arc::clone(&conn);
-                    async move { gw.handle(req, &conn).await }
+                // With client certificates verified, the subject header is the gateway's alone:
+                // whatever a client sent under that name is replaced.
+                let handler_with = move |subject: Option<HeaderValue>| {
+                    move |mut req: Request<ClientBody>| {
+                        let gw = Arc::clone(&gw);
+                        let conn = Arc::clone(&conn);
+                        if verify_clients {
+                            req.headers_mut().remove(CLIENT_SUBJECT_HEADER);
+                            if let Some(s) = &subject {
+                                req.headers_mut().insert(CLIENT_SUBJECT_HEADER, s.clone());
+                            }
+                        }
+                        async move { gw.handle(req, &conn).await }
+                    }
                 };
                 let builder = builder.clone();
                 let stop = stop.clone();
@@ -414,7 +433,10 @@ impl Worker {
                 let tls = tls.clone();
                 connections.spawn(async move {
                     let served = match tls {
-                        None => conn::serve(stream, &builder, deadlines, &stop, handler).await,
+                        None => {
+                            conn::serve(stream, &builder, deadlines, &stop, handler_with(None))
+                                .await
+                        }
                         // The handshake is part of getting to a request head: header_timeout.
                         Some(tls) => {
                             match tokio::time::timeout(
@@ -424,6 +446,8 @@ impl Worker {
                             .await
                             {
                                 Ok(Ok(s)) => {
+                                    let subject = crate::tls::client_subject(s.get_ref().1);
+                                    let handler = handler_with(subject);
                                     conn::serve(s, &builder, deadlines, &stop, handler).await
                                 }
                                 Ok(Err(e)) => {

@@ -47,15 +47,47 @@ impl ResolvesServerCert for Current {
 }
 
 impl ListenerTls {
-    pub fn new(cert: &Path, key: &Path) -> Result<Self, ListenerTlsError> {
+    /// With `client_ca`, every client must present a certificate signed by it.
+    pub fn new(
+        cert: &Path,
+        key: &Path,
+        client_ca: Option<&Path>,
+    ) -> Result<Self, ListenerTlsError> {
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let loaded = load(cert, key, &provider)?;
         let current = Arc::new(Current(ArcSwap::from_pointee(loaded)));
-        let mut config = ServerConfig::builder_with_provider(Arc::clone(&provider))
+        let builder = ServerConfig::builder_with_provider(Arc::clone(&provider))
             .with_safe_default_protocol_versions()
-            .map_err(|e| error(cert, key, e.to_string()))?
-            .with_no_client_auth()
-            .with_cert_resolver(Arc::clone(&current) as Arc<dyn ResolvesServerCert>);
+            .map_err(|e| error(cert, key, e.to_string()))?;
+        let builder = match client_ca {
+            None => builder.with_no_client_auth(),
+            Some(ca) => {
+                let bad = |reason: String| {
+                    error(
+                        cert,
+                        key,
+                        format!("server.tls_client_ca {}: {reason}", ca.display()),
+                    )
+                };
+                let mut roots = rustls::RootCertStore::empty();
+                let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(ca)
+                    .and_then(|certs| certs.collect())
+                    .map_err(|e| bad(e.to_string()))?;
+                let (added, _) = roots.add_parsable_certificates(certs);
+                if added == 0 {
+                    return Err(bad("no usable CA certificate in it".into()));
+                }
+                let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+                    Arc::new(roots),
+                    Arc::clone(&provider),
+                )
+                .build()
+                .map_err(|e| bad(e.to_string()))?;
+                builder.with_client_cert_verifier(verifier)
+            }
+        };
+        let mut config =
+            builder.with_cert_resolver(Arc::clone(&current) as Arc<dyn ResolvesServerCert>);
         config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
         Ok(ListenerTls {
             acceptor: TlsAcceptor::from(Arc::new(config)),
@@ -77,6 +109,14 @@ impl ListenerTls {
         self.current.0.store(Arc::new(loaded));
         Ok(())
     }
+}
+
+/// The subject of the client's verified certificate (RFC 4514 text, such as
+/// `CN=billing,O=Example`), for [`crate::config::CLIENT_SUBJECT_HEADER`].
+pub fn client_subject(conn: &rustls::ServerConnection) -> Option<http::HeaderValue> {
+    let leaf = conn.peer_certificates()?.first()?;
+    let (_, parsed) = x509_parser::parse_x509_certificate(leaf.as_ref()).ok()?;
+    http::HeaderValue::from_str(&parsed.subject().to_string()).ok()
 }
 
 fn error(cert: &Path, key: &Path, reason: String) -> ListenerTlsError {

@@ -106,6 +106,9 @@ pub struct ServerConfig {
     /// `server.tls_cert` and `server.tls_key`: the listener speaks TLS with this PEM chain and
     /// key (re-read on SIGHUP).
     pub tls: Option<(std::path::PathBuf, std::path::PathBuf)>,
+    /// `server.tls_client_ca`: clients must present a certificate signed by these CAs; its
+    /// subject is given to every request as [`CLIENT_SUBJECT_HEADER`].
+    pub tls_client_ca: Option<std::path::PathBuf>,
     /// Peers whose `X-Forwarded-*` and `Forwarded` headers are believed (load balancers in
     /// front); from any other peer they are replaced.
     pub trusted_proxies: Vec<ipnet::IpNet>,
@@ -300,6 +303,11 @@ impl std::fmt::Display for UpstreamUrl {
         write!(f, "{scheme}://{}{}", self.authority, self.prefix)
     }
 }
+
+/// The header that carries the subject of a client's verified certificate (with
+/// `server.tls_client_ca`); set by the gateway only, never taken from a client. Name it in
+/// `client_header` to scope keys per certificate subject.
+pub const CLIENT_SUBJECT_HEADER: &str = "x-client-cert-subject";
 
 /// How `https://` upstreams are trusted and who the gateway is to them (`[upstream] tls_*`).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

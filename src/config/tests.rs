@@ -760,3 +760,14 @@ fn signature_settings_are_checked_and_secrets_never_shown() {
     assert_eq!(field, "routes[0].ttl");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+#[test]
+fn the_certificate_subject_header_is_a_scope_only_where_certificates_are_verified() {
+    let (field, value) = invalid_field(with("client_header = \"X-Client-Cert-Subject\"\n"));
+    assert_eq!(field, "client_header");
+    assert_eq!(value, "x-client-cert-subject");
+    let (field, _) = invalid_field(Config::parse(
+        "[server]\nlisten = \"127.0.0.1:1\"\ntls_client_ca = \"/etc/ca.pem\"\n[upstream]\nurl = \"http://127.0.0.1:1\"\n",
+    ));
+    assert_eq!(field, "server.tls_client_ca", "needs tls_cert");
+}

@@ -15,7 +15,7 @@ use super::raw::{
 use super::{
     redact_url, Config, ConfigError, Deadlines, DiskSettings, OnStoreError, OnUnknown, Policy,
     RedisSettings, RedisTarget, RouteConfig, Secret, ServerConfig, SignatureConfig,
-    SignatureScheme, StoreConfig, SyncMode, UpstreamTls, UpstreamUrl,
+    SignatureScheme, StoreConfig, SyncMode, UpstreamTls, UpstreamUrl, CLIENT_SUBJECT_HEADER,
 };
 use crate::fingerprint::IgnoredFields;
 use crate::key::KeySource;
@@ -71,6 +71,19 @@ impl RawConfig {
         }
         check_unique_names(&routes)?;
         check_overlaps(&routes)?;
+        // The subject header is the gateway's to set only where it verifies certificates;
+        // elsewhere a client could write it and pick its scope.
+        if server.tls_client_ca.is_none() {
+            let names_subject =
+                |p: &Policy| p.client_headers.iter().any(|h| h == CLIENT_SUBJECT_HEADER);
+            if names_subject(&defaults) || routes.iter().any(|r| names_subject(&r.policy)) {
+                return Err(ConfigError::invalid(
+                    "client_header",
+                    CLIENT_SUBJECT_HEADER,
+                    "only with server.tls_client_ca, which verifies the certificate it comes from",
+                ));
+            }
+        }
         // A body larger than the whole budget could never be read: say so now, not with a 503
         // on every such request.
         for (i, r) in routes.iter().enumerate() {
@@ -230,6 +243,17 @@ fn validate_server(raw: Option<RawServer>) -> Result<ServerConfig, ConfigError> 
             })
         }
     };
+    let tls_client_ca = match raw.tls_client_ca {
+        None => None,
+        Some(_) if tls.is_none() => {
+            return Err(ConfigError::invalid(
+                "server.tls_client_ca",
+                "(set)",
+                "only with server.tls_cert and tls_key: client certificates are asked for in the TLS handshake",
+            ))
+        }
+        Some(path) => Some(pem_file("server.tls_client_ca", path, "CERTIFICATE")?),
+    };
     let mut trusted_proxies = Vec::new();
     for (i, raw) in raw
         .trusted_proxies
@@ -260,6 +284,7 @@ fn validate_server(raw: Option<RawServer>) -> Result<ServerConfig, ConfigError> 
         max_streams,
         max_buffered,
         tls,
+        tls_client_ca,
         trusted_proxies,
         case_sensitive_routes: raw.case_sensitive_routes.unwrap_or(false),
     })

@@ -467,3 +467,111 @@ async fn the_upstream_learns_the_client_came_over_tls() {
     let seen = up.next_arrival().await;
     assert_eq!(seen.headers["x-forwarded-proto"], "https");
 }
+
+/// With `server.tls_client_ca`, a client without a certificate signed by it gets no session,
+/// and the subject of a verified one is the client scope (`client_header`), never what a
+/// client writes in that header.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_certificates_are_verified_and_their_subject_scopes_keys() {
+    let ca = Ca::new("test CA");
+    let (cert, key) = ca.leaf(&["localhost"], false);
+    let dir = TempDir::new("tls-clients");
+    write(&dir, "cert.pem", &cert);
+    write(&dir, "key.pem", &key);
+    write(&dir, "clients.pem", &ca.cert.pem());
+    let client = |cn: &str| {
+        let key = KeyPair::generate().unwrap();
+        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.distinguished_name.push(DnType::CommonName, cn);
+        let cert = params.signed_by(&key, &ca.cert, &ca.key).unwrap();
+        (cert.der().clone(), key.serialize_der())
+    };
+    let up = Upstream::counting().await;
+    let config = listener_config(&dir, &up.url())
+        .replacen(
+            "workers = 1\n",
+            &format!(
+                "workers = 1\ntls_client_ca = \"{}/clients.pem\"\n",
+                dir.path.display()
+            ),
+            1,
+        )
+        .replace(
+            "[[routes]]",
+            "[defaults]\nclient_header = \"X-Client-Cert-Subject\"\n[[routes]]",
+        );
+    let gw = GatewayProcess::start(&config);
+    let connect_as = |identity: Option<(CertificateDer<'static>, Vec<u8>)>| {
+        let mut roots = rustls::RootCertStore::empty();
+        roots.add(ca.cert.der().clone()).unwrap();
+        let builder = rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots);
+        let config = match identity {
+            None => builder.with_no_client_auth(),
+            Some((cert, key)) => builder
+                .with_client_auth_cert(vec![cert], PrivateKeyDer::Pkcs8(key.into()))
+                .unwrap(),
+        };
+        let addr = gw.addr;
+        async move {
+            let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+            let tls = tokio_rustls::TlsConnector::from(Arc::new(config))
+                .connect(
+                    rustls::pki_types::ServerName::try_from("localhost").unwrap(),
+                    tcp,
+                )
+                .await
+                .ok()?;
+            let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
+                .await
+                .ok()?;
+            tokio::spawn(conn);
+            Some(sender)
+        }
+    };
+    let post = |sender: &mut hyper::client::conn::http1::SendRequest<Full<Bytes>>,
+                spoof: Option<&str>| {
+        let mut req = hyper::Request::post("/payments")
+            .header("host", "localhost")
+            .header("idempotency-key", "same-key")
+            .header("content-type", "application/json");
+        if let Some(s) = spoof {
+            req = req.header("x-client-cert-subject", s);
+        }
+        sender.send_request(req.body(Full::new(Bytes::from_static(b"{}"))).unwrap())
+    };
+
+    let mut alice = connect_as(Some(client("alice")))
+        .await
+        .expect("alice's session");
+    let first = post(&mut alice, None).await.unwrap();
+    assert_eq!(first.status(), 201);
+    let seen = up.next_arrival().await;
+    assert_eq!(seen.headers["x-client-cert-subject"], "CN=alice");
+    // Bob with the same key is another scope; claiming to be alice does not make him alice.
+    let mut bob = connect_as(Some(client("bob")))
+        .await
+        .expect("bob's session");
+    let bobs = post(&mut bob, Some("CN=alice")).await.unwrap();
+    assert_eq!(bobs.status(), 201);
+    assert!(
+        bobs.headers().get("idempotent-replayed").is_none(),
+        "bob got alice's result"
+    );
+    assert_eq!(
+        up.next_arrival().await.headers["x-client-cert-subject"],
+        "CN=bob"
+    );
+    let again = post(&mut alice, None).await.unwrap();
+    assert!(again.headers().get("idempotent-replayed").is_some());
+
+    // No certificate: the handshake (or the first request) fails; nothing is executed.
+    if let Some(mut anonymous) = connect_as(None).await {
+        assert!(post(&mut anonymous, None).await.is_err());
+    }
+    assert_eq!(up.executions(), 2);
+}
