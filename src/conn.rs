@@ -55,6 +55,8 @@ pub enum Expiry {
     Idle,
     /// A response write waited `send_timeout` on a client that does not read.
     Send,
+    /// The TLS handshake failed (no certificate, a wrong one, not TLS at all).
+    Handshake,
 }
 
 impl Expiry {
@@ -63,6 +65,7 @@ impl Expiry {
             Expiry::Header => "header_timeout",
             Expiry::Idle => "idle_timeout",
             Expiry::Send => "send_timeout",
+            Expiry::Handshake => "tls_handshake",
         }
     }
 }

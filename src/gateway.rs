@@ -108,6 +108,19 @@ pub struct WorkerContext {
 pub struct ClientConn {
     pub addr: ClientAddr,
     pub worker: Arc<WorkerContext>,
+    /// What the connection holds while it lives (its `server.max_connections` slot); a tunnel
+    /// takes it over, since its socket outlives the HTTP connection.
+    pub hold: std::sync::Mutex<Option<Box<dyn std::any::Any + Send>>>,
+}
+
+impl ClientConn {
+    /// Takes over what the connection holds (see [`ClientConn::hold`]).
+    pub fn take_hold(&self) -> Option<Box<dyn std::any::Any + Send>> {
+        self.hold
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take()
+    }
 }
 
 /// Everything a request needs; shared by all workers.
@@ -510,7 +523,14 @@ impl Gateway {
         if resp.status() != http::StatusCode::SWITCHING_PROTOCOLS {
             return resp.map(body::boxed);
         }
+        if !is_websocket(resp.headers()) {
+            tracing::warn!("the upstream switched to another protocol than WebSocket; not relayed");
+            return Problem::UpstreamFailed.into_response();
+        }
         let upstream_side = hyper::upgrade::on(&mut resp);
+        // The client connection's slot (server.max_connections) stays taken while the tunnel
+        // lives: its socket does.
+        let holds_slot = conn.take_hold();
         let open = self.metrics.tunnels();
         self.core.tasks().spawn(async move {
             let (client, upstream) = match tokio::try_join!(client_side, upstream_side) {
@@ -520,6 +540,7 @@ impl Gateway {
                     return;
                 }
             };
+            let _slot = holds_slot;
             open.inc();
             let mut client = hyper_util::rt::TokioIo::new(client);
             let mut upstream = hyper_util::rt::TokioIo::new(upstream);
@@ -768,9 +789,11 @@ fn refusal_problem(policy: &Policy, refusal: Refusal) -> Problem {
     }
 }
 
-/// An HTTP/1.1 request to switch protocols (`Connection: upgrade` with `Upgrade`).
+/// An HTTP/1.1 request to switch to WebSocket (`Connection: upgrade`, `Upgrade: websocket`).
+/// Other protocols (`h2c`, ...) are not relayed: a raw connection to the upstream in another
+/// protocol would bypass every rule here.
 fn wants_upgrade<B>(req: &Request<B>) -> bool {
-    req.headers().contains_key(header::UPGRADE)
+    is_websocket(req.headers())
         && req
             .headers()
             .get_all(header::CONNECTION)
@@ -778,6 +801,15 @@ fn wants_upgrade<B>(req: &Request<B>) -> bool {
             .filter_map(|v| v.to_str().ok())
             .flat_map(|v| v.split(','))
             .any(|t| t.trim().eq_ignore_ascii_case("upgrade"))
+}
+
+/// `Upgrade` names WebSocket (and nothing else).
+fn is_websocket(headers: &http::HeaderMap) -> bool {
+    let mut values = headers.get_all(header::UPGRADE).iter();
+    match (values.next(), values.next()) {
+        (Some(v), None) => v.as_bytes().eq_ignore_ascii_case(b"websocket"),
+        _ => false,
+    }
 }
 
 /// Seconds since the Unix epoch, for signed timestamps (0 if the clock is before 1970).

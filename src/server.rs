@@ -23,6 +23,9 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::{Config, Deadlines, ServerConfig, CLIENT_SUBJECT_HEADER};
+
+/// [`CLIENT_SUBJECT_HEADER`] as CGI, Rack and their kind would read it too.
+const CLIENT_SUBJECT_UNDERSCORED: &str = "x_client_cert_subject";
 use crate::conn::{self, ClientBody};
 use crate::gateway::{ClientConn, Gateway, Routing, WorkerContext};
 use crate::metrics::Metrics;
@@ -411,17 +414,23 @@ impl Worker {
                 let conn = Arc::new(ClientConn {
                     addr: ClientAddr::new(peer, trusted).over_tls(tls.is_some()),
                     worker: Arc::clone(&context),
+                    hold: std::sync::Mutex::new(Some(Box::new(_slot))),
                 });
+                let held = Arc::clone(&conn);
                 // With client certificates verified, the subject header is the gateway's alone:
                 // whatever a client sent under that name is replaced.
                 let handler_with = move |subject: Option<HeaderValue>| {
                     move |mut req: Request<ClientBody>| {
                         let gw = Arc::clone(&gw);
                         let conn = Arc::clone(&conn);
+                        // Always the gateway's: a client's value (or its underscore twin, which
+                        // CGI-style servers read as the same) never reaches anyone.
+                        let headers = req.headers_mut();
+                        headers.remove(CLIENT_SUBJECT_HEADER);
+                        headers.remove(CLIENT_SUBJECT_UNDERSCORED);
                         if verify_clients {
-                            req.headers_mut().remove(CLIENT_SUBJECT_HEADER);
                             if let Some(s) = &subject {
-                                req.headers_mut().insert(CLIENT_SUBJECT_HEADER, s.clone());
+                                headers.insert(CLIENT_SUBJECT_HEADER, s.clone());
                             }
                         }
                         async move { gw.handle(req, &conn).await }
@@ -452,7 +461,7 @@ impl Worker {
                                 }
                                 Ok(Err(e)) => {
                                     tracing::debug!(%peer, error = %e, "TLS handshake failed");
-                                    None
+                                    Some(conn::Expiry::Handshake)
                                 }
                                 Err(_) => Some(conn::Expiry::Header),
                             }
@@ -462,7 +471,8 @@ impl Worker {
                         tracing::debug!(%peer, reason = why.as_str(), "connection closed");
                         metrics.connection_closed(why);
                     }
-                    drop(_slot);
+                    // Unless a tunnel took it over.
+                    drop(held.take_hold());
                 });
             }
 

@@ -111,12 +111,17 @@ impl ListenerTls {
     }
 }
 
-/// The subject of the client's verified certificate (RFC 4514 text, such as
-/// `CN=billing,O=Example`), for [`crate::config::CLIENT_SUBJECT_HEADER`].
+/// The subject of the client's verified certificate, for
+/// [`crate::config::CLIENT_SUBJECT_HEADER`]: its DER encoding in hex, exact, so that two
+/// different subjects can never read the same (a text form can: `CN=a, O=b` is one CN or two
+/// attributes). `None` for an empty subject (an identity only in a SAN): such clients would all
+/// share one.
 pub fn client_subject(conn: &rustls::ServerConnection) -> Option<http::HeaderValue> {
     let leaf = conn.peer_certificates()?.first()?;
     let (_, parsed) = x509_parser::parse_x509_certificate(leaf.as_ref()).ok()?;
-    http::HeaderValue::from_str(&parsed.subject().to_string()).ok()
+    let subject = parsed.subject();
+    subject.iter().next()?;
+    http::HeaderValue::from_str(&hex::encode(subject.as_raw())).ok()
 }
 
 fn error(cert: &Path, key: &Path, reason: String) -> ListenerTlsError {

@@ -104,6 +104,22 @@ impl RawConfig {
             raw_upstream.tls_client_key,
             raw_upstream.tls_server_name,
         )?;
+        // One name for every https upstream: only right if there is one https host.
+        if upstream_tls.server_name.is_some() {
+            if let Some(r) = routes
+                .iter()
+                .find(|r| r.upstream.tls && r.upstream.authority != upstream.authority)
+            {
+                return Err(ConfigError::invalid(
+                    "upstream.tls_server_name",
+                    upstream_tls.server_name.clone().unwrap_or_default(),
+                    format!(
+                        "only when every https:// upstream is upstream.url; route {:?} goes to {}",
+                        r.name, r.upstream
+                    ),
+                ));
+            }
+        }
         Ok(Config {
             server,
             store,
