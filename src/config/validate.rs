@@ -242,23 +242,11 @@ fn validate_server(raw: Option<RawServer>) -> Result<ServerConfig, ConfigError> 
             "at least 64KiB (64MiB is the default)",
         ));
     }
-    let tls = match (raw.tls_cert, raw.tls_key) {
-        (None, None) => None,
-        (Some(cert), Some(key)) => Some((
-            pem_file("server.tls_cert", cert, "CERTIFICATE")?,
-            pem_file("server.tls_key", key, "PRIVATE KEY")?,
-        )),
-        (Some(_), None) => {
-            return Err(ConfigError::Missing {
-                field: "server.tls_key (with tls_cert)".into(),
-            })
-        }
-        (None, Some(_)) => {
-            return Err(ConfigError::Missing {
-                field: "server.tls_cert (with tls_key)".into(),
-            })
-        }
-    };
+    let tls = pem_pair(
+        ("server.tls_cert", "server.tls_key"),
+        raw.tls_cert,
+        raw.tls_key,
+    )?;
     let tls_client_ca = match raw.tls_client_ca {
         None => None,
         Some(_) if tls.is_none() => {
@@ -489,43 +477,15 @@ fn validate_store(raw: RawStore) -> Result<StoreConfig, ConfigError> {
                     "more than 0s and at most 60s",
                 ));
             }
-            let tls_ca_file = match raw.tls_ca_file {
-                None => None,
-                Some(path) => {
-                    let pem = std::fs::read_to_string(&path).map_err(|e| {
-                        ConfigError::invalid(
-                            "store.tls_ca_file",
-                            &path,
-                            format!("a readable PEM file ({e})"),
-                        )
-                    })?;
-                    if !pem.contains("-----BEGIN CERTIFICATE-----") {
-                        return Err(ConfigError::invalid(
-                            "store.tls_ca_file",
-                            &path,
-                            "a PEM file with at least one CERTIFICATE block",
-                        ));
-                    }
-                    Some(std::path::PathBuf::from(path))
-                }
-            };
-            let tls_client = match (raw.tls_client_cert, raw.tls_client_key) {
-                (None, None) => None,
-                (Some(c), Some(k)) => Some((
-                    pem_file("store.tls_client_cert", c, "CERTIFICATE")?,
-                    pem_file("store.tls_client_key", k, "PRIVATE KEY")?,
-                )),
-                (Some(_), None) => {
-                    return Err(ConfigError::Missing {
-                        field: "store.tls_client_key (with tls_client_cert)".into(),
-                    })
-                }
-                (None, Some(_)) => {
-                    return Err(ConfigError::Missing {
-                        field: "store.tls_client_cert (with tls_client_key)".into(),
-                    })
-                }
-            };
+            let tls_ca_file = raw
+                .tls_ca_file
+                .map(|p| pem_file("store.tls_ca_file", p, "CERTIFICATE"))
+                .transpose()?;
+            let tls_client = pem_pair(
+                ("store.tls_client_cert", "store.tls_client_key"),
+                raw.tls_client_cert,
+                raw.tls_client_key,
+            )?;
             Ok(StoreConfig::Redis(RedisSettings {
                 target,
                 key_prefix,
@@ -656,6 +616,27 @@ fn pem_file(field: &str, path: String, block: &str) -> Result<std::path::PathBuf
     Ok(std::path::PathBuf::from(path))
 }
 
+/// A PEM certificate and its key, set together or not at all; `fields` are their names.
+fn pem_pair(
+    (cert_field, key_field): (&str, &str),
+    cert: Option<String>,
+    key: Option<String>,
+) -> Result<Option<(std::path::PathBuf, std::path::PathBuf)>, ConfigError> {
+    match (cert, key) {
+        (None, None) => Ok(None),
+        (Some(c), Some(k)) => Ok(Some((
+            pem_file(cert_field, c, "CERTIFICATE")?,
+            pem_file(key_field, k, "PRIVATE KEY")?,
+        ))),
+        (Some(_), None) => Err(ConfigError::Missing {
+            field: format!("{key_field} (with {cert_field})"),
+        }),
+        (None, Some(_)) => Err(ConfigError::Missing {
+            field: format!("{cert_field} (with {key_field})"),
+        }),
+    }
+}
+
 fn validate_upstream_tls(
     ca_file: Option<String>,
     client_cert: Option<String>,
@@ -665,22 +646,13 @@ fn validate_upstream_tls(
     let ca_file = ca_file
         .map(|p| pem_file("upstream.tls_ca_file", p, "CERTIFICATE"))
         .transpose()?;
-    let (client_cert, client_key) = match (client_cert, client_key) {
-        (None, None) => (None, None),
-        (Some(c), Some(k)) => (
-            Some(pem_file("upstream.tls_client_cert", c, "CERTIFICATE")?),
-            Some(pem_file("upstream.tls_client_key", k, "PRIVATE KEY")?),
-        ),
-        (Some(_), None) => {
-            return Err(ConfigError::Missing {
-                field: "upstream.tls_client_key (with tls_client_cert)".into(),
-            })
-        }
-        (None, Some(_)) => {
-            return Err(ConfigError::Missing {
-                field: "upstream.tls_client_cert (with tls_client_key)".into(),
-            })
-        }
+    let (client_cert, client_key) = match pem_pair(
+        ("upstream.tls_client_cert", "upstream.tls_client_key"),
+        client_cert,
+        client_key,
+    )? {
+        Some((cert, key)) => (Some(cert), Some(key)),
+        None => (None, None),
     };
     if let Some(name) = &server_name {
         if rustls::pki_types::ServerName::try_from(name.as_str()).is_err() {
