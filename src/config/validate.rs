@@ -313,20 +313,23 @@ fn validate_store(raw: RawStore) -> Result<StoreConfig, ConfigError> {
         only("sync_interval", raw.sync_interval.is_some(), "disk")?;
         only("max_disk", raw.max_disk.is_some(), "disk")
     };
+    let not_redis = |raw: &RawStore| -> Result<(), ConfigError> {
+        only("url", raw.url.is_some(), "redis")?;
+        only("cluster", raw.cluster.is_some(), "redis")?;
+        only("key_prefix", raw.key_prefix.is_some(), "redis")?;
+        only("command_timeout", raw.command_timeout.is_some(), "redis")?;
+        only("tls_ca_file", raw.tls_ca_file.is_some(), "redis")?;
+        only(
+            "require_noeviction",
+            raw.require_noeviction.is_some(),
+            "redis",
+        )?;
+        only("tls_client_cert", raw.tls_client_cert.is_some(), "redis")?;
+        only("tls_client_key", raw.tls_client_key.is_some(), "redis")
+    };
     match backend.as_str() {
         "disk" => {
-            only("url", raw.url.is_some(), "redis")?;
-            only("cluster", raw.cluster.is_some(), "redis")?;
-            only("key_prefix", raw.key_prefix.is_some(), "redis")?;
-            only("command_timeout", raw.command_timeout.is_some(), "redis")?;
-            only("tls_ca_file", raw.tls_ca_file.is_some(), "redis")?;
-            only(
-                "require_noeviction",
-                raw.require_noeviction.is_some(),
-                "redis",
-            )?;
-            only("tls_client_cert", raw.tls_client_cert.is_some(), "redis")?;
-            only("tls_client_key", raw.tls_client_key.is_some(), "redis")?;
+            not_redis(&raw)?;
             only("max_keys", raw.max_keys.is_some(), "memory")?;
             only("max_bytes", raw.max_bytes.is_some(), "memory")?;
             let path = match raw.path {
@@ -394,18 +397,7 @@ fn validate_store(raw: RawStore) -> Result<StoreConfig, ConfigError> {
         }
         "memory" => {
             not_disk(&raw)?;
-            only("url", raw.url.is_some(), "redis")?;
-            only("cluster", raw.cluster.is_some(), "redis")?;
-            only("key_prefix", raw.key_prefix.is_some(), "redis")?;
-            only("command_timeout", raw.command_timeout.is_some(), "redis")?;
-            only("tls_ca_file", raw.tls_ca_file.is_some(), "redis")?;
-            only(
-                "require_noeviction",
-                raw.require_noeviction.is_some(),
-                "redis",
-            )?;
-            only("tls_client_cert", raw.tls_client_cert.is_some(), "redis")?;
-            only("tls_client_key", raw.tls_client_key.is_some(), "redis")?;
+            not_redis(&raw)?;
             let max_keys = match raw.max_keys {
                 None => 1_000_000,
                 Some(n) if (1..=100_000_000).contains(&n) => n as usize,

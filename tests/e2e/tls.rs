@@ -146,6 +146,18 @@ fn write(dir: &TempDir, name: &str, text: &str) {
     std::fs::write(dir.path.join(name), text).unwrap();
 }
 
+/// The binary in front of `https://{host}:{port}`, trusting only `ca` (written to
+/// `{dir}/ca.pem`); `extra` goes in `[upstream]` too.
+fn trusting(dir: &TempDir, ca: &Ca, host: &str, port: u16, extra: &str) -> GatewayProcess {
+    write(dir, "ca.pem", &ca.cert.pem());
+    gateway(
+        dir,
+        &format!(
+            "[upstream]\nurl = \"https://{host}:{port}\"\ntls_ca_file = \"{{dir}}/ca.pem\"\n{extra}"
+        ),
+    )
+}
+
 /// Through an HTTPS upstream: executed once, replayed, and one TLS handshake for many requests
 /// (the pool keeps the connection).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -154,14 +166,7 @@ async fn an_https_upstream_is_verified_pooled_and_idempotent() {
     let (cert, key) = ca.leaf(&["localhost"], false);
     let up = HttpsUpstream::start(&cert, &key, None).await;
     let dir = TempDir::new("tls-ok");
-    write(&dir, "ca.pem", &ca.cert.pem());
-    let gw = gateway(
-        &dir,
-        &format!(
-            "[upstream]\nurl = \"https://localhost:{}\"\ntls_ca_file = \"{{dir}}/ca.pem\"",
-            up.addr.port()
-        ),
-    );
+    let gw = trusting(&dir, &ca, "localhost", up.addr.port(), "");
     let http = Http::new(gw.addr);
     let first = http.post("/payments", "tls-1", "{}").await;
     assert_eq!(first.status, 201, "{first:?}");
@@ -207,14 +212,7 @@ async fn a_wrong_ca_an_expired_certificate_or_another_name_fail_closed() {
     for (what, (cert, key), said) in cases {
         let up = HttpsUpstream::start(&cert, &key, None).await;
         let dir = TempDir::new("tls-bad");
-        write(&dir, "ca.pem", &ca.cert.pem());
-        let gw = gateway(
-            &dir,
-            &format!(
-                "[upstream]\nurl = \"https://localhost:{}\"\ntls_ca_file = \"{{dir}}/ca.pem\"",
-                up.addr.port()
-            ),
-        );
+        let gw = trusting(&dir, &ca, "localhost", up.addr.port(), "");
         let got = Http::new(gw.addr).post("/payments", "k", "{}").await;
         assert_eq!(got.status, 502, "{what}: {got:?}");
         assert_eq!(got.problem_type(), "upstream-unreachable", "{what}");
@@ -234,13 +232,12 @@ async fn tls_server_name_names_the_certificate_of_an_upstream_reached_by_address
     let (cert, key) = ca.leaf(&["payments.internal"], false);
     let up = HttpsUpstream::start(&cert, &key, None).await;
     let dir = TempDir::new("tls-sni");
-    write(&dir, "ca.pem", &ca.cert.pem());
-    let gw = gateway(
+    let gw = trusting(
         &dir,
-        &format!(
-            "[upstream]\nurl = \"https://127.0.0.1:{}\"\ntls_ca_file = \"{{dir}}/ca.pem\"\ntls_server_name = \"payments.internal\"",
-            up.addr.port()
-        ),
+        &ca,
+        "127.0.0.1",
+        up.addr.port(),
+        "tls_server_name = \"payments.internal\"",
     );
     assert_eq!(
         Http::new(gw.addr).post("/payments", "k", "{}").await.status,
@@ -257,16 +254,14 @@ async fn mutual_tls_to_the_upstream() {
     let up = HttpsUpstream::start(&cert, &key, Some(&ca)).await;
     let (client_cert, client_key) = ca.leaf(&["idemgate"], false);
     let dir = TempDir::new("tls-mtls");
-    write(&dir, "ca.pem", &ca.cert.pem());
     write(&dir, "client.pem", &client_cert);
     write(&dir, "client.key", &client_key);
-    let base = format!(
-        "[upstream]\nurl = \"https://localhost:{}\"\ntls_ca_file = \"{{dir}}/ca.pem\"",
-        up.addr.port()
-    );
-    let with_cert = gateway(
+    let with_cert = trusting(
         &dir,
-        &format!("{base}\ntls_client_cert = \"{{dir}}/client.pem\"\ntls_client_key = \"{{dir}}/client.key\""),
+        &ca,
+        "localhost",
+        up.addr.port(),
+        "tls_client_cert = \"{dir}/client.pem\"\ntls_client_key = \"{dir}/client.key\"",
     );
     assert_eq!(
         Http::new(with_cert.addr)
@@ -276,7 +271,7 @@ async fn mutual_tls_to_the_upstream() {
             .status,
         201
     );
-    let without = gateway(&dir, &base);
+    let without = trusting(&dir, &ca, "localhost", up.addr.port(), "");
     let refused = Http::new(without.addr)
         .request("GET", "/status")
         .send()
