@@ -54,15 +54,16 @@ where
         return Err(ReadError::TooLarge(limit));
     }
     match capture(body, limit).await? {
-        Captured::Complete(bytes) => Ok(bytes),
+        Captured::Complete(bytes, _) => Ok(bytes),
         Captured::TooLarge { .. } => Err(ReadError::TooLarge(limit)),
     }
 }
 
 /// A body read up to a limit.
 pub enum Captured<B> {
-    /// The whole body, within the limit. Trailers, if any, are dropped.
-    Complete(Bytes),
+    /// The whole body, within the limit, and its trailers if it had any (at most one block,
+    /// bounded by the protocol's header limits).
+    Complete(Bytes, Option<http::HeaderMap>),
     /// The body passed the limit: what was read so far and the unread rest.
     TooLarge { head: Vec<Bytes>, rest: B },
 }
@@ -76,10 +77,17 @@ where
 {
     let mut head: Vec<Bytes> = Vec::new();
     let mut total = 0usize;
+    let mut trailers = None;
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(|e| ReadError::Failed(e.into()))?;
-        let Ok(data) = frame.into_data() else {
-            continue;
+        let data = match frame.into_data() {
+            Ok(data) => data,
+            Err(frame) => {
+                if let Ok(t) = frame.into_trailers() {
+                    trailers = Some(t);
+                }
+                continue;
+            }
         };
         total = total.saturating_add(data.len());
         head.push(data);
@@ -87,7 +95,7 @@ where
             return Ok(Captured::TooLarge { head, rest: body });
         }
     }
-    Ok(Captured::Complete(concat(head, total)))
+    Ok(Captured::Complete(concat(head, total), trailers))
 }
 
 fn concat(chunks: Vec<Bytes>, total: usize) -> Bytes {
@@ -102,6 +110,16 @@ fn concat(chunks: Vec<Bytes>, total: usize) -> Bytes {
             buf.freeze()
         }
     }
+}
+
+/// `bytes`, then `trailers` (a gRPC answer's `grpc-status`) if there are any.
+pub fn with_trailers(bytes: Bytes, trailers: Option<http::HeaderMap>) -> Body {
+    let Some(trailers) = trailers else {
+        return full(bytes);
+    };
+    let data = (!bytes.is_empty()).then(|| Ok(Frame::data(bytes)));
+    let frames = data.into_iter().chain([Ok(Frame::trailers(trailers))]);
+    StreamBody::new(futures_util::stream::iter(frames)).boxed_unsync()
 }
 
 /// A body that yields `head` and then the rest of `rest`: how a response too large to store

@@ -29,13 +29,14 @@ use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 
 use crate::body::{self, Body, Budget, Captured, Lease, OverBudget, ReadError};
-use crate::config::{Policy, RouteConfig, UpstreamUrl};
+use crate::config::{Policy, RouteConfig, UpstreamProtocol, UpstreamUrl};
 use crate::conn::{BodyTimeout, ClientBody};
 use crate::fingerprint::{fingerprint, RequestParts};
+use crate::grpc;
 use crate::idempotency::{Attempt, Core, Decision, Execute, Refusal, Rules, Settled};
 use crate::key::{ClientScope, StoreKey};
 use crate::metrics::{Metrics, Outcome, RouteMetrics};
-use crate::problem::Problem;
+use crate::problem::{self, Problem};
 use crate::quota::{Quota, QuotaId};
 use crate::route::{RoutePattern, Routed, Router};
 use crate::signature;
@@ -223,8 +224,18 @@ impl Gateway {
         self.core.tasks()
     }
 
-    /// Phase `classify`: one request in, one response out.
+    /// One request in, one response out; a gRPC client gets the gateway's own answers as gRPC
+    /// statuses.
     pub async fn handle(&self, req: Request<ClientBody>, conn: &Arc<ClientConn>) -> Response<Body> {
+        if grpc::is_grpc(req.headers()) {
+            problem::for_grpc(self.classify(req, conn).await)
+        } else {
+            self.classify(req, conn).await
+        }
+    }
+
+    /// Phase `classify`: which path a request takes.
+    async fn classify(&self, req: Request<ClientBody>, conn: &Arc<ClientConn>) -> Response<Body> {
         let _in_flight = self.metrics.in_flight();
         // A tunnel would take the connection out of every rule here; CONNECT is for forward
         // proxies, which this is not.
@@ -567,7 +578,11 @@ impl Gateway {
         }
         let req = Request::from_parts(parts, body);
         let started = Instant::now();
-        let sent = conn.worker.upstream.send(req, timeout).await;
+        let sent = conn
+            .worker
+            .upstream
+            .send(req, target.protocol, timeout)
+            .await;
         self.metrics.upstream(metrics, started.elapsed());
         match sent {
             Ok(resp) => resp.map(body::boxed),
@@ -669,7 +684,13 @@ impl Execute for Forward {
         }
         let req = Request::from_parts(parts, body::full(body));
         let started = Instant::now();
-        let forwarded = forward_and_capture(&conn.worker.upstream, req, policy).await;
+        let forwarded = forward_and_capture(
+            &conn.worker.upstream,
+            req,
+            route.config.upstream.protocol,
+            policy,
+        )
+        .await;
         metrics.upstream(&route.metrics, started.elapsed());
         let forwarded = match forwarded {
             Ok(f) => f,
@@ -693,18 +714,24 @@ impl Execute for Forward {
                 .iter()
                 .map(|(n, v)| (n.clone(), v.clone()))
                 .collect(),
+            trailers: match &forwarded.body {
+                ForwardedBody::Complete(_, Some(t)) => {
+                    t.iter().map(|(n, v)| (n.clone(), v.clone())).collect()
+                }
+                _ => Vec::new(),
+            },
             body: match &forwarded.body {
-                ForwardedBody::Complete(b) => b.clone(),
+                ForwardedBody::Complete(b, _) => b.clone(),
                 ForwardedBody::Streaming { .. } => Bytes::new(),
             },
-            body_kept: matches!(forwarded.body, ForwardedBody::Complete(_)),
+            body_kept: matches!(forwarded.body, ForwardedBody::Complete(..)),
             completed_ms: 0,
         };
         // The upstream's own framing headers still hold: the body is the same bytes.
         let output = Response::from_parts(
             forwarded.head,
             match forwarded.body {
-                ForwardedBody::Complete(b) => body::full(b),
+                ForwardedBody::Complete(b, trailers) => body::with_trailers(b, trailers),
                 ForwardedBody::Streaming { head, rest } => body::prepend(head, rest),
             },
         );
@@ -719,8 +746,8 @@ struct Forwarded {
 }
 
 enum ForwardedBody {
-    /// Within `max_stored_response`: stored and sent as one.
-    Complete(Bytes),
+    /// Within `max_stored_response`: stored and sent as one, with its trailers (gRPC's status).
+    Complete(Bytes, Option<http::HeaderMap>),
     /// Too large to store: streamed to the client, replays carry status and headers only.
     Streaming {
         head: Vec<Bytes>,
@@ -732,16 +759,17 @@ enum ForwardedBody {
 async fn forward_and_capture(
     upstream: &UpstreamPool,
     req: Request<Body>,
+    protocol: UpstreamProtocol,
     policy: &Policy,
 ) -> Result<Forwarded, UpstreamError> {
     let exchange = async {
-        let (head, body) = upstream.exchange(req).await?.into_parts();
+        let (head, body) = upstream.exchange(req, protocol).await?.into_parts();
         let captured = body::capture(body, policy.max_stored_response)
             .await
             // A body cut off mid-way: the upstream ran, but we do not know what it said.
             .map_err(|e| UpstreamError::Failed(Box::new(e)))?;
         let body = match captured {
-            Captured::Complete(b) => ForwardedBody::Complete(b),
+            Captured::Complete(b, trailers) => ForwardedBody::Complete(b, trailers),
             Captured::TooLarge { head, rest } => ForwardedBody::Streaming { head, rest },
         };
         Ok(Forwarded { head, body })
@@ -751,9 +779,16 @@ async fn forward_and_capture(
         .unwrap_or(Err(UpstreamError::Timeout(policy.upstream_timeout)))
 }
 
-/// The stored response, byte for byte, marked as a replay.
+/// The stored response, byte for byte (trailers too), marked as a replay.
 fn replay(policy: &Policy, stored: &StoredResponse) -> Response<Body> {
-    let mut resp = Response::new(body::full(stored.body.clone()));
+    let trailers = (!stored.trailers.is_empty()).then(|| {
+        let mut t = http::HeaderMap::with_capacity(stored.trailers.len());
+        for (name, value) in &stored.trailers {
+            t.append(name.clone(), value.clone());
+        }
+        t
+    });
+    let mut resp = Response::new(body::with_trailers(stored.body.clone(), trailers));
     *resp.status_mut() = stored.status;
     let headers = resp.headers_mut();
     for (name, value) in &stored.headers {

@@ -489,7 +489,10 @@ impl Records {
                 return Settled::Unknown { reason, retryable };
             }
         };
-        if not_executed(response.status.as_u16(), rules.store_server_errors) {
+        if not_executed(
+            crate::grpc::effective_status(&response),
+            rules.store_server_errors,
+        ) {
             self.release(key, token).await;
             return Settled::Released(output);
         }
@@ -658,6 +661,7 @@ mod tests {
 
     fn completed() -> Record {
         record(RecordState::Completed(Arc::new(StoredResponse {
+            trailers: vec![],
             status: http::StatusCode::CREATED,
             headers: vec![],
             body: bytes::Bytes::from_static(b"{}"),

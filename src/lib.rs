@@ -19,6 +19,8 @@
 //! - [`upstream`] - the per-worker connection pool, request rewriting, failure classification.
 //!   A new upstream protocol goes here.
 //! - [`body`] - the body type, capped reading, streaming what is too large to keep.
+//! - [`grpc`] - gRPC status codes both ways: a stored call's `grpc-status` judged as the HTTP
+//!   status it stands for, the gateway's problems as gRPC statuses.
 //! - [`idempotency`] - the core: reserve, wait, decide, execute, settle, for any front; its
 //!   decisions are pure functions with tests of their own (start here).
 //! - [`signature`] - webhook senders' signatures, verified before a delivery claims its key.
@@ -41,6 +43,7 @@ pub mod config;
 pub mod conn;
 pub mod fingerprint;
 pub mod gateway;
+pub mod grpc;
 pub mod idempotency;
 pub mod key;
 pub mod metrics;

@@ -1,11 +1,14 @@
-//! Every response the gateway makes itself: RFC 9457 `application/problem+json`.
+//! Every response the gateway makes itself: RFC 9457 `application/problem+json`, or for a
+//! gRPC client the same problem as a gRPC status ([`for_grpc`]).
 //!
-//! This is the one place that decides the status, `type` URI and wording for each cause. Bodies
+//! This is the one place that decides the status, `type` URI, gRPC code and wording for each
+//! cause. Bodies
 //! never carry internal details (addresses, store errors, keys); those go to the log.
 
 use std::time::Duration;
 
 use crate::body::{self, Body};
+use crate::grpc::{self, Code};
 use crate::key::KeyError;
 use crate::store::UnknownReason;
 use bytes::Bytes;
@@ -142,6 +145,32 @@ impl Problem {
         }
     }
 
+    /// The gRPC status a gRPC client gets instead: what its retry policy should make of it.
+    /// Nothing the gateway cannot vouch was not executed is `UNAVAILABLE` (which clients retry).
+    pub fn grpc_code(&self) -> Code {
+        match self {
+            Problem::MissingKey { .. }
+            | Problem::InvalidKey { .. }
+            | Problem::BadRequestBody
+            | Problem::MethodNotAllowed
+            | Problem::UpgradeRefused => Code::InvalidArgument,
+            Problem::BodyTimeout => Code::DeadlineExceeded,
+            Problem::ClientRequired { .. } | Problem::SignatureRejected { .. } => {
+                Code::Unauthenticated
+            }
+            Problem::KeyReused { .. } => Code::FailedPrecondition,
+            Problem::InFlight { .. } => Code::Aborted,
+            Problem::BodyTooLarge { .. }
+            | Problem::KeyQuota { .. }
+            | Problem::Overloaded { .. } => Code::ResourceExhausted,
+            Problem::StoreUnavailable | Problem::StoreFull | Problem::UpstreamUnreachable => {
+                Code::Unavailable
+            }
+            Problem::UpstreamTimeout => Code::DeadlineExceeded,
+            Problem::UpstreamFailed | Problem::OutcomeUnknown { .. } => Code::Unknown,
+        }
+    }
+
     fn title(&self) -> &'static str {
         match self {
             Problem::MissingKey { .. } => "Idempotency key missing",
@@ -264,7 +293,27 @@ impl Problem {
                 HeaderValue::from(after.as_millis().div_ceil(1000).max(1) as u64),
             );
         }
+        // Kept beside the response, for [`for_grpc`]; extensions never go on the wire.
+        resp.extensions_mut().insert(self);
         resp
+    }
+
+    /// The Trailers-Only gRPC answer: the code, and `title: detail` as the message.
+    fn into_grpc_response(self) -> Response<Body> {
+        let message = format!("{}: {}", self.title(), self.detail());
+        let pushback = self
+            .retry_after()
+            .map(|after| u64::try_from(after.as_millis()).unwrap_or(u64::MAX));
+        grpc::trailers_only(self.grpc_code(), &message, pushback).map(|()| body::full(Bytes::new()))
+    }
+}
+
+/// A response for a gRPC client: a problem the gateway made becomes its gRPC status; anything
+/// else (the upstream's answer, a replay) is left as it is.
+pub fn for_grpc(mut resp: Response<Body>) -> Response<Body> {
+    match resp.extensions_mut().remove::<Problem>() {
+        Some(problem) => problem.into_grpc_response(),
+        None => resp,
     }
 }
 

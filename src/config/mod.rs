@@ -261,6 +261,44 @@ pub struct UpstreamUrl {
     pub authority: http::uri::Authority,
     /// Path prefix without a trailing slash ("" for none).
     pub prefix: String,
+    /// How to speak to it (`protocol`).
+    pub protocol: UpstreamProtocol,
+}
+
+/// The HTTP version spoken to an upstream (`[upstream] protocol`, a route's `protocol`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum UpstreamProtocol {
+    /// Over TLS, whichever of HTTP/2 and HTTP/1.1 the upstream picks (ALPN); HTTP/1.1 in
+    /// cleartext, where nothing can be negotiated.
+    #[default]
+    Auto,
+    /// HTTP/1.1 only.
+    Http1,
+    /// HTTP/2 only: ALPN `h2` over TLS, prior knowledge in cleartext (h2c).
+    Http2,
+}
+
+impl UpstreamProtocol {
+    pub fn parse(field: &str, raw: &str) -> Result<Self, ConfigError> {
+        match raw {
+            "auto" => Ok(UpstreamProtocol::Auto),
+            "http1" => Ok(UpstreamProtocol::Http1),
+            "http2" => Ok(UpstreamProtocol::Http2),
+            _ => Err(ConfigError::invalid(
+                field,
+                raw,
+                "\"auto\" (HTTP/2 or HTTP/1.1 by ALPN over TLS, HTTP/1.1 in cleartext), \"http1\" or \"http2\" (prior knowledge in cleartext)",
+            )),
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            UpstreamProtocol::Auto => "auto",
+            UpstreamProtocol::Http1 => "http1",
+            UpstreamProtocol::Http2 => "http2",
+        }
+    }
 }
 
 impl UpstreamUrl {
@@ -286,6 +324,7 @@ impl UpstreamUrl {
             tls,
             authority,
             prefix,
+            protocol: UpstreamProtocol::Auto,
         })
     }
 

@@ -61,6 +61,7 @@ pub(super) struct RawStore {
 #[serde(deny_unknown_fields)]
 pub(super) struct RawUpstream {
     pub(super) url: Option<String>,
+    pub(super) protocol: Option<String>,
     pub(super) max_connections: Option<i64>,
     pub(super) tls_ca_file: Option<String>,
     pub(super) tls_client_cert: Option<String>,
@@ -107,6 +108,7 @@ pub(super) struct RawRouteOwn {
     pub(super) path: Option<String>,
     pub(super) methods: Option<Vec<String>>,
     pub(super) upstream: Option<String>,
+    pub(super) protocol: Option<String>,
     #[serde(default)]
     pub(super) fingerprint_ignore: Vec<String>,
     pub(super) key: Option<RawKey>,
@@ -157,6 +159,7 @@ pub(super) const ROUTE_OWN_KEYS: &[&str] = &[
     "path",
     "methods",
     "upstream",
+    "protocol",
     "fingerprint_ignore",
     "key",
     "check_fingerprint",

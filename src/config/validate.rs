@@ -15,7 +15,8 @@ use super::raw::{
 use super::{
     redact_url, Config, ConfigError, Deadlines, DiskSettings, OnStoreError, OnUnknown, Policy,
     RedisSettings, RedisTarget, RouteConfig, Secret, ServerConfig, SignatureConfig,
-    SignatureScheme, StoreConfig, SyncMode, UpstreamTls, UpstreamUrl, CLIENT_SUBJECT_HEADER,
+    SignatureScheme, StoreConfig, SyncMode, UpstreamProtocol, UpstreamTls, UpstreamUrl,
+    CLIENT_SUBJECT_HEADER,
 };
 use crate::fingerprint::IgnoredFields;
 use crate::key::KeySource;
@@ -49,7 +50,10 @@ impl RawConfig {
         let upstream_raw = raw_upstream.url.ok_or_else(|| ConfigError::Missing {
             field: "upstream.url".into(),
         })?;
-        let upstream = UpstreamUrl::parse("upstream.url", &upstream_raw)?;
+        let mut upstream = UpstreamUrl::parse("upstream.url", &upstream_raw)?;
+        if let Some(p) = &raw_upstream.protocol {
+            upstream.protocol = UpstreamProtocol::parse("upstream.protocol", p)?;
+        }
         let upstream_max_connections = match raw_upstream.max_connections {
             None => DEFAULT_UPSTREAM_CONNECTIONS,
             Some(n) => match usize::try_from(n) {
@@ -71,6 +75,7 @@ impl RawConfig {
         }
         check_unique_names(&routes)?;
         check_overlaps(&routes)?;
+        check_protocols(&upstream, &routes)?;
         // The subject header is the gateway's to set only where it verifies certificates;
         // elsewhere a client could write it and pick its scope.
         if server.tls_client_ca.is_none() {
@@ -532,10 +537,16 @@ fn validate_route(
     let pattern = RoutePattern::parse(&path)
         .map_err(|e: PatternError| ConfigError::invalid(at("path"), &path, e.to_string()))?;
     let methods = validate_methods(&at("methods"), own.methods)?;
-    let upstream = match own.upstream {
+    let mut upstream = match own.upstream {
         None => default_upstream.clone(),
-        Some(u) => UpstreamUrl::parse(&at("upstream"), &u)?,
+        Some(u) => UpstreamUrl {
+            protocol: default_upstream.protocol,
+            ..UpstreamUrl::parse(&at("upstream"), &u)?
+        },
     };
+    if let Some(p) = &own.protocol {
+        upstream.protocol = UpstreamProtocol::parse(&at("protocol"), p)?;
+    }
     for p in &own.fingerprint_ignore {
         if !p.starts_with('/') {
             return Err(ConfigError::invalid(
@@ -1137,6 +1148,31 @@ fn parse_size(field: &str, raw: &RawSize, max: u64) -> Result<u64, ConfigError> 
         return Err(ConfigError::invalid(field, shown, allowed()));
     }
     Ok(bytes)
+}
+
+/// One upstream (scheme, host and port), one protocol: its connections are pooled together,
+/// whichever route made them.
+fn check_protocols(default: &UpstreamUrl, routes: &[RouteConfig]) -> Result<(), ConfigError> {
+    let mut seen: Vec<&UpstreamUrl> = vec![default];
+    for (i, r) in routes.iter().enumerate() {
+        let u = &r.upstream;
+        if let Some(other) = seen
+            .iter()
+            .find(|s| s.tls == u.tls && s.authority == u.authority && s.protocol != u.protocol)
+        {
+            return Err(ConfigError::invalid(
+                format!("routes[{i}].protocol"),
+                u.protocol.as_str(),
+                format!(
+                    "the protocol of {} is {:?} elsewhere in this config; one upstream, one protocol",
+                    other,
+                    other.protocol.as_str()
+                ),
+            ));
+        }
+        seen.push(u);
+    }
+    Ok(())
 }
 
 fn check_unique_names(routes: &[RouteConfig]) -> Result<(), ConfigError> {

@@ -9,9 +9,13 @@
 //! pending:      42..58 owner token (u128)   58..66 lease_until_ms (u64)
 //!               66 (Redis only, optional): 1 when a waiter is waiting, set by `watch` so
 //!               that the end of the pending state is published; ignored by `decode`
-//! completed:    42..44 status (u16)  44..52 completed_ms  52 body_kept  53..55 header count (u16)
+//! completed:    42..44 status (u16)  44..52 completed_ms  52 flags  53..55 header count (u16)
 //!               then per header: name length (u16), name, value length (u32), value
+//!               with flag 2: trailer count (u16), then the trailers as the headers
 //!               then the body: every remaining byte, raw (no base64, no length)
+//!               flags: 1 the body was kept, 2 trailers follow the headers (gRPC's
+//!               `grpc-status`); a record without trailers is laid out as before there
+//!               were any, so records written before them still read.
 //! unknown:      42..50 since_ms  50 reason (1 timeout, 2 interrupted, 3 abandoned)
 //! ```
 //! The fixed offsets matter: the Redis scripts check the state byte and the owner token in place
@@ -61,10 +65,33 @@ pub fn encode_state(state: &RecordState) -> Bytes {
     out.freeze()
 }
 
+/// The flag bits of a completed record.
+const FLAG_BODY_KEPT: u8 = 1;
+const FLAG_TRAILERS: u8 = 2;
+
 /// A response has far fewer than 65536 headers (hyper caps them at 100); the cap only keeps the
 /// count field honest.
-fn encoded_headers(r: &StoredResponse) -> &[(HeaderName, HeaderValue)] {
-    &r.headers[..r.headers.len().min(u16::MAX as usize)]
+fn encoded(fields: &[(HeaderName, HeaderValue)]) -> &[(HeaderName, HeaderValue)] {
+    &fields[..fields.len().min(u16::MAX as usize)]
+}
+
+/// Bytes [`put_fields`] writes.
+fn fields_len(fields: &[(HeaderName, HeaderValue)]) -> usize {
+    2 + encoded(fields)
+        .iter()
+        .map(|(n, v)| 2 + n.as_str().len() + 4 + v.len())
+        .sum::<usize>()
+}
+
+fn put_fields(fields: &[(HeaderName, HeaderValue)], out: &mut BytesMut) {
+    let fields = encoded(fields);
+    out.put_u16(fields.len() as u16);
+    for (name, value) in fields {
+        out.put_u16(name.as_str().len() as u16);
+        out.put_slice(name.as_str().as_bytes());
+        out.put_u32(value.len() as u32);
+        out.put_slice(value.as_bytes());
+    }
 }
 
 /// Exactly what [`put_state`] writes.
@@ -74,11 +101,12 @@ fn state_len(state: &RecordState) -> usize {
         RecordState::Completed(r) => {
             2 + 8
                 + 1
-                + 2
-                + encoded_headers(r)
-                    .iter()
-                    .map(|(n, v)| 2 + n.as_str().len() + 4 + v.len())
-                    .sum::<usize>()
+                + fields_len(&r.headers)
+                + if r.trailers.is_empty() {
+                    0
+                } else {
+                    fields_len(&r.trailers)
+                }
                 + r.body.len()
         }
         RecordState::Unknown { .. } => 8 + 1,
@@ -101,14 +129,17 @@ fn put_state(state: &RecordState, out: &mut BytesMut) {
         RecordState::Completed(r) => {
             out.put_u16(r.status.as_u16());
             out.put_u64(r.completed_ms);
-            out.put_u8(u8::from(r.body_kept));
-            let headers = encoded_headers(r);
-            out.put_u16(headers.len() as u16);
-            for (name, value) in headers {
-                out.put_u16(name.as_str().len() as u16);
-                out.put_slice(name.as_str().as_bytes());
-                out.put_u32(value.len() as u32);
-                out.put_slice(value.as_bytes());
+            let mut flags = 0;
+            if r.body_kept {
+                flags |= FLAG_BODY_KEPT;
+            }
+            if !r.trailers.is_empty() {
+                flags |= FLAG_TRAILERS;
+            }
+            out.put_u8(flags);
+            put_fields(&r.headers, out);
+            if !r.trailers.is_empty() {
+                put_fields(&r.trailers, out);
             }
             out.put_slice(&r.body);
         }
@@ -147,27 +178,23 @@ pub fn decode(raw: &Bytes) -> Result<Record, StoreError> {
         STATE_COMPLETED => {
             let status = StatusCode::from_u16(r.u16()?).map_err(|_| corrupt("bad status"))?;
             let completed_ms = r.u64()?;
-            let body_kept = r.u8()? != 0;
-            let count = r.u16()? as usize;
-            let mut headers = Vec::with_capacity(count.min(128));
-            for _ in 0..count {
-                let name_len = r.u16()? as usize;
-                let name = HeaderName::from_bytes(r.take(name_len)?)
-                    .map_err(|_| corrupt("bad header name"))?;
-                let value_len = r.u32()? as usize;
-                let start = r.pos;
-                r.take(value_len)?;
-                // A slice of the record, not a copy.
-                let value = HeaderValue::from_maybe_shared(raw.slice(start..r.pos))
-                    .map_err(|_| corrupt("bad header value"))?;
-                headers.push((name, value));
+            let flags = r.u8()?;
+            if flags & !(FLAG_BODY_KEPT | FLAG_TRAILERS) != 0 {
+                return Err(corrupt(format!("unknown flags {flags}")));
             }
+            let headers = r.fields()?;
+            let trailers = if flags & FLAG_TRAILERS != 0 {
+                r.fields()?
+            } else {
+                Vec::new()
+            };
             let body = raw.slice(r.pos..);
             RecordState::Completed(Arc::new(StoredResponse {
                 status,
                 headers,
+                trailers,
                 body,
-                body_kept,
+                body_kept: flags & FLAG_BODY_KEPT != 0,
                 completed_ms,
             }))
         }
@@ -194,18 +221,37 @@ fn corrupt(msg: impl Into<String>) -> StoreError {
 }
 
 struct Reader<'a> {
-    raw: &'a [u8],
+    raw: &'a Bytes,
     pos: usize,
 }
 
 impl<'a> Reader<'a> {
+    /// A count and that many (name, value) pairs, the values slices of the record, not copies.
+    fn fields(&mut self) -> Result<Vec<(HeaderName, HeaderValue)>, StoreError> {
+        let count = self.u16()? as usize;
+        let mut fields = Vec::with_capacity(count.min(128));
+        for _ in 0..count {
+            let name_len = self.u16()? as usize;
+            let name = HeaderName::from_bytes(self.take(name_len)?)
+                .map_err(|_| corrupt("bad header name"))?;
+            let value_len = self.u32()? as usize;
+            let start = self.pos;
+            self.take(value_len)?;
+            let value = HeaderValue::from_maybe_shared(self.raw.slice(start..self.pos))
+                .map_err(|_| corrupt("bad header value"))?;
+            fields.push((name, value));
+        }
+        Ok(fields)
+    }
+
     fn take(&mut self, n: usize) -> Result<&'a [u8], StoreError> {
         let end = self
             .pos
             .checked_add(n)
             .filter(|&e| e <= self.raw.len())
             .ok_or_else(|| corrupt("record truncated"))?;
-        let s = &self.raw[self.pos..end];
+        let raw: &'a [u8] = self.raw;
+        let s = &raw[self.pos..end];
         self.pos = end;
         Ok(s)
     }
@@ -254,6 +300,7 @@ mod tests {
                 lease_until_ms: 42,
             },
             RecordState::Completed(Arc::new(StoredResponse {
+                trailers: vec![],
                 status: StatusCode::CREATED,
                 headers: vec![
                     (
@@ -268,6 +315,26 @@ mod tests {
                 body: Bytes::from_static(b"\x00\xffraw body"),
                 body_kept: true,
                 completed_ms: 7,
+            })),
+            RecordState::Completed(Arc::new(StoredResponse {
+                status: StatusCode::OK,
+                headers: vec![(
+                    HeaderName::from_static("content-type"),
+                    HeaderValue::from_static("application/grpc"),
+                )],
+                trailers: vec![
+                    (
+                        HeaderName::from_static("grpc-status"),
+                        HeaderValue::from_static("0"),
+                    ),
+                    (
+                        HeaderName::from_static("grpc-message"),
+                        HeaderValue::from_static(""),
+                    ),
+                ],
+                body: Bytes::from_static(b"\x00\x00\x00\x00\x02\x08\x01"),
+                body_kept: true,
+                completed_ms: 9,
             })),
             RecordState::Unknown {
                 since_ms: 5,
@@ -304,6 +371,7 @@ mod tests {
     fn the_body_is_stored_raw() {
         let body = Bytes::from(vec![0xAB; 1000]);
         let enc = encode(&record(RecordState::Completed(Arc::new(StoredResponse {
+            trailers: vec![],
             status: StatusCode::OK,
             headers: vec![],
             body: body.clone(),
@@ -312,6 +380,41 @@ mod tests {
         }))));
         assert_eq!(enc.len(), HEADER_LEN + 13 + 1000);
         assert!(enc.ends_with(&body));
+    }
+
+    #[test]
+    fn a_record_without_trailers_is_laid_out_as_before_them() {
+        // Written by a gateway from before trailers were stored: flags byte 1, then headers, then
+        // the body. It must still read.
+        let mut old = vec![VERSION, STATE_COMPLETED];
+        old.extend_from_slice(&[9; 32]);
+        old.extend_from_slice(&1_700_000_000_123u64.to_be_bytes());
+        old.extend_from_slice(&201u16.to_be_bytes());
+        old.extend_from_slice(&7u64.to_be_bytes());
+        old.push(1);
+        old.extend_from_slice(&1u16.to_be_bytes());
+        old.extend_from_slice(&1u16.to_be_bytes());
+        old.push(b'x');
+        old.extend_from_slice(&1u32.to_be_bytes());
+        old.push(b'y');
+        old.extend_from_slice(b"body");
+        let old = Bytes::from(old);
+        let record = decode(&old).unwrap();
+        let RecordState::Completed(r) = &record.state else {
+            panic!("not completed: {record:?}");
+        };
+        assert_eq!(r.status, StatusCode::CREATED);
+        assert_eq!(r.headers.len(), 1);
+        assert!(r.trailers.is_empty());
+        assert_eq!(r.body, "body");
+        assert_eq!(encode(&record), old, "and is written the same way again");
+        // A flag no gateway writes is refused, not guessed at.
+        let mut flagged = old.to_vec();
+        flagged[52] = 4 | 1;
+        assert!(matches!(
+            decode(&Bytes::from(flagged)),
+            Err(StoreError::Corrupt(_))
+        ));
     }
 
     #[test]

@@ -541,6 +541,7 @@ mod tests {
 
     fn response(body: &'static [u8]) -> StoredResponse {
         StoredResponse {
+            trailers: vec![],
             status: http::StatusCode::CREATED,
             headers: vec![],
             body: Bytes::from_static(body),
@@ -609,6 +610,7 @@ mod tests {
         let t = own(&s, "a", Duration::from_secs(60)).await;
         tokio::time::advance(Duration::from_secs(20)).await;
         let stored = StoredResponse {
+            trailers: vec![],
             headers: vec![(
                 http::header::CONTENT_TYPE,
                 http::HeaderValue::from_static("application/json"),

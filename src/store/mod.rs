@@ -136,6 +136,8 @@ pub struct StoredResponse {
     pub status: StatusCode,
     /// End-to-end headers in their original order; hop-by-hop headers were removed.
     pub headers: Vec<(HeaderName, HeaderValue)>,
+    /// The trailers after the body (gRPC's `grpc-status`), usually none.
+    pub trailers: Vec<(HeaderName, HeaderValue)>,
     pub body: Bytes,
     /// False when the body was larger than `max_stored_response` (or the store's byte budget) and
     /// only status and headers were kept: a replay must then say so, never pass off an empty body.
@@ -150,6 +152,7 @@ impl StoredResponse {
             + self
                 .headers
                 .iter()
+                .chain(&self.trailers)
                 .map(|(n, v)| n.as_str().len() + v.len() + 16)
                 .sum::<usize>()
             + 64

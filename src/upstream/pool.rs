@@ -1,4 +1,5 @@
-//! The per-worker pool of HTTP/1.1 upstream connections (see the module doc of [`super`]).
+//! The per-worker pool of upstream connections (see the module doc of [`super`]): HTTP/1.1
+//! connections idle between requests, and at most one shared HTTP/2 connection per upstream.
 
 use std::collections::VecDeque;
 use std::pin::Pin;
@@ -13,7 +14,8 @@ use http::{Request, Response, Uri};
 use http_body::{Body as HttpBody, Frame, SizeHint};
 use hyper::body::Incoming;
 use hyper::client::conn::http1::{self, SendRequest};
-use hyper_util::rt::TokioIo;
+use hyper::client::conn::http2;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
@@ -22,14 +24,18 @@ use super::rewrite::strip_hop_by_hop;
 use super::tls::UpstreamTlsConnector;
 use super::{UpstreamError, MAX_CONNECT_TIMEOUT};
 use crate::body::{Body, BoxError};
+use crate::config::UpstreamProtocol;
 
 /// Idle connections older than this are closed rather than reused, as hyper-util's pool did:
 /// below nginx's 75 s keep-alive timeout, so such an upstream never closes one under a request.
 const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 /// Idle connections kept per upstream and worker; more are closed when they come back.
 const MAX_IDLE_PER_UPSTREAM: usize = 256;
+/// The most header bytes (HPACK-decoded) an HTTP/2 upstream may send in one response head or
+/// trailer block: a bound on what a response can make the gateway hold before its body.
+const MAX_H2_HEADER_LIST: u32 = 256 * 1024;
 
-/// A pooled HTTP/1.1 client; each worker thread has its own (see [`crate::server`]).
+/// A pooled HTTP/1.1 and HTTP/2 client; each worker thread has its own (see [`crate::server`]).
 #[derive(Clone)]
 pub struct UpstreamPool {
     pool: Arc<Pool>,
@@ -52,6 +58,16 @@ struct Upstream {
     secure: bool,
     gate: Arc<Gate>,
     conns: VecDeque<Idle>,
+    /// The HTTP/2 connection every request to it shares, and when it was last used. Requests
+    /// past the upstream's stream limit wait on it for a stream (hyper queues them) rather than
+    /// open more connections.
+    shared: Option<(http2::SendRequest<Body>, Instant)>,
+}
+
+/// A connection of either protocol, as checked out or made.
+enum Conn {
+    H1(SendRequest<Body>),
+    H2(http2::SendRequest<Body>),
 }
 
 struct Idle {
@@ -99,8 +115,16 @@ impl UpstreamPool {
         let mut idle = self.pool.idle();
         for upstream in idle.iter_mut() {
             upstream.conns.retain(|c| c.since >= stale);
+            if upstream
+                .shared
+                .as_ref()
+                .is_some_and(|(_, since)| *since < stale)
+            {
+                // Only our handle goes: streams still open on it finish first.
+                upstream.shared = None;
+            }
         }
-        idle.retain(|upstream| !upstream.conns.is_empty());
+        idle.retain(|upstream| !upstream.conns.is_empty() || upstream.shared.is_some());
     }
 
     /// Upstreams with idle connections now (for tests).
@@ -113,26 +137,62 @@ impl UpstreamPool {
     pub async fn send(
         &self,
         req: Request<Body>,
+        protocol: UpstreamProtocol,
         timeout: Duration,
     ) -> Result<Response<UpstreamBody>, UpstreamError> {
-        tokio::time::timeout(timeout, self.exchange(req))
+        tokio::time::timeout(timeout, self.exchange(req, protocol))
             .await
             .unwrap_or(Err(UpstreamError::Timeout(timeout)))
     }
 
     /// [`UpstreamPool::send`] with no timeout: for a caller whose own deadline covers more
     /// than the response head (one timer per request, not one per step). `req` carries the
-    /// upstream in its URI ([`prepare_request`]); it goes on the wire in origin form.
+    /// upstream in its URI ([`prepare_request`]); `protocol` is that upstream's (used when a
+    /// connection is made).
     pub async fn exchange(
         &self,
         mut req: Request<Body>,
+        protocol: UpstreamProtocol,
     ) -> Result<Response<UpstreamBody>, UpstreamError> {
-        let (authority, secure) = to_origin_form(&mut req)?;
+        let (authority, secure) = upstream_of(&req)?;
         loop {
-            let (mut sender, reused) = match self.pool.checkout(&authority, secure) {
-                Some(sender) => (sender, true),
-                None => (self.pool.connect(&authority, secure, false).await?, false),
+            let (conn, reused) = match self.pool.checkout(&authority, secure) {
+                Some(conn) => (conn, true),
+                None => (
+                    self.pool
+                        .connect(&authority, secure, protocol, false)
+                        .await?,
+                    false,
+                ),
             };
+            let mut sender = match conn {
+                Conn::H1(sender) => sender,
+                Conn::H2(mut sender) => {
+                    h2_form(&mut req, &authority, secure);
+                    match sender.try_send_request(req).await {
+                        Ok(mut resp) => {
+                            strip_hop_by_hop(resp.headers_mut());
+                            return Ok(resp.map(UpstreamBody::unpooled));
+                        }
+                        Err(mut e) => match e.take_message() {
+                            // The shared connection closed under it (GOAWAY, the upstream gone):
+                            // on a new one, once. A connection made for this request ends the
+                            // loop either way.
+                            Some(unsent) if reused => {
+                                self.pool.unshare(&authority, secure);
+                                req = unsent;
+                                continue;
+                            }
+                            Some(_) => return Err(UpstreamError::NotSent(e.into_error().into())),
+                            None if refused(e.error()) => {
+                                return Err(UpstreamError::NotSent(e.into_error().into()))
+                            }
+                            None => return Err(UpstreamError::Failed(e.into_error().into())),
+                        },
+                    }
+                }
+            };
+            h1_form(&mut req, &authority, secure);
             match sender.try_send_request(req).await {
                 Ok(mut resp) => {
                     // Connection-specific on the way back too: what the client gets is ours to
@@ -165,8 +225,17 @@ impl UpstreamPool {
         timeout: Duration,
     ) -> Result<Response<UpstreamBody>, UpstreamError> {
         let exchange = async {
-            let (authority, secure) = to_origin_form(&mut req)?;
-            let mut sender = self.pool.connect(&authority, secure, true).await?;
+            let (authority, secure) = upstream_of(&req)?;
+            let conn = self
+                .pool
+                .connect(&authority, secure, UpstreamProtocol::Http1, true)
+                .await?;
+            let Conn::H1(mut sender) = conn else {
+                return Err(UpstreamError::NotSent(
+                    "the upstream would not speak HTTP/1.1 for an upgrade".into(),
+                ));
+            };
+            h1_form(&mut req, &authority, secure);
             match sender.send_request(req).await {
                 Ok(mut resp) => {
                     // A 101's `Upgrade` and `Connection` are what the client must see.
@@ -185,27 +254,79 @@ impl UpstreamPool {
     }
 }
 
-/// Puts the request in origin form for the wire (with a `Host` if it had none); returns the
-/// upstream it names and whether it is `https://`.
-fn to_origin_form(req: &mut Request<Body>) -> Result<(Authority, bool), UpstreamError> {
+/// The upstream a prepared request names, and whether it is `https://`.
+fn upstream_of(req: &Request<Body>) -> Result<(Authority, bool), UpstreamError> {
     let Some(authority) = req.uri().authority().cloned() else {
         return Err(UpstreamError::NotSent(
             "the request names no upstream".into(),
         ));
     };
     let secure = req.uri().scheme() == Some(&http::uri::Scheme::HTTPS);
+    Ok((authority, secure))
+}
+
+/// The request as HTTP/1.1 puts it on the wire: origin form, the name the client used in
+/// `Host` (or, without one, the upstream's). Works on a request already put in
+/// [`h2_form`], for one resent on another connection.
+fn h1_form(req: &mut Request<Body>, upstream: &Authority, secure: bool) {
+    if !req.headers().contains_key(header::HOST) {
+        let host = match req.uri().authority() {
+            Some(a) if a != upstream => HeaderValue::from_str(a.as_str()).ok(),
+            _ => HeaderValue::from_str(&host_header(upstream, secure)).ok(),
+        };
+        if let Some(host) = host {
+            req.headers_mut().insert(header::HOST, host);
+        }
+    }
     let origin_form = req
         .uri()
         .path_and_query()
         .cloned()
         .unwrap_or_else(|| PathAndQuery::from_static("/"));
     *req.uri_mut() = Uri::from(origin_form);
-    if !req.headers().contains_key(header::HOST) {
-        if let Ok(host) = HeaderValue::from_str(&host_header(&authority, secure)) {
-            req.headers_mut().insert(header::HOST, host);
-        }
+    // Kept by the rewrite for HTTP/2 (gRPC needs it); over HTTP/1.1 it would have to be named
+    // in `Connection` too, and a pass-through relays trailers without it anyway.
+    req.headers_mut().remove(header::TE);
+}
+
+/// The request as HTTP/2 puts it on the wire: the name the client used (its `Host`) as
+/// `:authority`, and no `Host` beside it.
+fn h2_form(req: &mut Request<Body>, upstream: &Authority, secure: bool) {
+    let authority = req
+        .headers_mut()
+        .remove(header::HOST)
+        .and_then(|h| Authority::try_from(h.as_bytes()).ok())
+        .or_else(|| req.uri().authority().cloned())
+        .unwrap_or_else(|| upstream.clone());
+    let mut parts = http::uri::Parts::default();
+    parts.scheme = Some(if secure {
+        http::uri::Scheme::HTTPS
+    } else {
+        http::uri::Scheme::HTTP
+    });
+    parts.authority = Some(authority);
+    parts.path_and_query = Some(
+        req.uri()
+            .path_and_query()
+            .cloned()
+            .unwrap_or_else(|| PathAndQuery::from_static("/")),
+    );
+    if let Ok(uri) = Uri::from_parts(parts) {
+        *req.uri_mut() = uri;
     }
-    Ok((authority, secure))
+}
+
+/// An HTTP/2 stream the upstream refused (`REFUSED_STREAM`, or beyond a `GOAWAY`'s last
+/// stream): RFC 9113 8.7 says it was not processed, so it counts as not sent.
+fn refused(e: &hyper::Error) -> bool {
+    let mut source = std::error::Error::source(e);
+    while let Some(err) = source {
+        if let Some(h2) = err.downcast_ref::<h2::Error>() {
+            return h2.reason() == Some(h2::Reason::REFUSED_STREAM);
+        }
+        source = err.source();
+    }
+    false
 }
 
 impl Pool {
@@ -214,13 +335,21 @@ impl Pool {
         self.idle.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// The most recently used idle connection to `authority` that is ready for a request.
-    fn checkout(&self, authority: &Authority, secure: bool) -> Option<SendRequest<Body>> {
+    /// The shared HTTP/2 connection to `authority`, or its most recently used idle HTTP/1.1
+    /// connection that is ready for a request.
+    fn checkout(&self, authority: &Authority, secure: bool) -> Option<Conn> {
         let mut idle = self.idle();
-        let conns = &mut idle
+        let upstream = idle
             .iter_mut()
-            .find(|u| u.authority == *authority && u.secure == secure)?
-            .conns;
+            .find(|u| u.authority == *authority && u.secure == secure)?;
+        if let Some((sender, since)) = &mut upstream.shared {
+            if !sender.is_closed() {
+                *since = Instant::now();
+                return Some(Conn::H2(sender.clone()));
+            }
+            upstream.shared = None;
+        }
+        let conns = &mut upstream.conns;
         let stale = Instant::now().checked_sub(IDLE_TIMEOUT);
         while conns
             .front()
@@ -232,16 +361,19 @@ impl Pool {
         // has been closed since.
         while let Some(Idle { sender, .. }) = conns.pop_back() {
             if sender.is_ready() {
-                return Some(sender);
+                return Some(Conn::H1(sender));
             }
         }
         None
     }
 
-    /// Pools `sender`, which must be ready ([`UpstreamBody`] sees to it).
-    fn give_back(&self, (authority, secure): (Authority, bool), sender: SendRequest<Body>) {
-        let since = Instant::now();
-        let mut idle = self.idle();
+    /// The entry of `authority`, made if there is none.
+    fn upstream<'a>(
+        &self,
+        idle: &'a mut Vec<Upstream>,
+        authority: Authority,
+        secure: bool,
+    ) -> &'a mut Upstream {
         let i = match idle
             .iter()
             .position(|u| u.authority == authority && u.secure == secure)
@@ -254,11 +386,39 @@ impl Pool {
                     secure,
                     gate,
                     conns: VecDeque::new(),
+                    shared: None,
                 });
                 idle.len() - 1
             }
         };
-        let upstream = &mut idle[i];
+        &mut idle[i]
+    }
+
+    /// Makes `sender` the HTTP/2 connection to `authority` that requests share (a connection
+    /// made at the same moment by another request replaces it; the one replaced finishes its
+    /// streams and closes).
+    fn share(&self, authority: &Authority, secure: bool, sender: &http2::SendRequest<Body>) {
+        let mut idle = self.idle();
+        let upstream = self.upstream(&mut idle, authority.clone(), secure);
+        upstream.shared = Some((sender.clone(), Instant::now()));
+    }
+
+    /// Forgets the shared HTTP/2 connection to `authority` (it closed).
+    fn unshare(&self, authority: &Authority, secure: bool) {
+        let mut idle = self.idle();
+        if let Some(u) = idle
+            .iter_mut()
+            .find(|u| u.authority == *authority && u.secure == secure)
+        {
+            u.shared = None;
+        }
+    }
+
+    /// Pools `sender`, which must be ready ([`UpstreamBody`] sees to it).
+    fn give_back(&self, (authority, secure): (Authority, bool), sender: SendRequest<Body>) {
+        let since = Instant::now();
+        let mut idle = self.idle();
+        let upstream = self.upstream(&mut idle, authority, secure);
         if upstream.gate.is_wanted() {
             // Its slot is worth more to the request waiting for one (perhaps on another worker)
             // than a connection kept idle here.
@@ -271,14 +431,16 @@ impl Pool {
         conns.push_back(Idle { sender, since });
     }
 
-    /// A new connection to `authority`; any failure here means nothing was sent.
-    /// With `upgrades`, the connection can be handed over by a `101` (not for pooled ones).
+    /// A new connection to `authority` in `protocol` (an HTTP/2 one is shared from now on); any
+    /// failure here means nothing was sent. With `upgrades`, the connection can be handed over
+    /// by a `101` (HTTP/1.1 only, never pooled).
     async fn connect(
         &self,
         authority: &Authority,
         secure: bool,
+        protocol: UpstreamProtocol,
         upgrades: bool,
-    ) -> Result<SendRequest<Body>, UpstreamError> {
+    ) -> Result<Conn, UpstreamError> {
         // `[::1]` in a URI is `::1` to the resolver.
         let host = authority
             .host()
@@ -297,14 +459,20 @@ impl Pool {
             let stream = TcpStream::connect((host, port)).await?;
             stream.set_nodelay(true)?;
             if secure {
-                let stream = self.tls.connect(host, stream).await?;
-                start(TokioIo::new(stream), slot, upgrades).await
+                let (stream, h2) = self.tls.connect(host, stream, protocol).await?;
+                start(TokioIo::new(stream), slot, h2, upgrades).await
             } else {
-                start(TokioIo::new(stream), slot, upgrades).await
+                let h2 = protocol == UpstreamProtocol::Http2;
+                start(TokioIo::new(stream), slot, h2, upgrades).await
             }
         };
         match tokio::time::timeout_at(deadline, connecting).await {
-            Ok(Ok(sender)) => Ok(sender),
+            Ok(Ok(conn)) => {
+                if let Conn::H2(sender) = &conn {
+                    self.share(authority, secure, sender);
+                }
+                Ok(conn)
+            }
             Ok(Err(e)) => Err(UpstreamError::NotSent(e)),
             Err(_) => Err(UpstreamError::NotSent(
                 format!("connecting took longer than {:?}", self.connect_timeout).into(),
@@ -313,15 +481,33 @@ impl Pool {
     }
 }
 
-/// The HTTP/1.1 handshake on a new connection, whose task holds the connection's `slot`.
+/// The HTTP/1.1 or HTTP/2 handshake on a new connection, whose task holds the connection's
+/// `slot`.
 async fn start<IO>(
     io: IO,
     slot: tokio::sync::OwnedSemaphorePermit,
+    h2: bool,
     upgrades: bool,
-) -> Result<SendRequest<Body>, BoxError>
+) -> Result<Conn, BoxError>
 where
     IO: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
 {
+    if h2 {
+        let (sender, conn) = http2::Builder::new(TokioExecutor::new())
+            .timer(TokioTimer::new())
+            .max_header_list_size(MAX_H2_HEADER_LIST)
+            .handshake(io)
+            .await?;
+        tokio::spawn(async move {
+            // Ends when the connection does, or when no handle to it is left (the pool dropped
+            // its own); streams still open then finish in hyper's own task.
+            let _slot = slot;
+            if let Err(e) = conn.await {
+                tracing::debug!(error = %e, "upstream HTTP/2 connection ended");
+            }
+        });
+        return Ok(Conn::H2(sender));
+    }
     let (sender, conn) = http1::handshake(io).await?;
     tokio::spawn(async move {
         // The slot is the socket's: given back when the connection has ended, however long
@@ -336,7 +522,7 @@ where
             tracing::debug!(error = %e, "upstream connection ended");
         }
     });
-    Ok(sender)
+    Ok(Conn::H1(sender))
 }
 
 /// `Host` for a request that came without one (an HTTP/2 client that sent no `:authority`):
@@ -377,7 +563,8 @@ impl UpstreamBody {
         body
     }
 
-    /// A body whose connection never goes back to the pool (a protocol switch).
+    /// A body whose connection is not given back: a protocol switch's, or an HTTP/2 stream's
+    /// (its connection stays shared in the pool meanwhile).
     fn unpooled(inner: Incoming) -> Self {
         UpstreamBody { inner, reuse: None }
     }
@@ -514,7 +701,10 @@ mod tests {
             test_tls(),
         );
         for _ in 0..3 {
-            let resp = client.exchange(up.request("/x")).await.unwrap();
+            let resp = client
+                .exchange(up.request("/x"), UpstreamProtocol::Auto)
+                .await
+                .unwrap();
             assert_eq!(read_all(resp).await, "ok");
         }
         assert_eq!(up.connections(), 1);
@@ -531,7 +721,10 @@ mod tests {
             test_tls(),
         );
         for _ in 0..3 {
-            let resp = client.exchange(up.request("/x")).await.unwrap();
+            let resp = client
+                .exchange(up.request("/x"), UpstreamProtocol::Auto)
+                .await
+                .unwrap();
             assert_eq!(read_all(resp).await, "ok");
         }
         assert_eq!(up.connections(), 3);
@@ -555,29 +748,43 @@ mod tests {
             ConnectionLimits::new(64),
             test_tls(),
         );
-        let mut streaming = client.exchange(up.request("/stream")).await.unwrap();
+        let mut streaming = client
+            .exchange(up.request("/stream"), UpstreamProtocol::Auto)
+            .await
+            .unwrap();
         {
             use http_body_util::BodyExt;
             let first = streaming.body_mut().frame().await.unwrap().unwrap();
             assert_eq!(first.into_data().unwrap(), "abc");
         }
         // Not queued behind the unfinished body: a second connection, answered at once.
-        let second =
-            tokio::time::timeout(Duration::from_secs(5), client.exchange(up.request("/x")))
-                .await
-                .expect("queued behind a body still streaming")
-                .unwrap();
+        let second = tokio::time::timeout(
+            Duration::from_secs(5),
+            client.exchange(up.request("/x"), UpstreamProtocol::Auto),
+        )
+        .await
+        .expect("queued behind a body still streaming")
+        .unwrap();
         assert_eq!(read_all(second).await, "ok");
         assert_eq!(up.connections(), 2);
         // Dropped half-read: that connection is closed, and the next request takes the idle one.
         drop(streaming);
-        let third = client.exchange(up.request("/x")).await.unwrap();
+        let third = client
+            .exchange(up.request("/x"), UpstreamProtocol::Auto)
+            .await
+            .unwrap();
         assert_eq!(read_all(third).await, "ok");
         assert_eq!(up.connections(), 2);
         // Dropped before its body was read: not pooled either, so one more connection.
-        let unread = client.exchange(up.request("/x")).await.unwrap();
+        let unread = client
+            .exchange(up.request("/x"), UpstreamProtocol::Auto)
+            .await
+            .unwrap();
         drop(unread);
-        let fourth = client.exchange(up.request("/x")).await.unwrap();
+        let fourth = client
+            .exchange(up.request("/x"), UpstreamProtocol::Auto)
+            .await
+            .unwrap();
         assert_eq!(read_all(fourth).await, "ok");
         assert_eq!(up.connections(), 3);
     }
@@ -614,14 +821,20 @@ mod tests {
             .header(header::TRANSFER_ENCODING, "chunked")
             .body(crate::body::boxed(Trickle(rx)))
             .unwrap();
-        let answered = client.exchange(upload).await.unwrap();
+        let answered = client
+            .exchange(upload, UpstreamProtocol::Auto)
+            .await
+            .unwrap();
         assert_eq!(read_all(answered).await, "ok");
         // Its response is read, but its request body is not sent yet: the next request must not
         // wait behind it.
-        let next = tokio::time::timeout(Duration::from_secs(5), client.exchange(up.request("/x")))
-            .await
-            .expect("queued behind an unfinished upload")
-            .unwrap();
+        let next = tokio::time::timeout(
+            Duration::from_secs(5),
+            client.exchange(up.request("/x"), UpstreamProtocol::Auto),
+        )
+        .await
+        .expect("queued behind an unfinished upload")
+        .unwrap();
         assert_eq!(read_all(next).await, "ok");
         assert_eq!(up.connections(), 2);
         drop(tx);
@@ -635,7 +848,10 @@ mod tests {
             ConnectionLimits::new(64),
             test_tls(),
         );
-        let resp = client.exchange(up.request("/a")).await.unwrap();
+        let resp = client
+            .exchange(up.request("/a"), UpstreamProtocol::Auto)
+            .await
+            .unwrap();
         assert_eq!(read_all(resp).await, "ok");
         assert_eq!(client.idle_upstreams(), 1);
         client.prune_idle();
@@ -667,7 +883,7 @@ mod tests {
         let req = Request::get(format!("http://{addr}/x"))
             .body(crate::body::full(Bytes::new()))
             .unwrap();
-        match client.exchange(req).await {
+        match client.exchange(req, UpstreamProtocol::Auto).await {
             Err(UpstreamError::NotSent(_)) => {}
             Err(e) => panic!("not NotSent: {e}"),
             Ok(resp) => panic!("an answer from nowhere: {}", resp.status()),
@@ -683,7 +899,10 @@ mod tests {
             test_tls(),
         );
         for _ in 0..3 {
-            let resp = client.exchange(up.request("/x")).await.unwrap();
+            let resp = client
+                .exchange(up.request("/x"), UpstreamProtocol::Auto)
+                .await
+                .unwrap();
             assert_eq!(resp.status(), 204);
             // The body is never polled, as hyper's server does for a 204.
         }

@@ -136,7 +136,20 @@ fn is_hop_by_hop(name: &HeaderName) -> bool {
 /// headers its `Connection` names stay (as nginx does): a client could otherwise remove from
 /// the upstream's view a header the gateway decided on (the idempotency key, the client scope,
 /// `Content-Type`, `Host`).
+///
+/// `TE: trailers` is kept (as that, whatever else `TE` said): gRPC needs it to reach an HTTP/2
+/// upstream, where it is the one `TE` allowed; the pool drops it for HTTP/1.1.
 fn strip_request_hop_by_hop(headers: &mut HeaderMap) {
+    let trailers = headers
+        .get_all(header::TE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|t| {
+            t.split(';')
+                .next()
+                .is_some_and(|t| t.trim().eq_ignore_ascii_case("trailers"))
+        });
     let doomed: Vec<HeaderName> = headers
         .keys()
         .filter(|name| is_hop_by_hop(name))
@@ -144,6 +157,9 @@ fn strip_request_hop_by_hop(headers: &mut HeaderMap) {
         .collect();
     for name in doomed {
         headers.remove(name);
+    }
+    if trailers {
+        headers.insert(header::TE, HeaderValue::from_static("trailers"));
     }
 }
 
@@ -194,7 +210,7 @@ mod tests {
                 ("host", "api.example"),
                 ("connection", "keep-alive, x-secret-hop"),
                 ("x-secret-hop", "1"),
-                ("te", "trailers"),
+                ("te", "gzip, trailers;q=1"),
                 ("x-forwarded-for", "10.0.0.1"),
                 ("x-kept", "yes"),
             ],
@@ -210,7 +226,8 @@ mod tests {
         assert!(p.headers.get("connection").is_none());
         // Named in Connection, kept: see strip_request_hop_by_hop.
         assert_eq!(p.headers["x-secret-hop"], "1");
-        assert!(p.headers.get("te").is_none());
+        // Only `trailers` is left of TE, for gRPC over HTTP/2.
+        assert_eq!(p.headers["te"], "trailers");
         assert_eq!(p.headers["x-forwarded-for"], "10.0.0.1, 192.0.2.7");
         assert_eq!(p.headers["x-forwarded-proto"], "http");
         assert_eq!(p.headers["x-forwarded-host"], "api.example");

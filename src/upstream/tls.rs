@@ -18,7 +18,7 @@ use tokio_rustls::client::TlsStream;
 use tokio_rustls::TlsConnector;
 
 use crate::body::BoxError;
-use crate::config::UpstreamTls;
+use crate::config::{UpstreamProtocol, UpstreamTls};
 
 /// Why the TLS settings could not be used (at startup).
 #[derive(Debug, thiserror::Error)]
@@ -33,7 +33,11 @@ pub enum TlsSetupError {
 
 /// Opens TLS connections to upstreams; one per process.
 pub struct UpstreamTlsConnector {
-    connector: TlsConnector,
+    /// One per ALPN offer (the same session cache behind all three): `h2` and `http/1.1`,
+    /// `http/1.1` only, `h2` only.
+    either: TlsConnector,
+    http1: TlsConnector,
+    http2: TlsConnector,
     /// `tls_server_name`, for every https upstream.
     server_name: Option<ServerName<'static>>,
 }
@@ -86,8 +90,14 @@ impl UpstreamTlsConnector {
             }
             _ => builder.with_no_client_auth(),
         };
-        // HTTP/1.1 is what this pool speaks; saying so lets an upstream that prefers h2 know.
-        config.alpn_protocols = vec![b"http/1.1".to_vec()];
+        let mut offering = |alpn: &[&[u8]]| {
+            config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+            // A clone shares the session cache (`resumption` is an `Arc` inside).
+            TlsConnector::from(Arc::new(config.clone()))
+        };
+        let either = offering(&[b"h2", b"http/1.1"]);
+        let http1 = offering(&[b"http/1.1"]);
+        let http2 = offering(&[b"h2"]);
         let server_name = match &settings.server_name {
             None => None,
             Some(name) => Some(
@@ -96,28 +106,40 @@ impl UpstreamTlsConnector {
             ),
         };
         Ok(Arc::new(UpstreamTlsConnector {
-            connector: TlsConnector::from(Arc::new(config)),
+            either,
+            http1,
+            http2,
             server_name,
         }))
     }
 
-    /// The TLS handshake on `stream` with the upstream at `host`; any failure means nothing
-    /// was sent.
+    /// The TLS handshake on `stream` with the upstream at `host`, offering what `protocol`
+    /// allows; any failure means nothing was sent. Also says whether HTTP/2 was agreed.
     pub async fn connect(
         &self,
         host: &str,
         stream: TcpStream,
-    ) -> Result<TlsStream<TcpStream>, BoxError> {
+        protocol: UpstreamProtocol,
+    ) -> Result<(TlsStream<TcpStream>, bool), BoxError> {
         let name = match &self.server_name {
             Some(name) => name.clone(),
             None => ServerName::try_from(host.to_string())
                 .map_err(|e| format!("upstream host {host:?} is not a TLS server name: {e}"))?,
         };
-        let stream = self
-            .connector
+        let connector = match protocol {
+            UpstreamProtocol::Auto => &self.either,
+            UpstreamProtocol::Http1 => &self.http1,
+            UpstreamProtocol::Http2 => &self.http2,
+        };
+        let stream = connector
             .connect(name, stream)
             .await
             .map_err(|e| format!("TLS handshake with the upstream failed: {e}"))?;
-        Ok(stream)
+        // An upstream that ignores ALPN speaks HTTP/1.1, unless HTTP/2 is all we offered.
+        let h2 = match stream.get_ref().1.alpn_protocol() {
+            Some(p) => p == b"h2",
+            None => protocol == UpstreamProtocol::Http2,
+        };
+        Ok((stream, h2))
     }
 }

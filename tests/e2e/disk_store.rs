@@ -39,6 +39,7 @@ fn open(dir: &TempDir) -> DiskStore {
 
 fn response(body: &'static str) -> StoredResponse {
     StoredResponse {
+        trailers: vec![],
         status: StatusCode::CREATED,
         headers: vec![(
             http::header::CONTENT_TYPE,

@@ -32,6 +32,7 @@ fn key(name: &str) -> StoreKey {
 
 fn response() -> StoredResponse {
     StoredResponse {
+        trailers: vec![],
         status: StatusCode::CREATED,
         headers: vec![
             (

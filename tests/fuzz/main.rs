@@ -301,6 +301,7 @@ fn record() -> impl Strategy<Value = Record> {
         )
             .prop_map(|(status, headers, body, kept, at)| {
                 RecordState::Completed(Arc::new(StoredResponse {
+                    trailers: vec![],
                     status: http::StatusCode::from_u16(status).unwrap(),
                     headers: headers
                         .into_iter()
