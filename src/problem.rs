@@ -341,6 +341,45 @@ mod tests {
         assert!(v["title"].is_string() && v["detail"].is_string());
     }
 
+    #[tokio::test]
+    async fn a_grpc_client_gets_a_status_it_will_not_retry_unless_nothing_ran() {
+        let unknown = Problem::OutcomeUnknown {
+            reason: UnknownReason::Timeout,
+            retryable: false,
+        };
+        assert_eq!(
+            unknown.grpc_code(),
+            Code::Unknown,
+            "never UNAVAILABLE: clients retry that"
+        );
+        let resp = for_grpc(unknown.into_response());
+        assert_eq!(resp.status(), StatusCode::OK);
+        assert_eq!(resp.headers()[header::CONTENT_TYPE], "application/grpc");
+        assert_eq!(resp.headers()[grpc::GRPC_STATUS], "2");
+        assert!(resp.headers()[grpc::GRPC_MESSAGE]
+            .to_str()
+            .unwrap()
+            .starts_with("Outcome of the original request unknown"));
+        assert!(resp
+            .into_body()
+            .collect()
+            .await
+            .unwrap()
+            .to_bytes()
+            .is_empty());
+        let in_flight = for_grpc(
+            Problem::InFlight {
+                retry_after: Duration::from_millis(1500),
+            }
+            .into_response(),
+        );
+        assert_eq!(in_flight.headers()[grpc::GRPC_STATUS], "10");
+        assert_eq!(in_flight.headers()[grpc::GRPC_RETRY_PUSHBACK], "1500");
+        // What the gateway did not make is left alone.
+        let upstream = Response::new(body::full(Bytes::from_static(b"x")));
+        assert_eq!(for_grpc(upstream).headers().len(), 0);
+    }
+
     #[test]
     fn mismatch_status_is_configurable() {
         let p = Problem::KeyReused {

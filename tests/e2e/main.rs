@@ -15,6 +15,7 @@ mod disk_restarts;
 mod disk_store;
 mod failures;
 mod gateway;
+mod grpc;
 mod hostile;
 mod operations;
 mod redis_gateway;

@@ -61,15 +61,27 @@ impl Ca {
 }
 
 /// An HTTPS upstream that answers 201 and counts requests and TLS handshakes; with
-/// `client_ca`, it asks for a client certificate signed by it.
+/// `client_ca`, it asks for a client certificate signed by it. It speaks HTTP/1.1, and HTTP/2
+/// too when it offers `h2` by ALPN.
 struct HttpsUpstream {
     addr: SocketAddr,
     requests: Arc<AtomicUsize>,
     handshakes: Arc<AtomicUsize>,
+    /// Each request's HTTP version and the authority it named (`:authority`, or `Host`).
+    seen: Arc<std::sync::Mutex<Vec<(http::Version, String)>>>,
 }
 
 impl HttpsUpstream {
     async fn start(cert_pem: &str, key_pem: &str, client_ca: Option<&Ca>) -> HttpsUpstream {
+        Self::start_offering(cert_pem, key_pem, client_ca, &[]).await
+    }
+
+    async fn start_offering(
+        cert_pem: &str,
+        key_pem: &str,
+        client_ca: Option<&Ca>,
+        alpn: &[&[u8]],
+    ) -> HttpsUpstream {
         let chain: Vec<CertificateDer<'static>> =
             CertificateDer::pem_slice_iter(cert_pem.as_bytes())
                 .collect::<Result<_, _>>()
@@ -93,19 +105,23 @@ impl HttpsUpstream {
                 builder.with_client_cert_verifier(verifier)
             }
         };
-        let config = builder.with_single_cert(chain, key).unwrap();
+        let mut config = builder.with_single_cert(chain, key).unwrap();
+        config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
         let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let up = HttpsUpstream {
             addr: listener.local_addr().unwrap(),
             requests: Arc::default(),
             handshakes: Arc::default(),
+            seen: Arc::default(),
         };
         let (requests, handshakes) = (Arc::clone(&up.requests), Arc::clone(&up.handshakes));
+        let seen = Arc::clone(&up.seen);
         tokio::spawn(async move {
             while let Ok((sock, _)) = listener.accept().await {
                 let acceptor = acceptor.clone();
                 let (requests, handshakes) = (Arc::clone(&requests), Arc::clone(&handshakes));
+                let seen = Arc::clone(&seen);
                 tokio::spawn(async move {
                     let Ok(tls) = acceptor.accept(sock).await else {
                         return;
@@ -113,6 +129,17 @@ impl HttpsUpstream {
                     handshakes.fetch_add(1, Ordering::SeqCst);
                     let service = service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
                         let requests = Arc::clone(&requests);
+                        let authority = req
+                            .uri()
+                            .authority()
+                            .map(|a| a.to_string())
+                            .or_else(|| {
+                                req.headers()
+                                    .get("host")
+                                    .map(|h| h.to_str().unwrap().to_string())
+                            })
+                            .unwrap_or_default();
+                        seen.lock().unwrap().push((req.version(), authority));
                         async move {
                             let _ = req.into_body().collect().await;
                             let n = requests.fetch_add(1, Ordering::SeqCst) + 1;
@@ -123,9 +150,11 @@ impl HttpsUpstream {
                             Ok::<_, std::convert::Infallible>(resp)
                         }
                     });
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(TokioIo::new(tls), service)
-                        .await;
+                    let _ = hyper_util::server::conn::auto::Builder::new(
+                        hyper_util::rt::TokioExecutor::new(),
+                    )
+                    .serve_connection(TokioIo::new(tls), service)
+                    .await;
                 });
             }
         });
@@ -188,6 +217,62 @@ async fn an_https_upstream_is_verified_pooled_and_idempotent() {
         1,
         "a handshake per connection, not per request"
     );
+}
+
+/// An HTTPS upstream that offers h2 gets HTTP/2 (ALPN), every request of a worker multiplexed
+/// on one connection, with the client's host as `:authority`; `protocol = "http1"` keeps it on
+/// HTTP/1.1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_offering_h2_is_spoken_to_in_http2_unless_told_otherwise() {
+    let ca = Ca::new("test CA");
+    let (cert, key) = ca.leaf(&["localhost"], false);
+    let up = HttpsUpstream::start_offering(&cert, &key, None, &[b"h2", b"http/1.1"]).await;
+    let dir = TempDir::new("tls-h2");
+    let gw = trusting(&dir, &ca, "localhost", up.addr.port(), "");
+    let http = Http::new(gw.addr);
+    assert_eq!(http.post("/payments", "h2-0", "{}").await.status, 201);
+    assert!(http.post("/payments", "h2-0", "{}").await.is_replay());
+    // At once: over HTTP/1.1 these would need a connection each.
+    let calls: Vec<_> = (1..=20)
+        .map(|i| {
+            let http = http.clone();
+            tokio::spawn(async move { http.post("/payments", &format!("h2-{i}"), "{}").await })
+        })
+        .collect();
+    for call in calls {
+        assert_eq!(call.await.unwrap().status, 201);
+    }
+    assert_eq!(http.request("GET", "/status").send().await.status, 201);
+    assert_eq!(up.requests.load(Ordering::SeqCst), 22);
+    assert_eq!(
+        up.handshakes.load(Ordering::SeqCst),
+        1,
+        "concurrent requests share one HTTP/2 connection"
+    );
+    {
+        let seen = up.seen.lock().unwrap();
+        assert_eq!(seen.len(), 22);
+        for (version, authority) in seen.iter() {
+            assert_eq!(*version, http::Version::HTTP_2);
+            assert_eq!(*authority, gw.addr.to_string(), "the name the client used");
+        }
+    }
+    drop(gw);
+
+    let dir = TempDir::new("tls-h2-forced-h1");
+    let gw = trusting(
+        &dir,
+        &ca,
+        "localhost",
+        up.addr.port(),
+        "protocol = \"http1\"",
+    );
+    let http = Http::new(gw.addr);
+    assert_eq!(http.post("/payments", "h1-1", "{}").await.status, 201);
+    let seen = up.seen.lock().unwrap();
+    let (version, authority) = seen.last().unwrap();
+    assert_eq!(*version, http::Version::HTTP_11);
+    assert_eq!(*authority, gw.addr.to_string());
 }
 
 /// Each way a certificate can be wrong fails closed: 502, nothing executed, and the log says

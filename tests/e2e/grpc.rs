@@ -1,0 +1,317 @@
+//! gRPC through the gateway: a real tonic server (HTTP/2 in cleartext, prior knowledge) behind
+//! the real binary with `protocol = "http2"`, and a real tonic client in front. Calls outside
+//! any route pass through with their trailers; a unary call on an idempotent route is executed
+//! once per `idempotency-key` and replayed with its trailers; the gateway's own refusals reach
+//! the client as gRPC statuses.
+
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use futures_util::Stream;
+use http::uri::PathAndQuery;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokio::net::TcpListener;
+use tonic::{Code, Request, Response, Status};
+use tonic_prost::ProstCodec;
+
+use crate::support::*;
+
+#[derive(Clone, PartialEq, prost::Message)]
+struct ChargeRequest {
+    #[prost(string, tag = "1")]
+    account: String,
+    #[prost(uint64, tag = "2")]
+    amount: u64,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+struct ChargeReply {
+    #[prost(uint64, tag = "1")]
+    charge: u64,
+    #[prost(string, tag = "2")]
+    account: String,
+}
+
+const CHARGE: &str = "/pay.Payments/Charge";
+const HISTORY: &str = "/pay.Payments/History";
+const LOOKUP: &str = "/pay.Payments/Lookup";
+
+/// The gRPC service: `Charge` counts its executions (account "flaky" answers UNAVAILABLE to
+/// the first call), `History` streams `amount` replies, `Lookup` always answers NOT_FOUND.
+#[derive(Clone, Default)]
+struct Payments {
+    charges: Arc<AtomicUsize>,
+}
+
+type Reply<T> = Pin<Box<dyn std::future::Future<Output = Result<Response<T>, Status>> + Send>>;
+
+impl tonic::server::UnaryService<ChargeRequest> for Payments {
+    type Response = ChargeReply;
+    type Future = Reply<ChargeReply>;
+
+    fn call(&mut self, req: Request<ChargeRequest>) -> Self::Future {
+        let charges = Arc::clone(&self.charges);
+        Box::pin(async move {
+            let req = req.into_inner();
+            let n = charges.fetch_add(1, Ordering::SeqCst) + 1;
+            if req.account == "flaky" && n == 1 {
+                return Err(Status::unavailable("warming up"));
+            }
+            let mut resp = Response::new(ChargeReply {
+                charge: n as u64,
+                account: req.account,
+            });
+            resp.metadata_mut()
+                .insert("x-charge", n.to_string().parse().unwrap());
+            Ok(resp)
+        })
+    }
+}
+
+struct Lookup;
+
+impl tonic::server::UnaryService<ChargeRequest> for Lookup {
+    type Response = ChargeReply;
+    type Future = Reply<ChargeReply>;
+
+    fn call(&mut self, _: Request<ChargeRequest>) -> Self::Future {
+        Box::pin(async { Err(Status::not_found("no such charge")) })
+    }
+}
+
+struct History;
+
+type ReplyStream = Pin<Box<dyn Stream<Item = Result<ChargeReply, Status>> + Send>>;
+
+impl tonic::server::ServerStreamingService<ChargeRequest> for History {
+    type Response = ChargeReply;
+    type ResponseStream = ReplyStream;
+    type Future = Reply<ReplyStream>;
+
+    fn call(&mut self, req: Request<ChargeRequest>) -> Self::Future {
+        Box::pin(async move {
+            let req = req.into_inner();
+            let replies = (1..=req.amount).map(move |i| {
+                Ok(ChargeReply {
+                    charge: i,
+                    account: req.account.clone(),
+                })
+            });
+            let stream: ReplyStream = Box::pin(futures_util::stream::iter(replies));
+            Ok(Response::new(stream))
+        })
+    }
+}
+
+/// The tonic server on a free loopback port, HTTP/2 only (as gRPC servers are).
+async fn grpc_upstream() -> (SocketAddr, Payments) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let payments = Payments::default();
+    let service = payments.clone();
+    tokio::spawn(async move {
+        while let Ok((sock, _)) = listener.accept().await {
+            let payments = service.clone();
+            tokio::spawn(async move {
+                let svc = service_fn(move |req: http::Request<hyper::body::Incoming>| {
+                    let payments = payments.clone();
+                    async move {
+                        let codec = ProstCodec::<ChargeReply, ChargeRequest>::default();
+                        let mut grpc = tonic::server::Grpc::new(codec);
+                        let resp = match req.uri().path() {
+                            CHARGE => grpc.unary(payments, req).await,
+                            LOOKUP => grpc.unary(Lookup, req).await,
+                            HISTORY => grpc.server_streaming(History, req).await,
+                            _ => Status::unimplemented("").into_http(),
+                        };
+                        Ok::<_, std::convert::Infallible>(resp)
+                    }
+                });
+                let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                    .serve_connection(TokioIo::new(sock), svc)
+                    .await;
+            });
+        }
+    });
+    (addr, payments)
+}
+
+/// The binary in front of the gRPC server, `Charge` an idempotent route.
+fn grpc_gateway(upstream: SocketAddr) -> GatewayProcess {
+    GatewayProcess::start(&format!(
+        r#"[server]
+listen = "127.0.0.1:0"
+workers = 1
+[upstream]
+url = "http://{upstream}"
+protocol = "http2"
+[store]
+backend = "memory"
+[[routes]]
+name = "charge"
+path = "{CHARGE}"
+methods = ["POST"]
+"#
+    ))
+}
+
+/// A tonic client of the gateway (HTTP/2 in cleartext).
+async fn client(gateway: SocketAddr) -> tonic::client::Grpc<tonic::transport::Channel> {
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{gateway}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    tonic::client::Grpc::new(channel)
+}
+
+async fn charge(
+    grpc: &mut tonic::client::Grpc<tonic::transport::Channel>,
+    key: Option<&str>,
+    account: &str,
+    amount: u64,
+) -> Result<Response<ChargeReply>, Status> {
+    let mut req = Request::new(ChargeRequest {
+        account: account.into(),
+        amount,
+    });
+    if let Some(key) = key {
+        req.metadata_mut()
+            .insert("idempotency-key", key.parse().unwrap());
+    }
+    grpc.ready().await.unwrap();
+    grpc.unary(
+        req,
+        PathAndQuery::from_static(CHARGE),
+        ProstCodec::<ChargeRequest, ChargeReply>::default(),
+    )
+    .await
+}
+
+/// Outside any route: a unary call, a failing call (its status comes in the trailers) and a
+/// server-streaming call all pass through intact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_calls_pass_through_with_their_trailers() {
+    let (upstream, _) = grpc_upstream().await;
+    let gw = grpc_gateway(upstream);
+    let mut grpc = client(gw.addr).await;
+
+    grpc.ready().await.unwrap();
+    let err = grpc
+        .unary(
+            Request::new(ChargeRequest::default()),
+            PathAndQuery::from_static(LOOKUP),
+            ProstCodec::<ChargeRequest, ChargeReply>::default(),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::NotFound, "{err:?}");
+    assert_eq!(err.message(), "no such charge");
+
+    grpc.ready().await.unwrap();
+    let mut stream = grpc
+        .server_streaming(
+            Request::new(ChargeRequest {
+                account: "acct".into(),
+                amount: 5,
+            }),
+            PathAndQuery::from_static(HISTORY),
+            ProstCodec::<ChargeRequest, ChargeReply>::default(),
+        )
+        .await
+        .unwrap()
+        .into_inner();
+    let mut got = Vec::new();
+    while let Some(reply) = stream.message().await.unwrap() {
+        got.push(reply.charge);
+    }
+    assert_eq!(got, [1, 2, 3, 4, 5]);
+    // The stream's end came with grpc-status 0 in the trailers.
+    let trailers = stream.trailers().await.unwrap().unwrap();
+    assert_eq!(trailers.get("grpc-status").unwrap(), "0");
+}
+
+/// A unary call with `idempotency-key` in its metadata runs once; its retry gets the same reply,
+/// metadata and trailers, marked as a replay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_unary_call_with_a_key_is_executed_once_and_replayed_with_its_trailers() {
+    let (upstream, payments) = grpc_upstream().await;
+    let gw = grpc_gateway(upstream);
+    let mut grpc = client(gw.addr).await;
+
+    let first = charge(&mut grpc, Some("grpc-1"), "acct-1", 100)
+        .await
+        .unwrap();
+    assert!(first.metadata().get("idempotent-replayed").is_none());
+    let retry = charge(&mut grpc, Some("grpc-1"), "acct-1", 100)
+        .await
+        .unwrap();
+    assert_eq!(retry.metadata().get("idempotent-replayed").unwrap(), "true");
+    assert_eq!(retry.metadata().get("x-charge").unwrap(), "1");
+    assert_eq!(retry.get_ref(), first.get_ref());
+    assert_eq!(retry.get_ref().charge, 1);
+    assert_eq!(payments.charges.load(Ordering::SeqCst), 1);
+
+    // Another key is another charge.
+    let other = charge(&mut grpc, Some("grpc-2"), "acct-1", 100)
+        .await
+        .unwrap();
+    assert_eq!(other.get_ref().charge, 2);
+    assert_eq!(payments.charges.load(Ordering::SeqCst), 2);
+}
+
+/// The gateway's refusals are gRPC statuses a client can act on, and nothing reaches the
+/// upstream: no key (INVALID_ARGUMENT), the key reused with another message
+/// (FAILED_PRECONDITION).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gateways_refusals_are_grpc_statuses() {
+    let (upstream, payments) = grpc_upstream().await;
+    let gw = grpc_gateway(upstream);
+    let mut grpc = client(gw.addr).await;
+
+    let missing = charge(&mut grpc, None, "acct", 1).await.unwrap_err();
+    assert_eq!(missing.code(), Code::InvalidArgument, "{missing:?}");
+    assert!(
+        missing.message().contains("Idempotency key missing"),
+        "{missing:?}"
+    );
+
+    charge(&mut grpc, Some("k"), "acct", 1).await.unwrap();
+    let reused = charge(&mut grpc, Some("k"), "acct", 2).await.unwrap_err();
+    assert_eq!(reused.code(), Code::FailedPrecondition, "{reused:?}");
+    assert_eq!(payments.charges.load(Ordering::SeqCst), 1);
+}
+
+/// A stored call's `grpc-status` decides like an HTTP status would: UNAVAILABLE is passed on and
+/// its key released, as a 503's is, so the retry runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unavailable_answer_releases_its_key() {
+    let (upstream, payments) = grpc_upstream().await;
+    let gw = grpc_gateway(upstream);
+    let mut grpc = client(gw.addr).await;
+    let failed = charge(&mut grpc, Some("f"), "flaky", 1).await.unwrap_err();
+    assert_eq!(failed.code(), Code::Unavailable, "{failed:?}");
+    assert_eq!(failed.message(), "warming up", "the upstream's own status");
+    let retried = charge(&mut grpc, Some("f"), "flaky", 1).await.unwrap();
+    assert!(retried.metadata().get("idempotent-replayed").is_none());
+    assert_eq!(retried.get_ref().charge, 2);
+    let replayed = charge(&mut grpc, Some("f"), "flaky", 1).await.unwrap();
+    assert_eq!(
+        replayed.metadata().get("idempotent-replayed").unwrap(),
+        "true"
+    );
+    assert_eq!(payments.charges.load(Ordering::SeqCst), 2);
+}
+
+/// An unreachable gRPC upstream is UNAVAILABLE (nothing was sent: safe to retry).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_grpc_upstream_is_unavailable() {
+    let gw = grpc_gateway(closed_port().await);
+    let mut grpc = client(gw.addr).await;
+    let err = charge(&mut grpc, Some("u"), "acct", 1).await.unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+    assert!(err.message().contains("Upstream unreachable"), "{err:?}");
+}
