@@ -136,6 +136,10 @@ fn run(path: PathBuf, config: Config) -> ExitCode {
                 return ExitCode::from(EXIT_CANNOT_START);
             }
         };
+        let watcher = match (server.listener_tls(), config.server.tls_recheck) {
+            (Some(tls), Some(every)) => Some(tokio::spawn(crate::tls::watch(tls, every))),
+            _ => None,
+        };
         let reloader = tokio::spawn(reload_on_sighup(
             path,
             Arc::clone(server.gateway()),
@@ -144,6 +148,9 @@ fn run(path: PathBuf, config: Config) -> ExitCode {
         ));
         let served = server.run(shutdown_signal()).await;
         reloader.abort();
+        if let Some(watcher) = watcher {
+            watcher.abort();
+        }
         match served {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {

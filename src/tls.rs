@@ -1,13 +1,18 @@
 //! TLS on the traffic listener (`server.tls_cert`, `server.tls_key`): rustls, ALPN `h2` and
 //! `http/1.1`, TLS 1.2 and 1.3 (rustls has no older version).
 //!
-//! The certificate is kept behind a resolver that a SIGHUP swaps ([`ListenerTls::reload`]):
-//! cert-manager and its kind rewrite the files in place, and the next handshake presents the
-//! new certificate while every connection already open goes on undisturbed. A reload that cannot
-//! read or parse the files keeps the certificate in use and says why.
+//! The certificate is kept behind a resolver that a SIGHUP swaps ([`ListenerTls::reload`]), and
+//! that [`watch`] swaps too when the files change (`server.tls_recheck`, every minute by
+//! default), since nobody sends a SIGHUP when kubelet updates a mounted Secret: cert-manager and
+//! its kind rewrite the files in place, and the next handshake presents the new certificate while
+//! every connection already open goes on undisturbed. A reload that cannot read or parse the
+//! files keeps the certificate in use and says why.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use sha2::{Digest, Sha256};
 
 use arc_swap::ArcSwap;
 use rustls::crypto::CryptoProvider;
@@ -34,6 +39,8 @@ pub struct ListenerTls {
     cert: PathBuf,
     key: PathBuf,
     provider: Arc<CryptoProvider>,
+    /// SHA-256 of the cert and key files as last loaded: [`watch`] reloads when they differ.
+    loaded: Mutex<[u8; 32]>,
 }
 
 /// The certificate presented to every new handshake.
@@ -54,7 +61,7 @@ impl ListenerTls {
         client_ca: Option<&Path>,
     ) -> Result<Self, ListenerTlsError> {
         let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let loaded = load(cert, key, &provider)?;
+        let (loaded, digest) = load(cert, key, &provider)?;
         let current = Arc::new(Current(ArcSwap::from_pointee(loaded)));
         let builder = ServerConfig::builder_with_provider(Arc::clone(&provider))
             .with_safe_default_protocol_versions()
@@ -95,6 +102,7 @@ impl ListenerTls {
             cert: cert.to_path_buf(),
             key: key.to_path_buf(),
             provider,
+            loaded: Mutex::new(digest),
         })
     }
 
@@ -105,9 +113,42 @@ impl ListenerTls {
     /// Reads the certificate and key again; the next handshakes present them. On error the
     /// certificate in use stays.
     pub fn reload(&self) -> Result<(), ListenerTlsError> {
-        let loaded = load(&self.cert, &self.key, &self.provider)?;
+        let (loaded, digest) = load(&self.cert, &self.key, &self.provider)?;
         self.current.0.store(Arc::new(loaded));
+        *self.loaded.lock().unwrap_or_else(PoisonError::into_inner) = digest;
         Ok(())
+    }
+
+    /// Reloads if the files are not what was last loaded; says whether it did.
+    pub fn reload_if_changed(&self) -> Result<bool, ListenerTlsError> {
+        let (cert, key) = read(&self.cert, &self.key)?;
+        let digest = digest(&cert, &key);
+        if digest == *self.loaded.lock().unwrap_or_else(PoisonError::into_inner) {
+            return Ok(false);
+        }
+        let loaded = parse(&self.cert, &self.key, &cert, &key, &self.provider)?;
+        self.current.0.store(Arc::new(loaded));
+        *self.loaded.lock().unwrap_or_else(PoisonError::into_inner) = digest;
+        Ok(true)
+    }
+}
+
+/// Reads the certificate files every `every` and loads them when they changed. A pair caught
+/// half-written (a certificate without its new key) fails to load, keeps the certificate in use,
+/// and is tried again next time.
+pub async fn watch(tls: Arc<ListenerTls>, every: Duration) {
+    let mut ticks = tokio::time::interval(every);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    ticks.tick().await;
+    loop {
+        ticks.tick().await;
+        match tls.reload_if_changed() {
+            Ok(true) => tracing::info!("TLS certificate files changed; reloaded"),
+            Ok(false) => {}
+            Err(e) => {
+                tracing::warn!(error = %e, "TLS certificate files changed but cannot be loaded; keeping the one in use")
+            }
+        }
     }
 }
 
@@ -132,19 +173,61 @@ fn error(cert: &Path, key: &Path, reason: String) -> ListenerTlsError {
     }
 }
 
-/// The chain and its key, checked to belong together.
+/// Certificate files are a few KiB; anything past this is not one.
+const MAX_PEM_FILE: u64 = 1024 * 1024;
+
+/// The two files' bytes.
+fn read(cert: &Path, key: &Path) -> Result<(Vec<u8>, Vec<u8>), ListenerTlsError> {
+    let read = |path: &Path, what: &str| {
+        use std::io::Read;
+        let mut bytes = Vec::new();
+        std::fs::File::open(path)
+            .and_then(|f| f.take(MAX_PEM_FILE + 1).read_to_end(&mut bytes))
+            .map_err(|e| error(cert, key, format!("{what}: {e}")))?;
+        if bytes.len() as u64 > MAX_PEM_FILE {
+            return Err(error(cert, key, format!("{what}: larger than 1 MiB")));
+        }
+        Ok(bytes)
+    };
+    Ok((
+        read(cert, "the certificate chain")?,
+        read(key, "the private key")?,
+    ))
+}
+
+fn digest(cert: &[u8], key: &[u8]) -> [u8; 32] {
+    let mut h = Sha256::new();
+    h.update((cert.len() as u64).to_be_bytes());
+    h.update(cert);
+    h.update(key);
+    h.finalize().into()
+}
+
+/// The chain and its key, checked to belong together, and the digest of the files.
 fn load(
     cert: &Path,
     key: &Path,
     provider: &CryptoProvider,
+) -> Result<(CertifiedKey, [u8; 32]), ListenerTlsError> {
+    let (cert_pem, key_pem) = read(cert, key)?;
+    let loaded = parse(cert, key, &cert_pem, &key_pem, provider)?;
+    Ok((loaded, digest(&cert_pem, &key_pem)))
+}
+
+fn parse(
+    cert: &Path,
+    key: &Path,
+    cert_pem: &[u8],
+    key_pem: &[u8],
+    provider: &CryptoProvider,
 ) -> Result<CertifiedKey, ListenerTlsError> {
-    let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(cert)
-        .and_then(|certs| certs.collect())
+    let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(cert_pem)
+        .collect::<Result<_, _>>()
         .map_err(|e| error(cert, key, format!("the certificate chain: {e}")))?;
     if chain.is_empty() {
         return Err(error(cert, key, "no certificate in the chain file".into()));
     }
-    let private = PrivateKeyDer::from_pem_file(key)
+    let private = PrivateKeyDer::from_pem_slice(key_pem)
         .map_err(|e| error(cert, key, format!("the private key: {e}")))?;
     CertifiedKey::from_der(chain, private, provider).map_err(|e| {
         error(

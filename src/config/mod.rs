@@ -109,6 +109,9 @@ pub struct ServerConfig {
     /// `server.tls_client_ca`: clients must present a certificate signed by these CAs; its
     /// subject is given to every request as [`CLIENT_SUBJECT_HEADER`].
     pub tls_client_ca: Option<std::path::PathBuf>,
+    /// `server.tls_recheck`: how often the certificate files are read again to find a renewed
+    /// certificate without a SIGHUP (`None`: only on SIGHUP).
+    pub tls_recheck: Option<Duration>,
     /// Peers whose `X-Forwarded-*` and `Forwarded` headers are believed (load balancers in
     /// front); from any other peer they are replaced.
     pub trusted_proxies: Vec<ipnet::IpNet>,

@@ -33,6 +33,7 @@ pub(super) struct RawServer {
     pub(super) tls_cert: Option<String>,
     pub(super) tls_key: Option<String>,
     pub(super) tls_client_ca: Option<String>,
+    pub(super) tls_recheck: Option<String>,
     pub(super) trusted_proxies: Option<Vec<String>>,
     pub(super) case_sensitive_routes: Option<bool>,
 }

@@ -39,6 +39,9 @@ const MAX_BUFFERED: u64 = 1 << 40;
 const DEFAULT_UPSTREAM_CONNECTIONS: usize = 1024;
 /// More worker threads than this would only add switching.
 const MAX_WORKERS: usize = 256;
+/// How often the listener's certificate files are read again by default: cert-manager renews
+/// days before expiry, and kubelet swaps a mounted Secret's files within about a minute.
+const DEFAULT_TLS_RECHECK: Duration = Duration::from_secs(60);
 
 impl RawConfig {
     pub(super) fn validate(self) -> Result<Config, ConfigError> {
@@ -263,6 +266,27 @@ fn validate_server(raw: Option<RawServer>) -> Result<ServerConfig, ConfigError> 
         }
         Some(path) => Some(pem_file("server.tls_client_ca", path, "CERTIFICATE")?),
     };
+    let tls_recheck = match raw.tls_recheck.as_deref() {
+        None => Some(DEFAULT_TLS_RECHECK),
+        Some(_) if tls.is_none() => {
+            return Err(ConfigError::invalid(
+                "server.tls_recheck",
+                "(set)",
+                "only with server.tls_cert and tls_key",
+            ))
+        }
+        Some(raw) => match parse_duration("server.tls_recheck", raw)? {
+            d if d.is_zero() => None,
+            d if d < Duration::from_secs(1) => {
+                return Err(ConfigError::invalid(
+                    "server.tls_recheck",
+                    raw,
+                    "at least 1s, or 0 to read the files again only on SIGHUP",
+                ))
+            }
+            d => Some(d),
+        },
+    };
     let mut trusted_proxies = Vec::new();
     for (i, raw) in raw
         .trusted_proxies
@@ -294,6 +318,7 @@ fn validate_server(raw: Option<RawServer>) -> Result<ServerConfig, ConfigError> 
         max_buffered,
         tls,
         tls_client_ca,
+        tls_recheck,
         trusted_proxies,
         case_sensitive_routes: raw.case_sensitive_routes.unwrap_or(false),
     })

@@ -503,6 +503,49 @@ async fn the_listener_speaks_tls_and_rotates_its_certificate_on_sighup() {
     assert_eq!(up.executions(), 2);
 }
 
+/// A renewed certificate is picked up with no SIGHUP (server.tls_recheck): the files swapped as
+/// kubelet updates a mounted Secret, `cert.pem -> ..data/cert.pem` with `..data` re-pointed at
+/// a new directory in one rename.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_renewed_certificate_is_picked_up_without_a_signal() {
+    use std::os::unix::fs::symlink;
+    let ca = Ca::new("test CA");
+    let (cert_a, key_a) = ca.leaf(&["localhost"], false);
+    let (cert_b, key_b) = ca.leaf(&["localhost", "127.0.0.1"], false);
+    let dir = TempDir::new("tls-watch");
+    for (version, cert, key) in [("..v1", &cert_a, &key_a), ("..v2", &cert_b, &key_b)] {
+        std::fs::create_dir(dir.path.join(version)).unwrap();
+        write(&dir, &format!("{version}/cert.pem"), cert);
+        write(&dir, &format!("{version}/key.pem"), key);
+    }
+    symlink("..v1", dir.path.join("..data")).unwrap();
+    symlink("..data/cert.pem", dir.path.join("cert.pem")).unwrap();
+    symlink("..data/key.pem", dir.path.join("key.pem")).unwrap();
+    let up = Upstream::counting().await;
+    let config = listener_config(&dir, &up.url())
+        .replace("workers = 1\n", "workers = 1\ntls_recheck = \"1s\"\n");
+    let gw = GatewayProcess::start(&config);
+    let presented = |s: &tokio_rustls::client::TlsStream<tokio::net::TcpStream>| {
+        s.get_ref().1.peer_certificates().unwrap()[0]
+            .as_ref()
+            .to_vec()
+    };
+    let der_of = |pem: &str| {
+        CertificateDer::from_pem_slice(pem.as_bytes())
+            .unwrap()
+            .as_ref()
+            .to_vec()
+    };
+    let before = tls_client(gw.addr, &ca, &[b"http/1.1"]).await;
+    assert_eq!(presented(&before), der_of(&cert_a));
+
+    symlink("..v2", dir.path.join("..data_tmp")).unwrap();
+    std::fs::rename(dir.path.join("..data_tmp"), dir.path.join("..data")).unwrap();
+    gw.wait_log("TLS certificate files changed; reloaded");
+    let after = tls_client(gw.addr, &ca, &[b"http/1.1"]).await;
+    assert_eq!(presented(&after), der_of(&cert_b));
+}
+
 /// A client that opens TCP and never starts the handshake is closed at header_timeout.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_client_of_the_tls_listener_is_closed_at_header_timeout() {
