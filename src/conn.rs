@@ -122,6 +122,12 @@ impl Activity {
         }
     }
 
+    /// One more stream in use beyond its request's, for as long as the guard lives.
+    fn hold(self: &Arc<Self>) -> Finished {
+        self.active.fetch_add(1, Ordering::Relaxed);
+        Finished(Arc::clone(self))
+    }
+
     fn request_started(self: &Arc<Self>, version: Version) -> Finished {
         if version == Version::HTTP_2 {
             self.h2.store(true, Ordering::Relaxed);
@@ -160,6 +166,13 @@ impl Activity {
 
 /// Held by a response until it has been sent in full (hyper drops the body then).
 struct Finished(Arc<Activity>);
+
+/// Given to a CONNECT request (an HTTP/2 WebSocket): whoever keeps it keeps the connection
+/// counted as busy, so it is not closed as idle while the stream is relayed after its response
+/// (which ends the request as far as the connection can see).
+/// (Extensions must be `Clone`: clones share the one guard.)
+#[derive(Clone)]
+pub struct StreamHold(#[allow(dead_code)] Arc<Finished>);
 
 impl Drop for Finished {
     fn drop(&mut self) {
@@ -371,6 +384,8 @@ pub fn builder(max_streams: u32) -> auto::Builder<TokioExecutor> {
         .timer(TokioTimer::new())
         .max_concurrent_streams(max_streams)
         .max_header_list_size(MAX_H2_HEADER_LIST)
+        // RFC 8441: WebSocket over HTTP/2, relayed to the upstream as an HTTP/1.1 upgrade.
+        .enable_connect_protocol()
         .keep_alive_interval(H2_KEEPALIVE)
         .keep_alive_timeout(H2_KEEPALIVE);
     builder
@@ -429,8 +444,12 @@ where
     });
     let svc = {
         let activity = Arc::clone(&activity);
-        service_fn(move |req: Request<Incoming>| {
+        service_fn(move |mut req: Request<Incoming>| {
             let finished = activity.request_started(req.version());
+            if req.method() == http::Method::CONNECT {
+                req.extensions_mut()
+                    .insert(StreamHold(Arc::new(activity.hold())));
+            }
             let answer = handler(req.map(|b| Deadlined::new(b, deadlines.body)));
             async move {
                 let response = answer.await;

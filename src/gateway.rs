@@ -30,7 +30,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::body::{self, Body, Budget, Captured, Lease, OverBudget, ReadError};
 use crate::config::{Policy, RouteConfig, UpstreamProtocol, UpstreamUrl};
-use crate::conn::{BodyTimeout, ClientBody};
+use crate::conn::{BodyTimeout, ClientBody, StreamHold};
 use crate::fingerprint::{fingerprint, RequestParts};
 use crate::grpc;
 use crate::idempotency::{Attempt, Core, Decision, Execute, Refusal, Rules, Settled};
@@ -237,12 +237,8 @@ impl Gateway {
     /// Phase `classify`: which path a request takes.
     async fn classify(&self, req: Request<ClientBody>, conn: &Arc<ClientConn>) -> Response<Body> {
         let _in_flight = self.metrics.in_flight();
-        // A tunnel would take the connection out of every rule here; CONNECT is for forward
-        // proxies, which this is not.
         if req.method() == Method::CONNECT {
-            self.metrics
-                .request(self.metrics.unrouted(), Outcome::BadRequest);
-            return Problem::MethodNotAllowed.into_response();
+            return self.connect(req, conn).await;
         }
         let routing = self.routing.load_full();
         let upgrade = wants_upgrade(&req);
@@ -491,6 +487,136 @@ impl Gateway {
             .await
     }
 
+    /// A CONNECT: only an HTTP/2 WebSocket (RFC 8441 extended CONNECT, `:protocol websocket`)
+    /// is served, as the HTTP/1.1 upgrade its `GET` would be. Any other tunnel would take the
+    /// connection out of every rule here; plain CONNECT is for forward proxies, which this is
+    /// not.
+    async fn connect(&self, req: Request<ClientBody>, conn: &Arc<ClientConn>) -> Response<Body> {
+        let websocket = req
+            .extensions()
+            .get::<hyper::ext::Protocol>()
+            .is_some_and(|p| p.as_str().eq_ignore_ascii_case("websocket"));
+        if !websocket {
+            self.metrics
+                .request(self.metrics.unrouted(), Outcome::BadRequest);
+            return Problem::MethodNotAllowed.into_response();
+        }
+        let routing = self.routing.load_full();
+        if let Some(route) = routing.router.find(&Method::GET, req.uri().path()) {
+            self.metrics.request(&route.metrics, Outcome::BadRequest);
+            return Problem::UpgradeRefused.into_response();
+        }
+        let target = routing.default_upstream.clone();
+        let timeout = routing.default_timeout;
+        drop(routing);
+        let resp = self.tunnel_h2(req, conn, &target, timeout).await;
+        self.metrics
+            .request(self.metrics.unrouted(), Outcome::Passthrough);
+        resp
+    }
+
+    /// An HTTP/2 WebSocket: its stream relayed to an HTTP/1.1 WebSocket upgrade of the upstream.
+    /// The gateway makes the handshake's `Sec-WebSocket-Key` (HTTP/2 has none); the client gets
+    /// `200` and the upstream's WebSocket headers once the upstream switched.
+    async fn tunnel_h2(
+        &self,
+        mut req: Request<ClientBody>,
+        conn: &Arc<ClientConn>,
+        target: &UpstreamUrl,
+        timeout: Duration,
+    ) -> Response<Body> {
+        let client_side = hyper::upgrade::on(&mut req);
+        let hold = req.extensions_mut().remove::<StreamHold>();
+        let (mut parts, _) = req.into_parts();
+        parts.method = Method::GET;
+        parts.extensions = http::Extensions::new();
+        if prepare_request(&mut parts, target, &conn.addr).is_err() {
+            return Problem::UpstreamUnreachable.into_response();
+        }
+        let h = &mut parts.headers;
+        h.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
+        h.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+        if let Ok(key) = HeaderValue::from_str(&websocket_key()) {
+            h.insert(header::SEC_WEBSOCKET_KEY, key);
+        }
+        if !h.contains_key(header::SEC_WEBSOCKET_VERSION) {
+            h.insert(
+                header::SEC_WEBSOCKET_VERSION,
+                HeaderValue::from_static("13"),
+            );
+        }
+        let sent = conn
+            .worker
+            .upstream
+            .send_upgrade(
+                Request::from_parts(parts, body::full(Bytes::new())),
+                timeout,
+            )
+            .await;
+        let mut resp = match sent {
+            Ok(resp) => resp,
+            Err(e) => {
+                tracing::warn!(error = %e, "WebSocket request failed");
+                return upgrade_failure(e);
+            }
+        };
+        if resp.status() != http::StatusCode::SWITCHING_PROTOCOLS {
+            // Refused (401, 404, ...): the client learns why, as over HTTP/1.1.
+            return resp.map(body::boxed);
+        }
+        if !is_websocket(resp.headers()) {
+            tracing::warn!("the upstream switched to another protocol than WebSocket; not relayed");
+            return Problem::UpstreamFailed.into_response();
+        }
+        let upstream_side = hyper::upgrade::on(&mut resp);
+        let mut accepted = Response::new(body::full(Bytes::new()));
+        for (name, value) in resp.headers() {
+            // What a 101 says about the connection, and the answer to a key the client never
+            // sent, are the HTTP/1.1 hop's own.
+            if name != header::UPGRADE
+                && name != header::CONNECTION
+                && name != header::SEC_WEBSOCKET_ACCEPT
+            {
+                accepted.headers_mut().append(name.clone(), value.clone());
+            }
+        }
+        self.relay(
+            client_side,
+            upstream_side,
+            hold.map(|h| Box::new(h) as Box<dyn std::any::Any + Send>),
+        );
+        accepted
+    }
+
+    /// Relays the two sides of a WebSocket to each other until either closes, in a task that
+    /// shutdown waits for (up to its grace); `hold` (the client connection's slot, or its
+    /// stream's hold) lives as long.
+    fn relay(
+        &self,
+        client_side: hyper::upgrade::OnUpgrade,
+        upstream_side: hyper::upgrade::OnUpgrade,
+        hold: Option<Box<dyn std::any::Any + Send>>,
+    ) {
+        let open = self.metrics.tunnels();
+        self.core.tasks().spawn(async move {
+            let _hold = hold;
+            let (client, upstream) = match tokio::try_join!(client_side, upstream_side) {
+                Ok(both) => both,
+                Err(e) => {
+                    tracing::debug!(error = %e, "upgrade not completed");
+                    return;
+                }
+            };
+            open.inc();
+            let mut client = hyper_util::rt::TokioIo::new(client);
+            let mut upstream = hyper_util::rt::TokioIo::new(upstream);
+            if let Err(e) = tokio::io::copy_bidirectional(&mut client, &mut upstream).await {
+                tracing::debug!(error = %e, "tunnel ended");
+            }
+            open.dec();
+        });
+    }
+
     /// A protocol upgrade (WebSocket) outside any route: forwarded with its `Upgrade`; if the
     /// upstream switches (101), both sockets are relayed to each other until either side
     /// closes, in a task that shutdown waits for (up to its grace).
@@ -523,12 +649,7 @@ impl Gateway {
             Ok(resp) => resp,
             Err(e) => {
                 tracing::warn!(error = %e, "upgrade request failed");
-                return match e {
-                    UpstreamError::NotSent(e) => not_sent_problem(&*e),
-                    UpstreamError::Timeout(_) => Problem::UpstreamTimeout,
-                    UpstreamError::Failed(_) => Problem::UpstreamFailed,
-                }
-                .into_response();
+                return upgrade_failure(e);
             }
         };
         if resp.status() != http::StatusCode::SWITCHING_PROTOCOLS {
@@ -541,25 +662,7 @@ impl Gateway {
         let upstream_side = hyper::upgrade::on(&mut resp);
         // The client connection's slot (server.max_connections) stays taken while the tunnel
         // lives: its socket does.
-        let holds_slot = conn.take_hold();
-        let open = self.metrics.tunnels();
-        self.core.tasks().spawn(async move {
-            let (client, upstream) = match tokio::try_join!(client_side, upstream_side) {
-                Ok(both) => both,
-                Err(e) => {
-                    tracing::debug!(error = %e, "upgrade not completed");
-                    return;
-                }
-            };
-            let _slot = holds_slot;
-            open.inc();
-            let mut client = hyper_util::rt::TokioIo::new(client);
-            let mut upstream = hyper_util::rt::TokioIo::new(upstream);
-            if let Err(e) = tokio::io::copy_bidirectional(&mut client, &mut upstream).await {
-                tracing::debug!(error = %e, "tunnel ended");
-            }
-            open.dec();
-        });
+        self.relay(client_side, upstream_side, conn.take_hold());
         resp.map(body::boxed)
     }
 
@@ -845,6 +948,22 @@ fn is_websocket(headers: &http::HeaderMap) -> bool {
         (Some(v), None) => v.as_bytes().eq_ignore_ascii_case(b"websocket"),
         _ => false,
     }
+}
+
+/// A failed upgrade request, as the client hears it.
+fn upgrade_failure(e: UpstreamError) -> Response<Body> {
+    match e {
+        UpstreamError::NotSent(e) => not_sent_problem(&*e),
+        UpstreamError::Timeout(_) => Problem::UpstreamTimeout,
+        UpstreamError::Failed(_) => Problem::UpstreamFailed,
+    }
+    .into_response()
+}
+
+/// A fresh `Sec-WebSocket-Key`: 16 random bytes in base64 (RFC 6455 4.1).
+fn websocket_key() -> String {
+    use base64::Engine;
+    base64::engine::general_purpose::STANDARD.encode(rand::random::<[u8; 16]>())
 }
 
 /// Seconds since the Unix epoch, for signed timestamps (0 if the clock is before 1970).

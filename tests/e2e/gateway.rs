@@ -1002,3 +1002,94 @@ async fn websocket_upgrades_pass_through_and_are_refused_on_idempotent_routes() 
     assert!(refused.starts_with("HTTP/1.1 400"), "{refused}");
     assert!(refused.contains("upgrade-refused"), "{refused}");
 }
+
+/// A WebSocket over HTTP/2 (RFC 8441 extended CONNECT) is relayed to the upstream as an
+/// HTTP/1.1 upgrade: the client gets 200, then bytes flow both ways; a route's path refuses it,
+/// and a plain CONNECT stays refused.
+#[tokio::test]
+async fn websockets_over_http2_are_relayed_as_http1_upgrades() {
+    use hyper::client::conn::http2;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let echo = echo_upstream().await;
+    let gw = gateway(
+        &format!("http://{echo}"),
+        &format!("{PAYMENTS}[[routes]]\nname = \"feed\"\npath = \"/feed\"\nmethods = [\"GET\"]\n"),
+    )
+    .await;
+    let tcp = tokio::net::TcpStream::connect(gw.addr()).await.unwrap();
+    let (mut h2, conn) = http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tcp),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    let empty = || http_body_util::Empty::<Bytes>::new();
+    // Answered by the gateway itself: by then its SETTINGS (which allow extended CONNECT) are in.
+    let first = h2
+        .send_request(
+            hyper::Request::post(format!("http://{}/payments", gw.addr()))
+                .body(empty())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(first.status(), 400);
+    let websocket = |path: &str| {
+        let mut req = hyper::Request::connect(format!("http://{}{path}", gw.addr()))
+            .header("sec-websocket-version", "13")
+            .body(empty())
+            .unwrap();
+        req.extensions_mut()
+            .insert(hyper::ext::Protocol::from_static("websocket"));
+        req
+    };
+
+    let mut resp = h2.send_request(websocket("/chat")).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    assert!(resp.headers().get("sec-websocket-accept").is_none());
+    let stream = hyper::upgrade::on(&mut resp).await.unwrap();
+    let mut stream = hyper_util::rt::TokioIo::new(stream);
+    for message in [&b"hello"[..], b"\x81\x05world", &[7u8; 3000]] {
+        stream.write_all(message).await.unwrap();
+        let mut back = vec![0u8; message.len()];
+        tokio::time::timeout(Duration::from_secs(5), stream.read_exact(&mut back))
+            .await
+            .expect("no echo through the HTTP/2 tunnel")
+            .unwrap();
+        assert_eq!(back, message);
+    }
+    let tunnels = || {
+        gw.gateway()
+            .metrics()
+            .encode()
+            .lines()
+            .find_map(|l| l.strip_prefix("idemgate_tunnels_open "))
+            .map(|v| v.trim().to_string())
+    };
+    assert_eq!(tunnels().as_deref(), Some("1"));
+    drop(stream);
+    assert!(
+        eventually(|| async { tunnels().as_deref() == Some("0") }).await,
+        "the tunnel outlived its stream"
+    );
+
+    // On a route's path: refused, nothing relayed.
+    let refused = h2.send_request(websocket("/feed")).await.unwrap();
+    assert_eq!(refused.status(), 400);
+    let body = http_body_util::BodyExt::collect(refused.into_body())
+        .await
+        .unwrap()
+        .to_bytes();
+    assert!(String::from_utf8_lossy(&body).contains("upgrade-refused"));
+    // A CONNECT without :protocol is a forward proxy's, never served.
+    let plain = h2
+        .send_request(
+            hyper::Request::connect(gw.addr().to_string())
+                .body(empty())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(plain.status(), 405);
+}
