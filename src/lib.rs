@@ -30,7 +30,8 @@
 //!   consumer) goes beside it, on the same core.
 //! - [`problem`] - every response the gateway makes itself (RFC 9457), in one place.
 //! - [`conn`] - one client connection under a deadline in every phase (slow and idle clients).
-//! - [`tls`] - TLS on the traffic listener, its certificate reloaded on SIGHUP.
+//! - [`tls`] - TLS on the traffic listener, its certificate reloaded on SIGHUP and when its
+//!   files change.
 //! - [`server`] - the acceptor, worker threads (one runtime and one context each), shutdown.
 //! - [`admin`] - the admin listener: `/healthz`, `/readyz`, `/metrics`.
 //! - [`metrics`] - the Prometheus metrics and the outcome names they count.

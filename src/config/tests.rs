@@ -771,3 +771,42 @@ fn the_certificate_subject_header_is_a_scope_only_where_certificates_are_verifie
     ));
     assert_eq!(field, "server.tls_client_ca", "needs tls_cert");
 }
+
+#[test]
+fn each_upstream_has_one_protocol() {
+    use crate::config::UpstreamProtocol;
+    let base = "[server]\nlisten = \"127.0.0.1:1\"\n[upstream]\nurl = \"http://a:1\"\nprotocol = \"http2\"\n";
+    let route = |extra: &str| {
+        Config::parse(&format!(
+            "{base}[[routes]]\nname = \"r\"\npath = \"/r\"\nmethods = [\"POST\"]\n{extra}"
+        ))
+    };
+    let c = route("").unwrap();
+    assert_eq!(c.upstream.protocol, UpstreamProtocol::Http2);
+    assert_eq!(
+        c.routes[0].upstream.protocol,
+        UpstreamProtocol::Http2,
+        "inherited"
+    );
+    let c = route("upstream = \"https://b:2\"\nprotocol = \"http1\"\n").unwrap();
+    assert_eq!(c.routes[0].upstream.protocol, UpstreamProtocol::Http1);
+    // The same upstream as [upstream], another protocol: refused, both named.
+    let err = route("upstream = \"http://a:1/v2\"\nprotocol = \"auto\"\n").unwrap_err();
+    let text = err.to_string();
+    assert!(
+        text.contains("routes[0].protocol") && text.contains("http2"),
+        "{text}"
+    );
+    let (field, value) = invalid_field(route("protocol = \"h3\"\n"));
+    assert_eq!(
+        (field.as_str(), value.as_str()),
+        ("routes[0].protocol", "h3")
+    );
+    let (field, _) = invalid_field(Config::parse(&base.replace("http2", "http/2")));
+    assert_eq!(field, "upstream.protocol");
+    // tls_recheck only with a certificate to read again.
+    let (field, _) = invalid_field(Config::parse(
+        "[server]\nlisten = \"127.0.0.1:1\"\ntls_recheck = \"10s\"\n[upstream]\nurl = \"http://a:1\"\n",
+    ));
+    assert_eq!(field, "server.tls_recheck");
+}
