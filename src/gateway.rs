@@ -830,6 +830,12 @@ impl Execute for Forward {
             body_kept: matches!(forwarded.body, ForwardedBody::Complete(..)),
             completed_ms: 0,
         };
+        if grpc::ended_without_status(&response) {
+            return Attempt::Unknown {
+                reason: UnknownReason::Interrupted,
+                error: "the gRPC answer ended without a grpc-status".into(),
+            };
+        }
         // The upstream's own framing headers still hold: the body is the same bytes.
         let output = Response::from_parts(
             forwarded.head,

@@ -47,8 +47,9 @@ fn is_grpc_type(content_type: &HeaderValue) -> bool {
 }
 
 /// The status the core judges a stored answer by: for a gRPC answer, the HTTP status its
-/// `grpc-status` stands for (the mapping grpc-gateway and Google's APIs use); for anything else
-/// its own status.
+/// `grpc-status` stands for (the mapping grpc-gateway and Google's APIs use); for anything else,
+/// and for a gRPC answer whose status went unseen (its body too large to keep, so its trailers
+/// streamed past), its own status: the call ran.
 pub fn effective_status(response: &StoredResponse) -> u16 {
     let status = response.status.as_u16();
     let grpc = response
@@ -59,17 +60,40 @@ pub fn effective_status(response: &StoredResponse) -> u16 {
         return status;
     }
     // In the trailers, or in the head of a Trailers-Only answer.
-    let code = response
+    match grpc_status(response) {
+        Some(code) => http_status_of(code),
+        None => status,
+    }
+}
+
+/// The `grpc-status` of a gRPC answer: in its trailers, or in the head of a Trailers-Only one.
+/// One that is there but not a number reads as 2 (UNKNOWN).
+pub fn grpc_status(response: &StoredResponse) -> Option<u16> {
+    let (_, value) = response
         .trailers
         .iter()
         .chain(&response.headers)
-        .find(|(n, _)| *n == GRPC_STATUS)
-        .and_then(|(_, v)| v.to_str().ok()?.trim().parse::<u16>().ok());
-    match code {
-        // No status at all: the call did not end properly; judged as a server error.
-        None => 500,
-        Some(code) => http_status_of(code),
-    }
+        .find(|(n, _)| *n == GRPC_STATUS)?;
+    Some(
+        value
+            .to_str()
+            .ok()
+            .and_then(|v| v.trim().parse::<u16>().ok())
+            .unwrap_or(2),
+    )
+}
+
+/// A gRPC answer read to its end without a `grpc-status`: the call was cut off (an upstream or
+/// proxy that reset the stream with NO_ERROR, which reads as a clean end), so whether it ran is
+/// unknown.
+pub fn ended_without_status(response: &StoredResponse) -> bool {
+    response.body_kept
+        && response.status == StatusCode::OK
+        && response
+            .headers
+            .iter()
+            .any(|(n, v)| n == header::CONTENT_TYPE && is_grpc_type(v))
+        && grpc_status(response).is_none()
 }
 
 /// google.rpc.Code to HTTP, as in google/rpc/code.proto.
@@ -182,8 +206,25 @@ mod tests {
             effective_status(&stored(&[ct, ("grpc-status", "5")], &[])),
             404
         );
-        // No status at all, or one that does not exist: a server error.
-        assert_eq!(effective_status(&stored(&[ct], &[])), 500);
+        // None seen: judged by the HTTP status (the core never stores a complete answer so, see
+        // `ended_without_status`).
+        assert_eq!(effective_status(&stored(&[ct], &[])), 200);
+        assert!(ended_without_status(&stored(&[ct], &[])));
+        assert!(!ended_without_status(&stored(
+            &[ct],
+            &[("grpc-status", "0")]
+        )));
+        let mut unkept = stored(&[ct], &[]);
+        unkept.body_kept = false;
+        assert!(
+            !ended_without_status(&unkept),
+            "its trailers streamed past unseen"
+        );
+        // One that does not exist, or is not a number: a server error.
+        assert_eq!(
+            effective_status(&stored(&[ct], &[("grpc-status", "x")])),
+            500
+        );
         assert_eq!(
             effective_status(&stored(&[ct], &[("grpc-status", "99")])),
             500

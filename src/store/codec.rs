@@ -9,13 +9,16 @@
 //! pending:      42..58 owner token (u128)   58..66 lease_until_ms (u64)
 //!               66 (Redis only, optional): 1 when a waiter is waiting, set by `watch` so
 //!               that the end of the pending state is published; ignored by `decode`
-//! completed:    42..44 status (u16)  44..52 completed_ms  52 flags  53..55 header count (u16)
+//! completed:    42..44 status (u16)  44..52 completed_ms  52 body_kept (0 or 1)
+//!               53..55 header count (u16)
 //!               then per header: name length (u16), name, value length (u32), value
-//!               with flag 2: trailer count (u16), then the trailers as the headers
+//!               with trailers: trailer count (u16, never 0), then the trailers as the headers
 //!               then the body: every remaining byte, raw (no base64, no length)
-//!               flags: 1 the body was kept, 2 trailers follow the headers (gRPC's
-//!               `grpc-status`); a record without trailers is laid out as before there
-//!               were any, so records written before them still read.
+//!               status is the HTTP status, plus 1000 when trailers follow the headers
+//!               (gRPC's `grpc-status`): a gateway from before trailers were stored reads
+//!               that as a bad status and refuses the record as corrupt, rather than replay
+//!               the trailers as part of the body. A record without trailers is laid out as
+//!               it always was.
 //! unknown:      42..50 since_ms  50 reason (1 timeout, 2 interrupted, 3 abandoned)
 //! ```
 //! The fixed offsets matter: the Redis scripts check the state byte and the owner token in place
@@ -65,9 +68,8 @@ pub fn encode_state(state: &RecordState) -> Bytes {
     out.freeze()
 }
 
-/// The flag bits of a completed record.
-const FLAG_BODY_KEPT: u8 = 1;
-const FLAG_TRAILERS: u8 = 2;
+/// Added to a completed record's status when trailers follow its headers.
+const WITH_TRAILERS: u16 = 1000;
 
 /// A response has far fewer than 65536 headers (hyper caps them at 100); the cap only keeps the
 /// count field honest.
@@ -127,16 +129,14 @@ fn put_state(state: &RecordState, out: &mut BytesMut) {
             out.put_u64(*lease_until_ms);
         }
         RecordState::Completed(r) => {
-            out.put_u16(r.status.as_u16());
+            let trailers = if r.trailers.is_empty() {
+                0
+            } else {
+                WITH_TRAILERS
+            };
+            out.put_u16(r.status.as_u16() + trailers);
             out.put_u64(r.completed_ms);
-            let mut flags = 0;
-            if r.body_kept {
-                flags |= FLAG_BODY_KEPT;
-            }
-            if !r.trailers.is_empty() {
-                flags |= FLAG_TRAILERS;
-            }
-            out.put_u8(flags);
+            out.put_u8(u8::from(r.body_kept));
             put_fields(&r.headers, out);
             if !r.trailers.is_empty() {
                 put_fields(&r.trailers, out);
@@ -176,15 +176,26 @@ pub fn decode(raw: &Bytes) -> Result<Record, StoreError> {
             lease_until_ms: r.u64()?,
         },
         STATE_COMPLETED => {
-            let status = StatusCode::from_u16(r.u16()?).map_err(|_| corrupt("bad status"))?;
+            let field = r.u16()?;
+            let (status, with_trailers) = match field.checked_sub(WITH_TRAILERS) {
+                Some(status) => (status, true),
+                None => (field, false),
+            };
+            let status = StatusCode::from_u16(status).map_err(|_| corrupt("bad status"))?;
             let completed_ms = r.u64()?;
-            let flags = r.u8()?;
-            if flags & !(FLAG_BODY_KEPT | FLAG_TRAILERS) != 0 {
-                return Err(corrupt(format!("unknown flags {flags}")));
-            }
+            let body_kept = match r.u8()? {
+                0 => false,
+                1 => true,
+                other => return Err(corrupt(format!("bad body_kept {other}"))),
+            };
             let headers = r.fields()?;
-            let trailers = if flags & FLAG_TRAILERS != 0 {
-                r.fields()?
+            let trailers = if with_trailers {
+                let trailers = r.fields()?;
+                if trailers.is_empty() {
+                    // Never written so: each record has one encoding.
+                    return Err(corrupt("an empty trailer block"));
+                }
+                trailers
             } else {
                 Vec::new()
             };
@@ -194,7 +205,7 @@ pub fn decode(raw: &Bytes) -> Result<Record, StoreError> {
                 headers,
                 trailers,
                 body,
-                body_kept: flags & FLAG_BODY_KEPT != 0,
+                body_kept,
                 completed_ms,
             }))
         }
@@ -408,13 +419,37 @@ mod tests {
         assert!(r.trailers.is_empty());
         assert_eq!(r.body, "body");
         assert_eq!(encode(&record), old, "and is written the same way again");
-        // A flag no gateway writes is refused, not guessed at.
+        // A body_kept no gateway writes is refused, not guessed at.
         let mut flagged = old.to_vec();
-        flagged[52] = 4 | 1;
+        flagged[52] = 3;
         assert!(matches!(
             decode(&Bytes::from(flagged)),
             Err(StoreError::Corrupt(_))
         ));
+    }
+
+    #[test]
+    fn a_record_with_trailers_is_one_a_reader_from_before_them_refuses() {
+        let record = record(RecordState::Completed(Arc::new(StoredResponse {
+            status: StatusCode::OK,
+            headers: vec![],
+            trailers: vec![(
+                HeaderName::from_static("grpc-status"),
+                HeaderValue::from_static("0"),
+            )],
+            body: Bytes::from_static(b"msg"),
+            body_kept: true,
+            completed_ms: 1,
+        })));
+        let enc = encode(&record);
+        // What the older decoder did first with a completed record: its status.
+        let status = u16::from_be_bytes([enc[42], enc[43]]);
+        assert_eq!(status, 1200);
+        assert!(
+            StatusCode::from_u16(status).is_err(),
+            "older readers refuse it"
+        );
+        assert_eq!(decode(&enc).unwrap(), record);
     }
 
     #[test]

@@ -1,8 +1,12 @@
 //! The per-worker pool of upstream connections (see the module doc of [`super`]): HTTP/1.1
-//! connections idle between requests, and at most one shared HTTP/2 connection per upstream.
+//! connections idle between requests, and HTTP/2 connections that requests share, each up to
+//! the number of streams its upstream allows; past that, a request opens another connection
+//! (under `max_connections`) rather than queue inside one, where a request still waiting for a
+//! stream at its deadline could not be told from one the upstream was working on.
 
 use std::collections::VecDeque;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
@@ -34,6 +38,13 @@ const MAX_IDLE_PER_UPSTREAM: usize = 256;
 /// The most header bytes (HPACK-decoded) an HTTP/2 upstream may send in one response head or
 /// trailer block: a bound on what a response can make the gateway hold before its body.
 const MAX_H2_HEADER_LIST: u32 = 256 * 1024;
+/// Streams assumed open-able on a new HTTP/2 connection until the upstream's SETTINGS say
+/// otherwise (RFC 9113 recommends servers allow at least 100).
+const INITIAL_H2_STREAMS: usize = 100;
+/// A PING this often on an HTTP/2 connection, idle or not, and closed if the answer takes longer
+/// than this too: an upstream that vanished without a FIN (a pod gone, a NAT entry dropped) is
+/// found within 40 s, not when TCP gives up minutes later.
+const H2_KEEPALIVE: Duration = Duration::from_secs(20);
 
 /// A pooled HTTP/1.1 and HTTP/2 client; each worker thread has its own (see [`crate::server`]).
 #[derive(Clone)]
@@ -56,18 +67,50 @@ struct Upstream {
     authority: Authority,
     /// Connections to it are TLS.
     secure: bool,
+    /// The protocol its connections were made with: a reload that changes it makes new ones.
+    protocol: UpstreamProtocol,
     gate: Arc<Gate>,
     conns: VecDeque<Idle>,
-    /// The HTTP/2 connection every request to it shares, and when it was last used. Requests
-    /// past the upstream's stream limit wait on it for a stream (hyper queues them) rather than
-    /// open more connections.
-    shared: Option<(http2::SendRequest<Body>, Instant)>,
+    /// Its HTTP/2 connections, which requests share.
+    shared: Vec<Shared>,
+}
+
+/// An HTTP/2 connection in the pool.
+struct Shared {
+    sender: http2::SendRequest<Body>,
+    streams: Arc<Streams>,
+    /// When a request last took a stream on it.
+    since: Instant,
+}
+
+/// The streams open on one HTTP/2 connection, and the most its upstream allows now
+/// (`SETTINGS_MAX_CONCURRENT_STREAMS`, kept up to date by the connection's task).
+struct Streams {
+    open: AtomicUsize,
+    max: AtomicUsize,
+}
+
+/// One request's stream on an HTTP/2 connection, given back when dropped (with the response
+/// body, or with the request that failed).
+struct Stream(Arc<Streams>);
+
+impl Stream {
+    fn take(streams: &Arc<Streams>) -> Stream {
+        streams.open.fetch_add(1, Ordering::Relaxed);
+        Stream(Arc::clone(streams))
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        self.0.open.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// A connection of either protocol, as checked out or made.
 enum Conn {
     H1(SendRequest<Body>),
-    H2(http2::SendRequest<Body>),
+    H2(http2::SendRequest<Body>, Stream),
 }
 
 struct Idle {
@@ -115,16 +158,13 @@ impl UpstreamPool {
         let mut idle = self.pool.idle();
         for upstream in idle.iter_mut() {
             upstream.conns.retain(|c| c.since >= stale);
-            if upstream
-                .shared
-                .as_ref()
-                .is_some_and(|(_, since)| *since < stale)
-            {
-                // Only our handle goes: streams still open on it finish first.
-                upstream.shared = None;
-            }
+            // Dropping the pool's handle closes the connection once nothing uses it.
+            upstream.shared.retain(|c| {
+                !c.sender.is_closed()
+                    && (c.since >= stale || c.streams.open.load(Ordering::Relaxed) > 0)
+            });
         }
-        idle.retain(|upstream| !upstream.conns.is_empty() || upstream.shared.is_some());
+        idle.retain(|upstream| !upstream.conns.is_empty() || !upstream.shared.is_empty());
     }
 
     /// Upstreams with idle connections now (for tests).
@@ -156,7 +196,7 @@ impl UpstreamPool {
     ) -> Result<Response<UpstreamBody>, UpstreamError> {
         let (authority, secure) = upstream_of(&req)?;
         loop {
-            let (conn, reused) = match self.pool.checkout(&authority, secure) {
+            let (conn, reused) = match self.pool.checkout(&authority, secure, protocol) {
                 Some(conn) => (conn, true),
                 None => (
                     self.pool
@@ -167,19 +207,18 @@ impl UpstreamPool {
             };
             let mut sender = match conn {
                 Conn::H1(sender) => sender,
-                Conn::H2(mut sender) => {
+                Conn::H2(mut sender, stream) => {
                     h2_form(&mut req, &authority, secure);
                     match sender.try_send_request(req).await {
                         Ok(mut resp) => {
                             strip_hop_by_hop(resp.headers_mut());
-                            return Ok(resp.map(UpstreamBody::unpooled));
+                            return Ok(resp.map(|body| UpstreamBody::on_stream(body, stream)));
                         }
                         Err(mut e) => match e.take_message() {
-                            // The shared connection closed under it (GOAWAY, the upstream gone):
-                            // on a new one, once. A connection made for this request ends the
-                            // loop either way.
+                            // Handed back unsent: the connection closed under it (GOAWAY, the
+                            // upstream gone), and checkout no longer offers it; on another.
+                            // Each round uses up one connection, and a new one ends the loop.
                             Some(unsent) if reused => {
-                                self.pool.unshare(&authority, secure);
                                 req = unsent;
                                 continue;
                             }
@@ -199,9 +238,8 @@ impl UpstreamPool {
                     // frame.
                     strip_hop_by_hop(resp.headers_mut());
                     let pool = Arc::clone(&self.pool);
-                    return Ok(
-                        resp.map(|body| UpstreamBody::new(body, pool, (authority, secure), sender))
-                    );
+                    let key = (authority, secure, protocol);
+                    return Ok(resp.map(|body| UpstreamBody::new(body, pool, key, sender)));
                 }
                 Err(mut e) => match e.take_message() {
                     // Handed back unwritten by a connection the upstream had closed while it sat
@@ -316,13 +354,16 @@ fn h2_form(req: &mut Request<Body>, upstream: &Authority, secure: bool) {
     }
 }
 
-/// An HTTP/2 stream the upstream refused (`REFUSED_STREAM`, or beyond a `GOAWAY`'s last
-/// stream): RFC 9113 8.7 says it was not processed, so it counts as not sent.
+/// An HTTP/2 stream the upstream reset with `REFUSED_STREAM`: RFC 9113 8.7 says it was not
+/// processed, so it counts as not sent. (A stream cut by a `GOAWAY` is not: the error does not
+/// say whether it was above the last stream the upstream processed.)
 fn refused(e: &hyper::Error) -> bool {
     let mut source = std::error::Error::source(e);
     while let Some(err) = source {
         if let Some(h2) = err.downcast_ref::<h2::Error>() {
-            return h2.reason() == Some(h2::Reason::REFUSED_STREAM);
+            return h2.is_reset()
+                && h2.is_remote()
+                && h2.reason() == Some(h2::Reason::REFUSED_STREAM);
         }
         source = err.source();
     }
@@ -335,19 +376,25 @@ impl Pool {
         self.idle.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// The shared HTTP/2 connection to `authority`, or its most recently used idle HTTP/1.1
-    /// connection that is ready for a request.
-    fn checkout(&self, authority: &Authority, secure: bool) -> Option<Conn> {
+    /// A stream on an HTTP/2 connection to `authority` that has one free, or its most
+    /// recently used idle HTTP/1.1 connection that is ready for a request.
+    fn checkout(
+        &self,
+        authority: &Authority,
+        secure: bool,
+        protocol: UpstreamProtocol,
+    ) -> Option<Conn> {
         let mut idle = self.idle();
         let upstream = idle
             .iter_mut()
-            .find(|u| u.authority == *authority && u.secure == secure)?;
-        if let Some((sender, since)) = &mut upstream.shared {
-            if !sender.is_closed() {
-                *since = Instant::now();
-                return Some(Conn::H2(sender.clone()));
-            }
-            upstream.shared = None;
+            .find(|u| u.authority == *authority && u.secure == secure && u.protocol == protocol)?;
+        upstream.shared.retain(|c| !c.sender.is_closed());
+        let free = upstream.shared.iter_mut().find(|c| {
+            c.streams.open.load(Ordering::Relaxed) < c.streams.max.load(Ordering::Relaxed)
+        });
+        if let Some(c) = free {
+            c.since = Instant::now();
+            return Some(Conn::H2(c.sender.clone(), Stream::take(&c.streams)));
         }
         let conns = &mut upstream.conns;
         let stale = Instant::now().checked_sub(IDLE_TIMEOUT);
@@ -367,16 +414,12 @@ impl Pool {
         None
     }
 
-    /// The entry of `authority`, made if there is none.
-    fn upstream<'a>(
-        &self,
-        idle: &'a mut Vec<Upstream>,
-        authority: Authority,
-        secure: bool,
-    ) -> &'a mut Upstream {
+    /// The entry of an upstream, made if there is none.
+    fn upstream<'a>(&self, idle: &'a mut Vec<Upstream>, key: Key) -> &'a mut Upstream {
+        let (authority, secure, protocol) = key;
         let i = match idle
             .iter()
-            .position(|u| u.authority == authority && u.secure == secure)
+            .position(|u| u.authority == authority && u.secure == secure && u.protocol == protocol)
         {
             Some(i) => i,
             None => {
@@ -384,9 +427,10 @@ impl Pool {
                 idle.push(Upstream {
                     authority,
                     secure,
+                    protocol,
                     gate,
                     conns: VecDeque::new(),
-                    shared: None,
+                    shared: Vec::new(),
                 });
                 idle.len() - 1
             }
@@ -394,31 +438,22 @@ impl Pool {
         &mut idle[i]
     }
 
-    /// Makes `sender` the HTTP/2 connection to `authority` that requests share (a connection
-    /// made at the same moment by another request replaces it; the one replaced finishes its
-    /// streams and closes).
-    fn share(&self, authority: &Authority, secure: bool, sender: &http2::SendRequest<Body>) {
+    /// Offers a new HTTP/2 connection's other streams to the requests that follow.
+    fn share(&self, key: Key, sender: &http2::SendRequest<Body>, streams: &Arc<Streams>) {
         let mut idle = self.idle();
-        let upstream = self.upstream(&mut idle, authority.clone(), secure);
-        upstream.shared = Some((sender.clone(), Instant::now()));
-    }
-
-    /// Forgets the shared HTTP/2 connection to `authority` (it closed).
-    fn unshare(&self, authority: &Authority, secure: bool) {
-        let mut idle = self.idle();
-        if let Some(u) = idle
-            .iter_mut()
-            .find(|u| u.authority == *authority && u.secure == secure)
-        {
-            u.shared = None;
-        }
+        let upstream = self.upstream(&mut idle, key);
+        upstream.shared.push(Shared {
+            sender: sender.clone(),
+            streams: Arc::clone(streams),
+            since: Instant::now(),
+        });
     }
 
     /// Pools `sender`, which must be ready ([`UpstreamBody`] sees to it).
-    fn give_back(&self, (authority, secure): (Authority, bool), sender: SendRequest<Body>) {
+    fn give_back(&self, key: Key, sender: SendRequest<Body>) {
         let since = Instant::now();
         let mut idle = self.idle();
-        let upstream = self.upstream(&mut idle, authority, secure);
+        let upstream = self.upstream(&mut idle, key);
         if upstream.gate.is_wanted() {
             // Its slot is worth more to the request waiting for one (perhaps on another worker)
             // than a connection kept idle here.
@@ -468,8 +503,8 @@ impl Pool {
         };
         match tokio::time::timeout_at(deadline, connecting).await {
             Ok(Ok(conn)) => {
-                if let Conn::H2(sender) = &conn {
-                    self.share(authority, secure, sender);
+                if let Conn::H2(sender, stream) = &conn {
+                    self.share((authority.clone(), secure, protocol), sender, &stream.0);
                 }
                 Ok(conn)
             }
@@ -496,17 +531,37 @@ where
         let (sender, conn) = http2::Builder::new(TokioExecutor::new())
             .timer(TokioTimer::new())
             .max_header_list_size(MAX_H2_HEADER_LIST)
+            .initial_max_send_streams(INITIAL_H2_STREAMS)
+            .keep_alive_interval(H2_KEEPALIVE)
+            .keep_alive_timeout(H2_KEEPALIVE)
+            .keep_alive_while_idle(true)
             .handshake(io)
             .await?;
+        let streams = Arc::new(Streams {
+            open: AtomicUsize::new(0),
+            max: AtomicUsize::new(INITIAL_H2_STREAMS),
+        });
+        let limit = Arc::clone(&streams);
         tokio::spawn(async move {
             // Ends when the connection does, or when no handle to it is left (the pool dropped
             // its own); streams still open then finish in hyper's own task.
             let _slot = slot;
-            if let Err(e) = conn.await {
+            let mut conn = std::pin::pin!(conn);
+            let ended = std::future::poll_fn(|cx| {
+                let polled = std::future::Future::poll(conn.as_mut(), cx);
+                // The upstream's SETTINGS may change it at any time; read after every turn.
+                limit
+                    .max
+                    .store(conn.current_max_send_streams(), Ordering::Relaxed);
+                polled
+            })
+            .await;
+            if let Err(e) = ended {
                 tracing::debug!(error = %e, "upstream HTTP/2 connection ended");
             }
         });
-        return Ok(Conn::H2(sender));
+        let stream = Stream::take(&streams);
+        return Ok(Conn::H2(sender, stream));
     }
     let (sender, conn) = http1::handshake(io).await?;
     tokio::spawn(async move {
@@ -536,25 +591,25 @@ fn host_header(authority: &Authority, secure: bool) -> String {
 }
 
 /// An upstream response body; its connection returns to the pool once it has been read to the
-/// end, and closes if it is dropped before.
+/// end, and closes if it is dropped before. On HTTP/2, it holds its stream's place until then.
 pub struct UpstreamBody {
     inner: Incoming,
     reuse: Option<Reuse>,
+    _stream: Option<Stream>,
 }
 
-/// Where a connection goes back to: its pool, its upstream (authority, TLS or not), itself.
-type Reuse = (Arc<Pool>, (Authority, bool), SendRequest<Body>);
+/// Which pool entry a connection belongs to: the upstream, TLS or not, and the protocol.
+type Key = (Authority, bool, UpstreamProtocol);
+
+/// Where a connection goes back to: its pool, its entry, itself.
+type Reuse = (Arc<Pool>, Key, SendRequest<Body>);
 
 impl UpstreamBody {
-    fn new(
-        inner: Incoming,
-        pool: Arc<Pool>,
-        authority: (Authority, bool),
-        sender: SendRequest<Body>,
-    ) -> Self {
+    fn new(inner: Incoming, pool: Arc<Pool>, key: Key, sender: SendRequest<Body>) -> Self {
         let mut body = UpstreamBody {
             inner,
-            reuse: Some((pool, authority, sender)),
+            reuse: Some((pool, key, sender)),
+            _stream: None,
         };
         // No body at all (204, 304, `Content-Length: 0`): nobody will poll it.
         if body.inner.is_end_stream() {
@@ -563,10 +618,23 @@ impl UpstreamBody {
         body
     }
 
-    /// A body whose connection is not given back: a protocol switch's, or an HTTP/2 stream's
-    /// (its connection stays shared in the pool meanwhile).
+    /// A body whose connection is not given back (a protocol switch's).
     fn unpooled(inner: Incoming) -> Self {
-        UpstreamBody { inner, reuse: None }
+        UpstreamBody {
+            inner,
+            reuse: None,
+            _stream: None,
+        }
+    }
+
+    /// An HTTP/2 stream's body: its connection stays in the pool meanwhile; its stream's place
+    /// is given back with the body.
+    fn on_stream(inner: Incoming, stream: Stream) -> Self {
+        UpstreamBody {
+            inner,
+            reuse: None,
+            _stream: Some(stream),
+        }
     }
 
     fn give_back(&mut self) {

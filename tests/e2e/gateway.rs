@@ -1011,11 +1011,13 @@ async fn websockets_over_http2_are_relayed_as_http1_upgrades() {
     use hyper::client::conn::http2;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let echo = echo_upstream().await;
-    let gw = gateway(
+    let mut cfg = config(
         &format!("http://{echo}"),
         &format!("{PAYMENTS}[[routes]]\nname = \"feed\"\npath = \"/feed\"\nmethods = [\"GET\"]\n"),
-    )
-    .await;
+    );
+    // A short idle deadline, which the tunnel must outlive: its stream keeps the connection busy.
+    cfg.server.deadlines.idle = Duration::from_millis(500);
+    let gw = Running::start(cfg).await.unwrap();
     let tcp = tokio::net::TcpStream::connect(gw.addr()).await.unwrap();
     let (mut h2, conn) = http2::handshake(
         hyper_util::rt::TokioExecutor::new(),
@@ -1068,6 +1070,15 @@ async fn websockets_over_http2_are_relayed_as_http1_upgrades() {
             .map(|v| v.trim().to_string())
     };
     assert_eq!(tunnels().as_deref(), Some("1"));
+    // Silent for three idle deadlines: no signal can say "nothing happened", so this one waits.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    stream.write_all(b"still there").await.unwrap();
+    let mut back = [0u8; 11];
+    tokio::time::timeout(Duration::from_secs(5), stream.read_exact(&mut back))
+        .await
+        .expect("the tunnel's connection was closed as idle")
+        .unwrap();
+    assert_eq!(&back, b"still there");
     drop(stream);
     assert!(
         eventually(|| async { tunnels().as_deref() == Some("0") }).await,

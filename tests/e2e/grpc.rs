@@ -2,7 +2,7 @@
 //! the real binary with `protocol = "http2"`, and a real tonic client in front. Calls outside
 //! any route pass through with their trailers; a unary call on an idempotent route is executed
 //! once per `idempotency-key` and replayed with its trailers; the gateway's own refusals reach
-//! the client as gRPC statuses.
+//! the client as gRPC statuses. Also the HTTP/2 upstream pool under an upstream's stream limit.
 
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -141,6 +141,11 @@ async fn grpc_upstream() -> (SocketAddr, Payments) {
 
 /// The binary in front of the gRPC server, `Charge` an idempotent route.
 fn grpc_gateway(upstream: SocketAddr) -> GatewayProcess {
+    grpc_gateway_with(upstream, "")
+}
+
+/// The same, with `route` appended to the `Charge` route.
+fn grpc_gateway_with(upstream: SocketAddr, route: &str) -> GatewayProcess {
     GatewayProcess::start(&format!(
         r#"[server]
 listen = "127.0.0.1:0"
@@ -154,6 +159,7 @@ backend = "memory"
 name = "charge"
 path = "{CHARGE}"
 methods = ["POST"]
+{route}
 "#
     ))
 }
@@ -314,4 +320,93 @@ async fn an_unreachable_grpc_upstream_is_unavailable() {
     let err = charge(&mut grpc, Some("u"), "acct", 1).await.unwrap_err();
     assert_eq!(err.code(), Code::Unavailable, "{err:?}");
     assert!(err.message().contains("Upstream unreachable"), "{err:?}");
+}
+
+/// A reply too large to keep (`max_stored_response`) is still an executed call: its
+/// `grpc-status` streamed past unseen, and the key is kept, never released for a second charge.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reply_too_large_to_keep_is_never_executed_twice() {
+    let (upstream, payments) = grpc_upstream().await;
+    let gw = grpc_gateway_with(upstream, "max_stored_response = \"1KiB\"");
+    let mut grpc = client(gw.addr).await;
+    let big = "x".repeat(4096);
+    let first = charge(&mut grpc, Some("big"), &big, 1).await.unwrap();
+    assert_eq!(
+        first.get_ref().account.len(),
+        4096,
+        "the first client gets it whole"
+    );
+    // The retry is not executed again: whatever it gets (status and headers only; gRPC clients
+    // report the missing body and status as an error), there is no second charge.
+    let retry = charge(&mut grpc, Some("big"), &big, 1).await;
+    if let Ok(r) = &retry {
+        assert_ne!(r.get_ref().charge, 2, "{retry:?}");
+    }
+    assert_eq!(payments.charges.load(Ordering::SeqCst), 1);
+}
+
+/// An HTTP/2 upstream that allows 2 streams per connection: 6 requests at once all reach it, on
+/// more connections, instead of 4 of them queueing inside one connection for a stream (where a
+/// request still waiting at its deadline would count as maybe executed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_past_an_upstreams_stream_limit_open_another_connection() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let connections = Arc::new(AtomicUsize::new(0));
+    let gate = Arc::new(Semaphore::new(0));
+    let (arrived_tx, mut arrived) = tokio::sync::mpsc::unbounded_channel::<()>();
+    {
+        let (connections, gate) = (Arc::clone(&connections), Arc::clone(&gate));
+        tokio::spawn(async move {
+            while let Ok((sock, _)) = listener.accept().await {
+                connections.fetch_add(1, Ordering::SeqCst);
+                let (gate, arrived_tx) = (Arc::clone(&gate), arrived_tx.clone());
+                tokio::spawn(async move {
+                    let svc = service_fn(move |_req: http::Request<hyper::body::Incoming>| {
+                        let (gate, arrived_tx) = (Arc::clone(&gate), arrived_tx.clone());
+                        async move {
+                            let _ = arrived_tx.send(());
+                            gate.acquire().await.unwrap().forget();
+                            Ok::<_, std::convert::Infallible>(http::Response::new(
+                                http_body_util::Full::new(bytes::Bytes::from_static(b"ok")),
+                            ))
+                        }
+                    });
+                    let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                        .max_concurrent_streams(2)
+                        .serve_connection(TokioIo::new(sock), svc)
+                        .await;
+                });
+            }
+        });
+    }
+    let mut cfg = config(&format!("http://{addr}"), "protocol = \"http2\"\n");
+    cfg.server.workers = 1;
+    let gw = Running::start(cfg).await.unwrap();
+    let http = Http::new(gw.addr());
+    // One call first, so the connection has the upstream's SETTINGS (its limit of 2) before the
+    // burst; a brand-new connection assumes 100 until they arrive.
+    gate.add_permits(1);
+    assert_eq!(http.request("GET", "/warm").send().await.status, 200);
+    arrived.recv().await.unwrap();
+    let calls: Vec<_> = (0..6)
+        .map(|i| {
+            let http = http.clone();
+            tokio::spawn(async move { http.request("GET", &format!("/slow/{i}")).send().await })
+        })
+        .collect();
+    for n in 0..6 {
+        tokio::time::timeout(std::time::Duration::from_secs(10), arrived.recv())
+            .await
+            .unwrap_or_else(|_| panic!("only {n} of 6 reached the upstream: the rest queued"))
+            .unwrap();
+    }
+    // At least 3 (2 streams each); more when requests arrive while a connection is still being
+    // made, since each of them makes its own (at most one per request).
+    let made = connections.load(Ordering::SeqCst);
+    assert!((3..=7).contains(&made), "{made} connections for 7 requests");
+    gate.add_permits(6);
+    for call in calls {
+        assert_eq!(call.await.unwrap().status, 200);
+    }
 }
