@@ -227,31 +227,35 @@ impl Gateway {
     /// One request in, one response out; a gRPC client gets the gateway's own answers as gRPC
     /// statuses.
     pub async fn handle(&self, req: Request<ClientBody>, conn: &Arc<ClientConn>) -> Response<Body> {
-        if grpc::is_grpc(req.headers()) {
-            problem::for_grpc(self.classify(req, conn).await)
+        // One await point: two would give this future two copies of `classify`'s state to move.
+        let grpc = grpc::is_grpc(req.headers());
+        let resp = self.classify(req, conn).await;
+        if grpc {
+            problem::for_grpc(resp)
         } else {
-            self.classify(req, conn).await
+            resp
         }
     }
 
     /// Phase `classify`: which path a request takes.
     async fn classify(&self, req: Request<ClientBody>, conn: &Arc<ClientConn>) -> Response<Body> {
         let _in_flight = self.metrics.in_flight();
+        // Boxed, as the upgrade below: rare paths that would otherwise make every request's
+        // future larger, and costlier to move.
         if req.method() == Method::CONNECT {
-            return self.connect(req, conn).await;
+            return Box::pin(self.connect(req, conn)).await;
         }
         let routing = self.routing.load_full();
         let upgrade = wants_upgrade(&req);
         let Some(route) = routing.router.find(req.method(), req.uri().path()).cloned() else {
             if upgrade {
-                let resp = self
-                    .tunnel(
-                        req,
-                        conn,
-                        &routing.default_upstream,
-                        routing.default_timeout,
-                    )
-                    .await;
+                let resp = Box::pin(self.tunnel(
+                    req,
+                    conn,
+                    &routing.default_upstream,
+                    routing.default_timeout,
+                ))
+                .await;
                 self.metrics
                     .request(self.metrics.unrouted(), Outcome::Passthrough);
                 return resp;
