@@ -549,29 +549,11 @@ impl Gateway {
                 HeaderValue::from_static("13"),
             );
         }
-        let sent = conn
-            .worker
-            .upstream
-            .send_upgrade(
-                Request::from_parts(parts, body::full(Bytes::new())),
-                timeout,
-            )
-            .await;
-        let mut resp = match sent {
-            Ok(resp) => resp,
-            Err(e) => {
-                tracing::warn!(error = %e, "WebSocket request failed");
-                return upgrade_failure(e);
-            }
+        let req = Request::from_parts(parts, body::full(Bytes::new()));
+        let mut resp = match switch_upstream(conn, req, timeout).await {
+            Ok(switched) => switched,
+            Err(answer) => return answer,
         };
-        if resp.status() != http::StatusCode::SWITCHING_PROTOCOLS {
-            // Refused (401, 404, ...): the client learns why, as over HTTP/1.1.
-            return resp.map(body::boxed);
-        }
-        if !is_websocket(resp.headers()) {
-            tracing::warn!("the upstream switched to another protocol than WebSocket; not relayed");
-            return Problem::UpstreamFailed.into_response();
-        }
         let upstream_side = hyper::upgrade::on(&mut resp);
         let mut accepted = Response::new(body::full(Bytes::new()));
         for (name, value) in resp.headers() {
@@ -644,25 +626,11 @@ impl Gateway {
                 .headers
                 .insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
         }
-        let sent = conn
-            .worker
-            .upstream
-            .send_upgrade(Request::from_parts(parts, body::boxed(body)), timeout)
-            .await;
-        let mut resp = match sent {
-            Ok(resp) => resp,
-            Err(e) => {
-                tracing::warn!(error = %e, "upgrade request failed");
-                return upgrade_failure(e);
-            }
+        let req = Request::from_parts(parts, body::boxed(body));
+        let mut resp = match switch_upstream(conn, req, timeout).await {
+            Ok(switched) => switched,
+            Err(answer) => return answer,
         };
-        if resp.status() != http::StatusCode::SWITCHING_PROTOCOLS {
-            return resp.map(body::boxed);
-        }
-        if !is_websocket(resp.headers()) {
-            tracing::warn!("the upstream switched to another protocol than WebSocket; not relayed");
-            return Problem::UpstreamFailed.into_response();
-        }
         let upstream_side = hyper::upgrade::on(&mut resp);
         // The client connection's slot (server.max_connections) stays taken while the tunnel
         // lives: its socket does.
@@ -960,14 +928,33 @@ fn is_websocket(headers: &http::HeaderMap) -> bool {
     }
 }
 
-/// A failed upgrade request, as the client hears it.
-fn upgrade_failure(e: UpstreamError) -> Response<Body> {
-    match e {
-        UpstreamError::NotSent(e) => not_sent_problem(&*e),
-        UpstreamError::Timeout(_) => Problem::UpstreamTimeout,
-        UpstreamError::Failed(_) => Problem::UpstreamFailed,
+/// Sends a WebSocket upgrade request to the upstream: its `101` (to relay), or else what the
+/// client gets instead (the upstream's refusal, 401 or 404 say, as it is; or a problem).
+async fn switch_upstream(
+    conn: &ClientConn,
+    req: Request<Body>,
+    timeout: Duration,
+) -> Result<Response<UpstreamBody>, Response<Body>> {
+    let resp = match conn.worker.upstream.send_upgrade(req, timeout).await {
+        Ok(resp) => resp,
+        Err(e) => {
+            tracing::warn!(error = %e, "upgrade request failed");
+            return Err(match e {
+                UpstreamError::NotSent(e) => not_sent_problem(&*e),
+                UpstreamError::Timeout(_) => Problem::UpstreamTimeout,
+                UpstreamError::Failed(_) => Problem::UpstreamFailed,
+            }
+            .into_response());
+        }
+    };
+    if resp.status() != http::StatusCode::SWITCHING_PROTOCOLS {
+        return Err(resp.map(body::boxed));
     }
-    .into_response()
+    if !is_websocket(resp.headers()) {
+        tracing::warn!("the upstream switched to another protocol than WebSocket; not relayed");
+        return Err(Problem::UpstreamFailed.into_response());
+    }
+    Ok(resp)
 }
 
 /// A fresh `Sec-WebSocket-Key`: 16 random bytes in base64 (RFC 6455 4.1).

@@ -945,6 +945,34 @@ async fn echo_upstream() -> std::net::SocketAddr {
     addr
 }
 
+/// `idemgate_tunnels_open` now.
+fn tunnels_open(gw: &Running) -> Option<String> {
+    gw.gateway()
+        .metrics()
+        .encode()
+        .lines()
+        .find_map(|l| l.strip_prefix("idemgate_tunnels_open "))
+        .map(|v| v.trim().to_string())
+}
+
+/// Sends a few messages (a frame, 3000 bytes) through a tunnel to the echo upstream and checks
+/// each comes back whole.
+async fn echoes<S>(s: &mut S)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    for message in [&b"hello"[..], b"\x81\x05world", &[7u8; 3000]] {
+        s.write_all(message).await.unwrap();
+        let mut back = vec![0u8; message.len()];
+        tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut back))
+            .await
+            .expect("no echo through the tunnel")
+            .unwrap();
+        assert_eq!(back, message);
+    }
+}
+
 /// A WebSocket handshake outside any route is passed through, and once the upstream switches
 /// protocols the bytes flow both ways until the client closes; on an idempotent route an
 /// upgrade is refused.
@@ -970,27 +998,11 @@ async fn websocket_upgrades_pass_through_and_are_refused_on_idempotent_routes() 
         head.contains("sec-websocket-accept: s3pplmbitxaq9kygzzhzrbk+xoo="),
         "{head}"
     );
-    let tunnels = |gw: &Running| {
-        gw.gateway()
-            .metrics()
-            .encode()
-            .lines()
-            .find_map(|l| l.strip_prefix("idemgate_tunnels_open "))
-            .map(|v| v.trim().to_string())
-    };
-    for message in [&b"hello"[..], b"\x81\x05world", &[0u8; 3000]] {
-        s.write_all(message).await.unwrap();
-        let mut back = vec![0u8; message.len()];
-        tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut back))
-            .await
-            .expect("no echo through the tunnel")
-            .unwrap();
-        assert_eq!(back, message);
-    }
-    assert_eq!(tunnels(&gw).as_deref(), Some("1"));
+    echoes(&mut s).await;
+    assert_eq!(tunnels_open(&gw).as_deref(), Some("1"));
     drop(s);
     assert!(
-        eventually(|| async { tunnels(&gw).as_deref() == Some("0") }).await,
+        eventually(|| async { tunnels_open(&gw).as_deref() == Some("0") }).await,
         "the tunnel outlived its client"
     );
 
@@ -1052,24 +1064,8 @@ async fn websockets_over_http2_are_relayed_as_http1_upgrades() {
     assert!(resp.headers().get("sec-websocket-accept").is_none());
     let stream = hyper::upgrade::on(&mut resp).await.unwrap();
     let mut stream = hyper_util::rt::TokioIo::new(stream);
-    for message in [&b"hello"[..], b"\x81\x05world", &[7u8; 3000]] {
-        stream.write_all(message).await.unwrap();
-        let mut back = vec![0u8; message.len()];
-        tokio::time::timeout(Duration::from_secs(5), stream.read_exact(&mut back))
-            .await
-            .expect("no echo through the HTTP/2 tunnel")
-            .unwrap();
-        assert_eq!(back, message);
-    }
-    let tunnels = || {
-        gw.gateway()
-            .metrics()
-            .encode()
-            .lines()
-            .find_map(|l| l.strip_prefix("idemgate_tunnels_open "))
-            .map(|v| v.trim().to_string())
-    };
-    assert_eq!(tunnels().as_deref(), Some("1"));
+    echoes(&mut stream).await;
+    assert_eq!(tunnels_open(&gw).as_deref(), Some("1"));
     // Silent for three idle deadlines: no signal can say "nothing happened", so this one waits.
     tokio::time::sleep(Duration::from_millis(1500)).await;
     stream.write_all(b"still there").await.unwrap();
@@ -1081,7 +1077,7 @@ async fn websockets_over_http2_are_relayed_as_http1_upgrades() {
     assert_eq!(&back, b"still there");
     drop(stream);
     assert!(
-        eventually(|| async { tunnels().as_deref() == Some("0") }).await,
+        eventually(|| async { tunnels_open(&gw).as_deref() == Some("0") }).await,
         "the tunnel outlived its stream"
     );
 

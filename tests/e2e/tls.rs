@@ -380,6 +380,21 @@ fn a_client_certificate_without_its_key_is_refused_at_startup() {
     assert!(err.contains("tls_client_key"), "{err}");
 }
 
+/// The certificate the listener presented on `s`, in DER.
+fn presented(s: &tokio_rustls::client::TlsStream<tokio::net::TcpStream>) -> Vec<u8> {
+    s.get_ref().1.peer_certificates().unwrap()[0]
+        .as_ref()
+        .to_vec()
+}
+
+/// A PEM certificate in DER, to compare with [`presented`].
+fn der_of(pem: &str) -> Vec<u8> {
+    CertificateDer::from_pem_slice(pem.as_bytes())
+        .unwrap()
+        .as_ref()
+        .to_vec()
+}
+
 /// A TLS client of the gateway's listener that trusts `ca`, offering `alpn`.
 async fn tls_client(
     addr: SocketAddr,
@@ -443,17 +458,6 @@ async fn the_listener_speaks_tls_and_rotates_its_certificate_on_sighup() {
     let up = Upstream::counting().await;
     let gw = GatewayProcess::start(&listener_config(&dir, &up.url()));
 
-    let presented = |s: &tokio_rustls::client::TlsStream<tokio::net::TcpStream>| {
-        s.get_ref().1.peer_certificates().unwrap()[0]
-            .as_ref()
-            .to_vec()
-    };
-    let der_of = |pem: &str| {
-        CertificateDer::from_pem_slice(pem.as_bytes())
-            .unwrap()
-            .as_ref()
-            .to_vec()
-    };
     let old = tls_client(gw.addr, &ca, &[b"http/1.1"]).await;
     assert_eq!(presented(&old), der_of(&cert_a));
     let (mut old_sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(old))
@@ -525,17 +529,6 @@ async fn a_renewed_certificate_is_picked_up_without_a_signal() {
     let config = listener_config(&dir, &up.url())
         .replace("workers = 1\n", "workers = 1\ntls_recheck = \"1s\"\n");
     let gw = GatewayProcess::start(&config);
-    let presented = |s: &tokio_rustls::client::TlsStream<tokio::net::TcpStream>| {
-        s.get_ref().1.peer_certificates().unwrap()[0]
-            .as_ref()
-            .to_vec()
-    };
-    let der_of = |pem: &str| {
-        CertificateDer::from_pem_slice(pem.as_bytes())
-            .unwrap()
-            .as_ref()
-            .to_vec()
-    };
     let before = tls_client(gw.addr, &ca, &[b"http/1.1"]).await;
     assert_eq!(presented(&before), der_of(&cert_a));
 
