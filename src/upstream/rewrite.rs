@@ -140,21 +140,26 @@ fn is_hop_by_hop(name: &HeaderName) -> bool {
 /// `TE: trailers` is kept (as that, whatever else `TE` said): gRPC needs it to reach an HTTP/2
 /// upstream, where it is the one `TE` allowed; the pool drops it for HTTP/1.1.
 fn strip_request_hop_by_hop(headers: &mut HeaderMap) {
-    let trailers = headers
-        .get_all(header::TE)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .any(|t| {
-            t.split(';')
-                .next()
-                .is_some_and(|t| t.trim().eq_ignore_ascii_case("trailers"))
-        });
     let doomed: Vec<HeaderName> = headers
         .keys()
         .filter(|name| is_hop_by_hop(name))
         .cloned()
         .collect();
+    if doomed.is_empty() {
+        return;
+    }
+    // Looked at only when `TE` is there (gRPC calls), not on every request.
+    let trailers = doomed.contains(&header::TE)
+        && headers
+            .get_all(header::TE)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .any(|t| {
+                t.split(';')
+                    .next()
+                    .is_some_and(|t| t.trim().eq_ignore_ascii_case("trailers"))
+            });
     for name in doomed {
         headers.remove(name);
     }

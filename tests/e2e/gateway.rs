@@ -1100,3 +1100,35 @@ async fn websockets_over_http2_are_relayed_as_http1_upgrades() {
         .unwrap();
     assert_eq!(plain.status(), 405);
 }
+
+/// The certificate-subject header is the gateway's alone: sent by a client (or its underscore
+/// twin, which CGI-style servers read as the same), it never reaches the upstream, on a route or
+/// not; other headers of that length pass.
+#[tokio::test]
+async fn a_client_cannot_send_the_certificate_subject_header() {
+    let up = Upstream::counting().await;
+    let gw = gateway(&up.url(), PAYMENTS).await;
+    let http = Http::new(gw.addr());
+    for (method, path) in [("POST", "/payments"), ("GET", "/elsewhere")] {
+        let got = http
+            .request(method, path)
+            .header("idempotency-key", "subject-spoof")
+            .header("x-client-cert-subject", "CN=alice")
+            .header("x_client_cert_subject", "CN=alice")
+            .header("x-twenty-one-bytes-ok", "kept")
+            .json("{}")
+            .send()
+            .await;
+        assert!(got.status.is_success(), "{got:?}");
+        let seen = up.arrival_at(path).await;
+        assert!(
+            seen.headers.get("x-client-cert-subject").is_none(),
+            "{seen:?}"
+        );
+        assert!(
+            seen.headers.get("x_client_cert_subject").is_none(),
+            "{seen:?}"
+        );
+        assert_eq!(seen.headers["x-twenty-one-bytes-ok"], "kept");
+    }
+}
