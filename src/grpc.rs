@@ -26,7 +26,6 @@ pub enum Code {
     Unknown = 2,
     InvalidArgument = 3,
     DeadlineExceeded = 4,
-    PermissionDenied = 7,
     ResourceExhausted = 8,
     FailedPrecondition = 9,
     Aborted = 10,
@@ -52,11 +51,7 @@ fn is_grpc_type(content_type: &HeaderValue) -> bool {
 /// streamed past), its own status: the call ran.
 pub fn effective_status(response: &StoredResponse) -> u16 {
     let status = response.status.as_u16();
-    let grpc = response
-        .headers
-        .iter()
-        .any(|(n, v)| n == header::CONTENT_TYPE && is_grpc_type(v));
-    if status != 200 || !grpc {
+    if status != 200 || !is_grpc_answer(response) {
         return status;
     }
     // In the trailers, or in the head of a Trailers-Only answer.
@@ -68,7 +63,7 @@ pub fn effective_status(response: &StoredResponse) -> u16 {
 
 /// The `grpc-status` of a gRPC answer: in its trailers, or in the head of a Trailers-Only one.
 /// One that is there but not a number reads as 2 (UNKNOWN).
-pub fn grpc_status(response: &StoredResponse) -> Option<u16> {
+fn grpc_status(response: &StoredResponse) -> Option<u16> {
     let (_, value) = response
         .trailers
         .iter()
@@ -89,11 +84,16 @@ pub fn grpc_status(response: &StoredResponse) -> Option<u16> {
 pub fn ended_without_status(response: &StoredResponse) -> bool {
     response.body_kept
         && response.status == StatusCode::OK
-        && response
-            .headers
-            .iter()
-            .any(|(n, v)| n == header::CONTENT_TYPE && is_grpc_type(v))
+        && is_grpc_answer(response)
         && grpc_status(response).is_none()
+}
+
+/// A stored answer with a gRPC content type.
+fn is_grpc_answer(response: &StoredResponse) -> bool {
+    response
+        .headers
+        .iter()
+        .any(|(n, v)| n == header::CONTENT_TYPE && is_grpc_type(v))
 }
 
 /// google.rpc.Code to HTTP, as in google/rpc/code.proto.

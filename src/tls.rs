@@ -114,8 +114,7 @@ impl ListenerTls {
     /// certificate in use stays.
     pub fn reload(&self) -> Result<(), ListenerTlsError> {
         let (loaded, digest) = load(&self.cert, &self.key, &self.provider)?;
-        self.current.0.store(Arc::new(loaded));
-        *self.loaded.lock().unwrap_or_else(PoisonError::into_inner) = digest;
+        self.install(loaded, digest);
         Ok(())
     }
 
@@ -127,9 +126,14 @@ impl ListenerTls {
             return Ok(false);
         }
         let loaded = parse(&self.cert, &self.key, &cert, &key, &self.provider)?;
+        self.install(loaded, digest);
+        Ok(true)
+    }
+
+    /// Presents `loaded` to the next handshakes, and remembers which files it came from.
+    fn install(&self, loaded: CertifiedKey, digest: [u8; 32]) {
         self.current.0.store(Arc::new(loaded));
         *self.loaded.lock().unwrap_or_else(PoisonError::into_inner) = digest;
-        Ok(true)
     }
 }
 
