@@ -15,6 +15,7 @@ use tokio_util::sync::CancellationToken;
 use crate::body::{self, Body};
 use crate::config::Deadlines;
 use crate::conn::{self, ClientBody};
+use crate::consumer::BrokerHealth;
 use crate::gateway::Gateway;
 use crate::store::{Readiness, StoreError, StoreOp};
 
@@ -27,7 +28,13 @@ const MAX_CONNECTIONS: usize = 64;
 
 /// Serves admin requests until the task is aborted, each connection under the same deadlines as
 /// the traffic port's.
-pub async fn serve(listener: TcpListener, gateway: Arc<Gateway>, deadlines: Deadlines) {
+/// `brokers`: the consumers' brokers, each of which must be reachable for `/readyz`.
+pub async fn serve(
+    listener: TcpListener,
+    gateway: Arc<Gateway>,
+    brokers: Arc<[Arc<BrokerHealth>]>,
+    deadlines: Deadlines,
+) {
     let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
     // Admin connections are not drained at shutdown: the task is aborted.
     let never = CancellationToken::new();
@@ -41,12 +48,14 @@ pub async fn serve(listener: TcpListener, gateway: Arc<Gateway>, deadlines: Dead
             continue;
         };
         let gw = Arc::clone(&gateway);
+        let brokers = Arc::clone(&brokers);
         let builder = builder.clone();
         let never = never.clone();
         tokio::spawn(async move {
             let handler = move |req| {
                 let gw = Arc::clone(&gw);
-                async move { handle(&gw, req).await }
+                let brokers = Arc::clone(&brokers);
+                async move { handle(&gw, &brokers, req).await }
             };
             conn::serve(stream, &builder, deadlines, &never, handler).await;
             drop(slot);
@@ -54,7 +63,11 @@ pub async fn serve(listener: TcpListener, gateway: Arc<Gateway>, deadlines: Dead
     }
 }
 
-async fn handle(gw: &Gateway, req: Request<ClientBody>) -> Response<Body> {
+async fn handle(
+    gw: &Gateway,
+    brokers: &[Arc<BrokerHealth>],
+    req: Request<ClientBody>,
+) -> Response<Body> {
     if req.method() != Method::GET && req.method() != Method::HEAD {
         return text(StatusCode::METHOD_NOT_ALLOWED, "use GET\n");
     }
@@ -64,6 +77,12 @@ async fn handle(gw: &Gateway, req: Request<ClientBody>) -> Response<Body> {
         "/readyz" => {
             if gw.is_shutting_down() {
                 return text(StatusCode::SERVICE_UNAVAILABLE, "shutting down\n");
+            }
+            if let Some(b) = brokers.iter().find(|b| !b.is_reachable()) {
+                return owned_text(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    format!("consumer {:?}: broker unreachable\n", b.consumer),
+                );
             }
             let started = tokio::time::Instant::now();
             let ping = tokio::time::timeout(READY_TIMEOUT, gw.store().ping()).await;

@@ -130,7 +130,7 @@ pub struct Gateway {
     routing: ArcSwap<Routing>,
     /// The store as opened: for readiness and for making each worker's handle.
     store: Arc<dyn Store>,
-    core: Core,
+    core: Arc<Core>,
     /// For the upstream pools the workers create ([`Gateway::worker_context`]).
     connect_timeout: Duration,
     /// The cap on connections per upstream that every worker's pool shares.
@@ -179,7 +179,7 @@ impl Gateway {
             budget: Budget::new(max_buffered, metrics.buffered()),
             routing: ArcSwap::from_pointee(routing),
             store,
-            core: Core::new(Arc::clone(&metrics)),
+            core: Arc::new(Core::new(Arc::clone(&metrics))),
             connect_timeout,
             metrics,
             shutting_down: AtomicBool::new(false),
@@ -217,6 +217,21 @@ impl Gateway {
 
     pub fn is_shutting_down(&self) -> bool {
         self.shutting_down.load(Ordering::SeqCst)
+    }
+
+    /// The idempotency core, for the other fronts (the broker consumers).
+    pub fn core(&self) -> &Arc<Core> {
+        &self.core
+    }
+
+    /// A new upstream pool on the gateway's connection caps and TLS, for a front of its own
+    /// (each consumer has one, on the runtime that uses it).
+    pub fn upstream_pool(&self) -> UpstreamPool {
+        UpstreamPool::new(
+            self.connect_timeout,
+            Arc::clone(&self.upstream_limits),
+            Arc::clone(&self.upstream_tls),
+        )
     }
 
     /// Owner executions still running (detached from their clients).

@@ -26,8 +26,10 @@
 //! - [`signature`] - webhook senders' signatures, verified before a delivery claims its key.
 //! - [`quota`] - records stored per client scope, so no client can fill the store for others.
 //! - [`waiting`] - duplicates waiting on one key: a capped room, one store read for all.
-//! - [`gateway`] - the HTTP front on the core, phase by phase. A new kind of front (a broker
-//!   consumer) goes beside it, on the same core.
+//! - [`gateway`] - the HTTP front on the core, phase by phase.
+//! - [`consumer`] - the broker front on the same core: `[[consumers]]` read a Redis stream and
+//!   deliver each message to a handler once, acknowledging it only once its result is stored.
+//!   A new broker is one [`consumer::Source`].
 //! - [`problem`] - every response the gateway makes itself (RFC 9457), in one place.
 //! - [`conn`] - one client connection under a deadline in every phase (slow and idle clients).
 //! - [`tls`] - TLS on the traffic listener, its certificate reloaded on SIGHUP and when its
@@ -42,6 +44,7 @@ pub mod body;
 pub mod cli;
 pub mod config;
 pub mod conn;
+pub mod consumer;
 pub mod fingerprint;
 pub mod gateway;
 pub mod grpc;

@@ -14,6 +14,9 @@
 //! - `idemgate_records_purged_total`: expired records removed by an embedded store.
 //! - `idemgate_store_syncs_total`: durable commits (fsyncs) of the disk store; divided by the
 //!   requests, the fsyncs per request (below 1 under concurrent load: group commit).
+//! - `idemgate_consumer_messages_total{consumer, outcome}`, `idemgate_consumer_handler_duration_seconds{consumer}`,
+//!   `idemgate_consumer_pending{consumer}`: the broker consumers ([`crate::consumer`]); outcome
+//!   is one of the [`ConsumerOutcome`] names.
 
 use std::sync::atomic::Ordering;
 use std::sync::OnceLock;
@@ -121,6 +124,66 @@ struct OpLabel {
     op: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ConsumerLabel {
+    consumer: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ConsumerLabels {
+    consumer: String,
+    outcome: &'static str,
+}
+
+/// What became of one delivery of a broker message (the `outcome` label of
+/// `idemgate_consumer_messages_total`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConsumerOutcome {
+    /// The handler ran it, its answer was stored, and the message was acknowledged.
+    Delivered,
+    /// A duplicate (a producer's retry, a redelivery): the stored answer stood for it, and it
+    /// was acknowledged without reaching the handler.
+    Deduplicated,
+    /// The handler failed (or could not be reached, or the store): to be tried again.
+    Retried,
+    /// Moved to the dead-letter stream with its reason, then acknowledged.
+    DeadLettered,
+}
+
+impl ConsumerOutcome {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ConsumerOutcome::Delivered => "delivered",
+            ConsumerOutcome::Deduplicated => "deduplicated",
+            ConsumerOutcome::Retried => "retried",
+            ConsumerOutcome::DeadLettered => "dead_lettered",
+        }
+    }
+}
+
+/// One consumer's series, made once when it starts.
+#[derive(Clone)]
+pub struct ConsumerMetrics {
+    messages: [Counter; 4],
+    handler: Histogram,
+    pending: Gauge,
+}
+
+impl ConsumerMetrics {
+    pub fn count(&self, outcome: ConsumerOutcome) {
+        self.messages[outcome as usize].inc();
+    }
+
+    pub fn handler(&self, took: Duration) {
+        self.handler.observe(took.as_secs_f64());
+    }
+
+    /// Entries read but not acknowledged yet, in the whole group (every instance's).
+    pub fn set_pending(&self, pending: u64) {
+        self.pending.set(i64::try_from(pending).unwrap_or(i64::MAX));
+    }
+}
+
 type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
 
 /// One route's series, taken from the families on first use and kept: a family lookup hashes
@@ -172,6 +235,9 @@ pub struct Metrics {
     records_purged: Counter,
     store_syncs: Counter,
     eviction_risk: Family<PolicyLabel, Gauge>,
+    consumer_messages: Family<ConsumerLabels, Counter>,
+    consumer_handler: HistogramFamily<ConsumerLabel>,
+    consumer_pending: Family<ConsumerLabel, Gauge>,
     /// Requests outside any route.
     unrouted: RouteMetrics,
     store_ops: [OnceLock<Histogram>; StoreOp::COUNT],
@@ -272,8 +338,30 @@ impl Metrics {
             "1 while Redis's maxmemory-policy (the label) can evict live records, 0 under noeviction; absent until read, and where it cannot be",
             eviction_risk.clone(),
         );
+        let consumer_messages = Family::<ConsumerLabels, Counter>::default();
+        let consumer_handler: HistogramFamily<ConsumerLabel> =
+            Family::new_with_constructor(latency_histogram);
+        let consumer_pending = Family::<ConsumerLabel, Gauge>::default();
+        registry.register(
+            "consumer_messages",
+            "Broker messages by consumer and outcome (delivered, deduplicated, retried, dead_lettered)",
+            consumer_messages.clone(),
+        );
+        registry.register(
+            "consumer_handler_duration_seconds",
+            "Time to the handler's complete answer, per consumer",
+            consumer_handler.clone(),
+        );
+        registry.register(
+            "consumer_pending",
+            "Entries the consumer group has read but not acknowledged (every instance's)",
+            consumer_pending.clone(),
+        );
         Metrics {
             eviction_risk,
+            consumer_messages,
+            consumer_handler,
+            consumer_pending,
             registry,
             requests,
             upstream_seconds,
@@ -290,6 +378,31 @@ impl Metrics {
             store_syncs,
             unrouted: RouteMetrics::new(""),
             store_ops: Default::default(),
+        }
+    }
+
+    /// The series of one consumer, created (at zero) now.
+    pub fn consumer(&self, consumer: &str) -> ConsumerMetrics {
+        let count = |outcome: ConsumerOutcome| {
+            self.consumer_messages
+                .get_or_create(&ConsumerLabels {
+                    consumer: consumer.to_string(),
+                    outcome: outcome.as_str(),
+                })
+                .clone()
+        };
+        let label = ConsumerLabel {
+            consumer: consumer.to_string(),
+        };
+        ConsumerMetrics {
+            messages: [
+                count(ConsumerOutcome::Delivered),
+                count(ConsumerOutcome::Deduplicated),
+                count(ConsumerOutcome::Retried),
+                count(ConsumerOutcome::DeadLettered),
+            ],
+            handler: self.consumer_handler.get_or_create(&label).clone(),
+            pending: self.consumer_pending.get_or_create(&label).clone(),
         }
     }
 

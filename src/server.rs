@@ -28,7 +28,9 @@ use crate::config::{Config, Deadlines, ServerConfig, CLIENT_SUBJECT_HEADER};
 const CLIENT_SUBJECT_UNDERSCORED: &str = "x_client_cert_subject";
 const SUBJECT_LEN: usize = CLIENT_SUBJECT_HEADER.len();
 const _: () = assert!(CLIENT_SUBJECT_UNDERSCORED.len() == SUBJECT_LEN);
+use crate::config::ConsumerConfig;
 use crate::conn::{self, ClientBody};
+use crate::consumer::{self as consumers, BrokerHealth, ConsumerError, RedisStream};
 use crate::gateway::{ClientConn, Gateway, Routing, WorkerContext};
 use crate::metrics::Metrics;
 use crate::store;
@@ -51,6 +53,8 @@ pub enum ServerError {
     UpstreamTls(#[from] TlsSetupError),
     #[error("{0}")]
     ListenerTls(#[from] ListenerTlsError),
+    #[error("{0}")]
+    Consumer(#[from] ConsumerError),
 }
 
 /// A bound, not yet serving gateway.
@@ -59,6 +63,8 @@ pub struct Server {
     admin: Option<TcpListener>,
     gateway: Arc<Gateway>,
     settings: ServerConfig,
+    /// `[[consumers]]` and their sources, started with the workers.
+    consumers: Vec<(ConsumerConfig, RedisStream)>,
     /// TLS on the traffic listener, when configured.
     tls: Option<Arc<ListenerTls>>,
 }
@@ -96,6 +102,8 @@ impl Server {
             UpstreamTlsConnector::new(&config.upstream_tls)?,
             config.server.max_buffered,
         ));
+        let sources = consumers::sources(&config.consumers)?;
+        let consumers = config.consumers.into_iter().zip(sources).collect();
         let tls = match &config.server.tls {
             Some((cert, key)) => Some(Arc::new(ListenerTls::new(
                 cert,
@@ -109,6 +117,7 @@ impl Server {
             admin,
             gateway,
             settings: config.server,
+            consumers,
             tls,
         })
     }
@@ -139,6 +148,7 @@ impl Server {
             admin,
             gateway,
             settings,
+            consumers,
             tls,
         } = self;
         // Every worker thread holds a `done` sender: `all_done` ends when the last one has stopped.
@@ -181,6 +191,31 @@ impl Server {
             }
         }
 
+        // The consumers run on this runtime, beside the acceptor, each with its own pool and
+        // store handle; readiness waits for each broker to answer.
+        let stop_consumers = CancellationToken::new();
+        let mut brokers = Vec::with_capacity(consumers.len());
+        let mut consumer_tasks = Vec::with_capacity(consumers.len());
+        for (config, source) in consumers {
+            let health = BrokerHealth::new(&config.name);
+            brokers.push(Arc::clone(&health));
+            tracing::info!(consumer = %config.name, name = source.consumer_name(), "consumer starting");
+            let ctx = consumers::Context {
+                core: Arc::clone(gateway.core()),
+                store: gateway.store().for_worker(),
+                metrics: Arc::clone(gateway.metrics()),
+                pool: gateway.upstream_pool(),
+            };
+            consumer_tasks.push(tokio::spawn(consumers::run(
+                config,
+                source,
+                ctx,
+                health,
+                stop_consumers.clone(),
+                settings.shutdown_grace,
+            )));
+        }
+        let brokers: Arc<[Arc<BrokerHealth>]> = brokers.into();
         let admin_task = admin.map(|l| {
             if let Ok(addr) = l.local_addr() {
                 tracing::info!(%addr, "admin listening (/healthz /readyz /metrics)");
@@ -188,6 +223,7 @@ impl Server {
             tokio::spawn(crate::admin::serve(
                 l,
                 Arc::clone(&gateway),
+                Arc::clone(&brokers),
                 settings.deadlines,
             ))
         });
@@ -201,12 +237,17 @@ impl Server {
         // Readiness turns false first, so load balancers stop sending while we drain.
         gateway.begin_shutdown();
         tracing::info!(grace = ?settings.shutdown_grace, "shutting down: draining connections");
-        // Closing the hand-off channels tells each worker to drain.
+        // Closing the hand-off channels tells each worker to drain; the consumers stop reading
+        // and finish the messages they hold.
         drop(workers);
+        stop_consumers.cancel();
         // Owner executions may still start while connections drain; closing the tracker only
         // lets `wait` finish once none is left.
         gateway.tasks().close();
         let _ = all_done.recv().await;
+        for task in consumer_tasks {
+            let _ = task.await;
+        }
         if !gateway.tasks().is_empty() {
             tracing::warn!(
                 running = gateway.tasks().len(),

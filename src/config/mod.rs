@@ -75,14 +75,57 @@ pub struct Config {
     /// `[defaults]` over the built-ins: what pass-through traffic outside any route uses.
     pub defaults: Policy,
     pub routes: Vec<RouteConfig>,
+    /// `[[consumers]]`: broker messages delivered to a handler through the same core.
+    pub consumers: Vec<ConsumerConfig>,
+}
+
+/// One `[[consumers]]` entry, validated ([`crate::consumer`]).
+#[derive(Debug, Clone)]
+pub struct ConsumerConfig {
+    /// Part of every stored key (as a route's name is), and the metrics' `consumer` label.
+    pub name: String,
+    pub source: SourceConfig,
+    /// Where each message is POSTed: the whole URL, path included.
+    pub handler: UpstreamUrl,
+    /// The message's key: entry fields (as [`KeySource::headers`]) and JSON pointers.
+    pub key: KeySource,
+    pub check_fingerprint: bool,
+    /// The entry field that holds the handler's request body.
+    pub body_field: String,
+    pub content_type: http::HeaderValue,
+    /// Messages handled at once; no more are read while this many are.
+    pub concurrency: usize,
+    /// Deliveries of one message before it goes to the dead-letter stream.
+    pub max_attempts: u64,
+    /// The first retry's delay; doubled at each retry up to `max_backoff`, with jitter.
+    pub backoff: Duration,
+    pub max_backoff: Duration,
+    pub policy: Policy,
+}
+
+/// Where a consumer reads.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SourceConfig {
+    /// A Redis stream, read by a consumer group (XREADGROUP), entries acknowledged with XACK.
+    RedisStream {
+        stream: String,
+        group: String,
+        /// The Redis: `[store]`'s unless `url` is given.
+        redis: RedisSettings,
+        /// Where failed entries go, with their reason (`<stream>:dead` by default).
+        dead_letter: String,
+        /// Entries unacknowledged this long were left by a consumer that died: taken over.
+        claim_idle: Duration,
+    },
 }
 
 impl Config {
-    /// The shortest `upstream_timeout` of any route or the defaults.
+    /// The shortest `upstream_timeout` of any route, consumer or the defaults.
     pub fn shortest_upstream_timeout(&self) -> Duration {
         self.routes
             .iter()
             .map(|r| r.policy.upstream_timeout)
+            .chain(self.consumers.iter().map(|c| c.policy.upstream_timeout))
             .fold(self.defaults.upstream_timeout, Duration::min)
     }
 }

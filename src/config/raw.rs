@@ -14,6 +14,54 @@ pub(super) struct RawConfig {
     pub(super) defaults: RawPolicy,
     #[serde(default)]
     pub(super) routes: Vec<toml::Table>,
+    #[serde(default)]
+    pub(super) consumers: Vec<RawConsumer>,
+}
+
+/// One `[[consumers]]` entry.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawConsumer {
+    pub(super) name: Option<String>,
+    pub(super) source: Option<RawSource>,
+    pub(super) handler: Option<String>,
+    pub(super) protocol: Option<String>,
+    pub(super) key: Option<RawMessageKey>,
+    pub(super) check_fingerprint: Option<bool>,
+    pub(super) body_field: Option<String>,
+    pub(super) content_type: Option<String>,
+    pub(super) concurrency: Option<i64>,
+    pub(super) max_attempts: Option<i64>,
+    pub(super) backoff: Option<String>,
+    pub(super) max_backoff: Option<String>,
+    // The policy keys that mean something for a message (the rest are about HTTP clients).
+    pub(super) ttl: Option<String>,
+    pub(super) lock_timeout: Option<String>,
+    pub(super) wait: Option<String>,
+    pub(super) max_body: Option<RawSize>,
+    pub(super) max_stored_response: Option<RawSize>,
+    pub(super) upstream_timeout: Option<String>,
+    pub(super) store_server_errors: Option<bool>,
+    pub(super) on_unknown: Option<String>,
+}
+
+/// `source = { redis_stream = "orders", group = "idemgate" }`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawSource {
+    pub(super) redis_stream: Option<String>,
+    pub(super) group: Option<String>,
+    pub(super) url: Option<String>,
+    pub(super) dead_letter: Option<String>,
+    pub(super) claim_idle: Option<String>,
+}
+
+/// A consumer's `key`: JSON pointers into the body and/or fields of the entry.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawMessageKey {
+    pub(super) field: Option<OneOrMany>,
+    pub(super) json: Option<OneOrMany>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -810,3 +810,141 @@ fn each_upstream_has_one_protocol() {
     ));
     assert_eq!(field, "server.tls_recheck");
 }
+
+const REDIS_STORE: &str = r#"
+[store]
+backend = "redis"
+url = "redis://127.0.0.1:6390"
+"#;
+
+fn consumer(store: &str, table: &str) -> Result<Config, ConfigError> {
+    with(&format!("{store}\n[[consumers]]\n{table}"))
+}
+
+const ORDERS: &str = r#"
+name = "orders"
+source = { redis_stream = "orders" }
+handler = "http://127.0.0.1:3000/orders"
+key = { json = "/messageId" }
+"#;
+
+#[test]
+fn a_consumer_gets_the_documented_defaults_and_the_store_s_redis() {
+    let c = consumer(REDIS_STORE, ORDERS).unwrap();
+    let k = &c.consumers[0];
+    assert_eq!(k.name, "orders");
+    assert_eq!(k.handler.to_string(), "http://127.0.0.1:3000/orders");
+    assert_eq!(k.key.pointers, vec!["/messageId".to_string()]);
+    assert_eq!((k.concurrency, k.max_attempts), (16, 5));
+    assert_eq!(k.backoff, Duration::from_secs(1));
+    assert_eq!(k.max_backoff, Duration::from_secs(60));
+    assert_eq!(k.body_field, "body");
+    assert_eq!(k.content_type, "application/json");
+    assert_eq!(k.policy.on_store_error, OnStoreError::Reject);
+    let SourceConfig::RedisStream {
+        stream,
+        group,
+        redis,
+        dead_letter,
+        claim_idle,
+    } = &k.source;
+    assert_eq!((stream.as_str(), group.as_str()), ("orders", "idemgate"));
+    assert_eq!(dead_letter, "orders:dead");
+    assert_eq!(*claim_idle, Duration::from_secs(60));
+    assert_eq!(
+        redis.target,
+        RedisTarget::Single("redis://127.0.0.1:6390".into())
+    );
+}
+
+#[test]
+fn a_consumer_key_names_entry_fields() {
+    let c = consumer(
+        REDIS_STORE,
+        &ORDERS.replace(
+            r#"{ json = "/messageId" }"#,
+            r#"{ field = ["source", "messageId"] }"#,
+        ),
+    )
+    .unwrap();
+    let names: Vec<&str> = c.consumers[0]
+        .key
+        .headers
+        .iter()
+        .map(|h| h.as_str())
+        .collect();
+    assert_eq!(names, ["source", "messageid"]);
+}
+
+#[test]
+fn a_consumer_without_redis_or_with_bad_values_is_refused() {
+    // The disk store has no stream: the consumer must name its Redis.
+    let (field, _) = invalid_field(consumer("", ORDERS));
+    assert_eq!(field, "consumers[0].source.url");
+    let ok = ORDERS.replace(
+        r#"{ redis_stream = "orders" }"#,
+        r#"{ redis_stream = "orders", url = "redis://10.0.0.1:6379" }"#,
+    );
+    assert!(consumer("", &ok).is_ok());
+    for (table, bad) in [
+        (
+            ORDERS.replace("key = { json = \"/messageId\" }", "key = {}"),
+            "consumers[0].key",
+        ),
+        (
+            ORDERS.replace("\"/messageId\"", "\"messageId\""),
+            "consumers[0].key.json",
+        ),
+        (
+            format!("{ORDERS}concurrency = 0"),
+            "consumers[0].concurrency",
+        ),
+        (
+            format!("{ORDERS}max_attempts = 100000"),
+            "consumers[0].max_attempts",
+        ),
+        (
+            format!("{ORDERS}backoff = \"10s\"\nmax_backoff = \"1s\""),
+            "consumers[0].max_backoff",
+        ),
+        (
+            ORDERS.replace(
+                r#"{ redis_stream = "orders" }"#,
+                r#"{ redis_stream = "orders", dead_letter = "orders" }"#,
+            ),
+            "consumers[0].source.dead_letter",
+        ),
+        (
+            ORDERS.replace(
+                r#"{ redis_stream = "orders" }"#,
+                r#"{ redis_stream = "orders", claim_idle = "10ms" }"#,
+            ),
+            "consumers[0].source.claim_idle",
+        ),
+        (
+            ORDERS.replace("http://127.0.0.1:3000/orders", "ftp://x/orders"),
+            "consumers[0].handler",
+        ),
+    ] {
+        let (field, _) = invalid_field(consumer(REDIS_STORE, &table));
+        assert_eq!(field, bad, "{table}");
+    }
+    let twice = format!("{ORDERS}\n[[consumers]]\n{ORDERS}");
+    let (field, value) = invalid_field(consumer(REDIS_STORE, &twice));
+    assert_eq!(
+        (field.as_str(), value.as_str()),
+        ("consumers[1].name", "orders")
+    );
+    // Keys that mean nothing for a message are refused, not ignored.
+    assert!(matches!(
+        consumer(
+            REDIS_STORE,
+            &format!("{ORDERS}client_header = \"x-tenant\"")
+        ),
+        Err(ConfigError::Syntax(_))
+    ));
+    assert!(matches!(
+        consumer(REDIS_STORE, &ORDERS.replace("name = \"orders\"\n", "")),
+        Err(ConfigError::Missing { .. })
+    ));
+}

@@ -9,14 +9,14 @@ use std::time::Duration;
 use http::{HeaderName, Method, StatusCode};
 
 use super::raw::{
-    OneOrMany, RawConfig, RawKey, RawPolicy, RawRouteOwn, RawServer, RawSignature, RawSize,
-    RawStore, ROUTE_OWN_KEYS,
+    OneOrMany, RawConfig, RawConsumer, RawKey, RawPolicy, RawRouteOwn, RawServer, RawSignature,
+    RawSize, RawStore, ROUTE_OWN_KEYS,
 };
 use super::{
-    redact_url, Config, ConfigError, Deadlines, DiskSettings, OnStoreError, OnUnknown, Policy,
-    RedisSettings, RedisTarget, RouteConfig, Secret, ServerConfig, SignatureConfig,
-    SignatureScheme, StoreConfig, SyncMode, UpstreamProtocol, UpstreamTls, UpstreamUrl,
-    CLIENT_SUBJECT_HEADER,
+    redact_url, Config, ConfigError, ConsumerConfig, Deadlines, DiskSettings, OnStoreError,
+    OnUnknown, Policy, RedisSettings, RedisTarget, RouteConfig, Secret, ServerConfig,
+    SignatureConfig, SignatureScheme, SourceConfig, StoreConfig, SyncMode, UpstreamProtocol,
+    UpstreamTls, UpstreamUrl, CLIENT_SUBJECT_HEADER,
 };
 use crate::fingerprint::IgnoredFields;
 use crate::key::KeySource;
@@ -106,6 +106,31 @@ impl RawConfig {
                 ));
             }
         }
+        let mut consumers = Vec::with_capacity(self.consumers.len());
+        for (index, raw) in self.consumers.into_iter().enumerate() {
+            let consumer = validate_consumer(index, raw, &defaults, &store)?;
+            if consumer.policy.max_body > server.max_buffered {
+                return Err(ConfigError::invalid(
+                    format!("consumers[{index}].max_body"),
+                    consumer.policy.max_body.to_string(),
+                    format!(
+                        "at most server.max_buffered ({} bytes)",
+                        server.max_buffered
+                    ),
+                ));
+            }
+            if consumers
+                .iter()
+                .any(|c: &ConsumerConfig| c.name == consumer.name)
+            {
+                return Err(ConfigError::invalid(
+                    format!("consumers[{index}].name"),
+                    consumer.name,
+                    "a name no other consumer has (it is part of every stored key)",
+                ));
+            }
+            consumers.push(consumer);
+        }
         let upstream_tls = validate_upstream_tls(
             raw_upstream.tls_ca_file,
             raw_upstream.tls_client_cert,
@@ -136,8 +161,209 @@ impl RawConfig {
             upstream_tls,
             defaults,
             routes,
+            consumers,
         })
     }
+}
+
+/// Most messages one consumer handles at once.
+const MAX_CONCURRENCY: i64 = 4096;
+/// Most deliveries of one message before it is dead-lettered.
+const MAX_ATTEMPTS: i64 = 1000;
+
+fn validate_consumer(
+    index: usize,
+    raw: RawConsumer,
+    defaults: &Policy,
+    store: &StoreConfig,
+) -> Result<ConsumerConfig, ConfigError> {
+    let at = |f: &str| format!("consumers[{index}].{f}");
+    let name = match raw.name {
+        None => return Err(ConfigError::Missing { field: at("name") }),
+        Some(n) if n.is_empty() || n.len() > 128 || n.chars().any(char::is_control) => {
+            return Err(ConfigError::invalid(
+                at("name"),
+                n,
+                "1 to 128 characters without control characters",
+            ))
+        }
+        Some(n) => n,
+    };
+    let handler = raw.handler.ok_or_else(|| ConfigError::Missing {
+        field: at("handler"),
+    })?;
+    let mut handler = UpstreamUrl::parse(&at("handler"), &handler)?;
+    if let Some(p) = &raw.protocol {
+        handler.protocol = UpstreamProtocol::parse(&at("protocol"), p)?;
+    }
+    let key = raw
+        .key
+        .ok_or_else(|| ConfigError::Missing { field: at("key") })?;
+    let key = validate_key_source(
+        &at("key"),
+        RawKey {
+            header: key.field,
+            json: key.json,
+        },
+    )
+    .map_err(|e| match e {
+        // The same rules as a route's key, with fields where a route has headers.
+        ConfigError::Invalid {
+            field,
+            value,
+            allowed,
+        } => ConfigError::Invalid {
+            field: field.replace(".header", ".field"),
+            value,
+            allowed: allowed.replace("{ header = \"webhook-id\" }", "{ field = \"messageId\" }"),
+        },
+        other => other,
+    })?;
+    let source = raw.source.ok_or_else(|| ConfigError::Missing {
+        field: at("source"),
+    })?;
+    let stream = source.redis_stream.ok_or_else(|| {
+        ConfigError::invalid(
+            at("source"),
+            "(no redis_stream)",
+            "{ redis_stream = \"orders\", group = \"idemgate\" }: the one source so far",
+        )
+    })?;
+    let stream_name = |field: &str, v: String| {
+        if v.is_empty() || v.len() > 256 || v.chars().any(char::is_control) {
+            Err(ConfigError::invalid(
+                at(field),
+                v,
+                "1 to 256 characters without control characters",
+            ))
+        } else {
+            Ok(v)
+        }
+    };
+    let stream = stream_name("source.redis_stream", stream)?;
+    let group = stream_name(
+        "source.group",
+        source.group.unwrap_or_else(|| "idemgate".to_string()),
+    )?;
+    let dead_letter = stream_name(
+        "source.dead_letter",
+        source
+            .dead_letter
+            .unwrap_or_else(|| format!("{stream}:dead")),
+    )?;
+    if dead_letter == stream {
+        return Err(ConfigError::invalid(
+            at("source.dead_letter"),
+            dead_letter,
+            "another stream than the one read",
+        ));
+    }
+    let redis = match (source.url, store) {
+        (Some(url), _) => RedisSettings {
+            target: RedisTarget::Single(validate_redis_url(&at("source.url"), url)?),
+            key_prefix: String::new(),
+            command_timeout: Duration::from_secs(5),
+            tls_ca_file: None,
+            require_noeviction: false,
+            tls_client: None,
+        },
+        (None, StoreConfig::Redis(settings)) if matches!(settings.target, RedisTarget::Single(_)) => {
+            settings.clone()
+        }
+        (None, _) => {
+            return Err(ConfigError::invalid(
+                at("source.url"),
+                "(none)",
+                "the Redis holding the stream (\"redis://host:6379\"); without it the [store]'s, which must then be a single Redis",
+            ))
+        }
+    };
+    let claim_idle = match &source.claim_idle {
+        Some(s) => parse_duration(&at("source.claim_idle"), s)?,
+        None => Duration::from_secs(60),
+    };
+    if claim_idle < Duration::from_millis(100) {
+        return Err(ConfigError::invalid(
+            at("source.claim_idle"),
+            humantime::format_duration(claim_idle).to_string(),
+            "at least 100ms: the gateway renews its claim every third of it",
+        ));
+    }
+    let body_field = raw.body_field.unwrap_or_else(|| "body".to_string());
+    let content_type = raw
+        .content_type
+        .unwrap_or_else(|| "application/json".to_string());
+    let content_type = http::HeaderValue::from_str(&content_type).map_err(|_| {
+        ConfigError::invalid(
+            at("content_type"),
+            &content_type,
+            "a media type such as \"application/json\"",
+        )
+    })?;
+    let int = |field: &str, v: Option<i64>, default: i64, max: i64| -> Result<i64, ConfigError> {
+        match v {
+            None => Ok(default),
+            Some(n) if (1..=max).contains(&n) => Ok(n),
+            Some(n) => Err(ConfigError::invalid(
+                at(field),
+                n.to_string(),
+                format!("from 1 to {max}"),
+            )),
+        }
+    };
+    let concurrency = int("concurrency", raw.concurrency, 16, MAX_CONCURRENCY)?;
+    let max_attempts = int("max_attempts", raw.max_attempts, 5, MAX_ATTEMPTS)?;
+    let backoff = match &raw.backoff {
+        Some(s) => parse_duration(&at("backoff"), s)?,
+        None => Duration::from_secs(1),
+    };
+    let max_backoff = match &raw.max_backoff {
+        Some(s) => parse_duration(&at("max_backoff"), s)?,
+        None => Duration::from_secs(60),
+    };
+    if max_backoff < backoff {
+        return Err(ConfigError::invalid(
+            at("max_backoff"),
+            humantime::format_duration(max_backoff).to_string(),
+            "at least backoff",
+        ));
+    }
+    let policy_raw = RawPolicy {
+        ttl: raw.ttl,
+        lock_timeout: raw.lock_timeout,
+        wait: raw.wait,
+        max_body: raw.max_body,
+        max_stored_response: raw.max_stored_response,
+        upstream_timeout: raw.upstream_timeout,
+        store_server_errors: raw.store_server_errors,
+        on_unknown: raw.on_unknown,
+        ..RawPolicy::default()
+    };
+    let mut policy = apply_policy(&format!("consumers[{index}]"), defaults, &policy_raw)?;
+    // A message is never handled without its key being kept: there is no client to tell.
+    policy.on_store_error = OnStoreError::Reject;
+    policy.require_key = true;
+    Ok(ConsumerConfig {
+        name,
+        source: SourceConfig::RedisStream {
+            stream,
+            group,
+            redis,
+            dead_letter,
+            claim_idle,
+        },
+        handler,
+        key,
+        check_fingerprint: raw.check_fingerprint.unwrap_or(true),
+        body_field,
+        content_type,
+        // Both within bounds checked above.
+        concurrency: usize::try_from(concurrency).unwrap_or(16),
+        max_attempts: u64::try_from(max_attempts).unwrap_or(5),
+        backoff,
+        max_backoff,
+        policy,
+    })
 }
 
 /// The parser's message and where, without the quoted source line: that line may hold a

@@ -1,0 +1,107 @@
+//! Phase `execute` for a message: one POST to the consumer's handler, its answer read in full
+//! (within `max_stored_response`) and stored like an HTTP route's.
+
+use bytes::Bytes;
+use http::{header, HeaderMap, HeaderValue, Method, Request, Uri};
+
+use crate::body::{self, Captured};
+use crate::config::{Policy, UpstreamUrl};
+use crate::idempotency::{Attempt, Execute};
+use crate::store::{StoredResponse, UnknownReason};
+use crate::upstream::{UpstreamError, UpstreamPool};
+
+/// One message's call to the handler.
+pub struct HandlerCall {
+    pub pool: UpstreamPool,
+    pub handler: UpstreamUrl,
+    pub policy: Policy,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+impl HandlerCall {
+    fn request(&self) -> Result<Request<body::Body>, http::Error> {
+        let scheme = if self.handler.tls { "https" } else { "http" };
+        let path = if self.handler.prefix.is_empty() {
+            "/"
+        } else {
+            self.handler.prefix.as_str()
+        };
+        let uri = Uri::builder()
+            .scheme(scheme)
+            .authority(self.handler.authority.clone())
+            .path_and_query(path)
+            .build()?;
+        let mut req = Request::builder()
+            .method(Method::POST)
+            .uri(uri)
+            .body(body::full(self.body.clone()))?;
+        *req.headers_mut() = self.headers.clone();
+        if let Ok(host) = HeaderValue::from_str(self.handler.authority.as_str()) {
+            req.headers_mut().insert(header::HOST, host);
+        }
+        Ok(req)
+    }
+}
+
+impl Execute for HandlerCall {
+    /// The handler's status.
+    type Output = u16;
+
+    async fn execute(self) -> Attempt<u16> {
+        let req = match self.request() {
+            Ok(r) => r,
+            Err(e) => return Attempt::NotSent(Box::new(e)),
+        };
+        let timeout = self.policy.upstream_timeout;
+        let exchange = async {
+            let (head, body) = self
+                .pool
+                .exchange(req, self.handler.protocol)
+                .await?
+                .into_parts();
+            let captured = body::capture(body, self.policy.max_stored_response)
+                .await
+                .map_err(|e| UpstreamError::Failed(Box::new(e)))?;
+            Ok::<_, UpstreamError>((head, captured))
+        };
+        let (head, captured) = match tokio::time::timeout(timeout, exchange).await {
+            Ok(Ok(answer)) => answer,
+            Ok(Err(UpstreamError::NotSent(e))) => return Attempt::NotSent(e),
+            Ok(Err(e)) => {
+                return Attempt::Unknown {
+                    reason: UnknownReason::Interrupted,
+                    error: Box::new(e),
+                }
+            }
+            Err(_) => {
+                return Attempt::Unknown {
+                    reason: UnknownReason::Timeout,
+                    error: format!("the handler did not answer within {timeout:?}").into(),
+                }
+            }
+        };
+        let status = head.status.as_u16();
+        let (body, body_kept) = match captured {
+            Captured::Complete(b, _) => (b, true),
+            // Too large to keep: it ran, and a duplicate gets the status alone.
+            Captured::TooLarge { .. } => (Bytes::new(), false),
+        };
+        let response = StoredResponse {
+            status: head.status,
+            headers: head
+                .headers
+                .iter()
+                .map(|(n, v)| (n.clone(), v.clone()))
+                .collect(),
+            trailers: Vec::new(),
+            body,
+            body_kept,
+            completed_ms: 0,
+        };
+        Attempt::Answered {
+            response,
+            output: status,
+        }
+    }
+}

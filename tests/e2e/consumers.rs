@@ -1,0 +1,387 @@
+//! `[[consumers]]` on a real `redis-server` stream, the real `idemgate` binary and a real
+//! handler: a message is applied once however often it is published or delivered, acknowledged
+//! only once its result is stored, retried with backoff, dead-lettered with its reason, and
+//! nothing is left pending at the end of any test.
+
+use std::collections::{BTreeSet, HashMap};
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use crate::support::redis::RedisServer;
+use crate::support::{admin_get, eventually_within, scrape, GatewayProcess, Reply, Upstream};
+
+const STREAM: &str = "orders";
+const GROUP: &str = "idemgate";
+
+/// A port free now, for the admin listener.
+fn free_addr() -> SocketAddr {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap()
+}
+
+/// A gateway on `redis` as its store, with one consumer of [`STREAM`] posting to `handler`.
+fn config(redis: &RedisServer, handler: &str, admin: SocketAddr, extra: &str) -> String {
+    format!(
+        r#"[server]
+listen = "127.0.0.1:0"
+admin = "{admin}"
+shutdown_grace = "5s"
+[store]
+backend = "redis"
+url = "{redis}"
+[upstream]
+url = "{handler}"
+[[consumers]]
+name = "orders"
+source = {{ redis_stream = "{STREAM}", group = "{GROUP}", claim_idle = "1s" }}
+handler = "{handler}/orders"
+key = {{ json = "/messageId" }}
+backoff = "50ms"
+max_backoff = "200ms"
+{extra}
+"#,
+        redis = redis.url()
+    )
+}
+
+fn publish(redis: &RedisServer, body: &str) -> String {
+    redis
+        .cli(&["XADD", STREAM, "*", "body", body])
+        .trim()
+        .to_string()
+}
+
+/// `XINFO GROUPS` of a stream as name -> field -> value.
+fn groups(redis: &RedisServer, stream: &str) -> HashMap<String, HashMap<String, String>> {
+    let out = redis.cli(&["XINFO", "GROUPS", stream]);
+    let lines: Vec<&str> = out.lines().collect();
+    let mut all = HashMap::new();
+    let mut current: HashMap<String, String> = HashMap::new();
+    for pair in lines.chunks(2) {
+        if let [k, v] = pair {
+            if *k == "name" && !current.is_empty() {
+                let name = current.get("name").cloned().unwrap_or_default();
+                all.insert(name, std::mem::take(&mut current));
+            }
+            current.insert((*k).to_string(), (*v).to_string());
+        }
+    }
+    if let Some(name) = current.get("name").cloned() {
+        all.insert(name, current);
+    }
+    all
+}
+
+/// The group has read `entries` entries and none is left unacknowledged.
+fn all_acked(redis: &RedisServer, entries: usize) -> bool {
+    groups(redis, STREAM).get(GROUP).is_some_and(|g| {
+        g.get("entries-read").map(String::as_str) == Some(&entries.to_string())
+            && g.get("pending").map(String::as_str) == Some("0")
+    })
+}
+
+async fn wait_all_acked(redis: &RedisServer, entries: usize) {
+    let done = eventually_within(Duration::from_secs(30), || async {
+        all_acked(redis, entries)
+    })
+    .await;
+    assert!(
+        done,
+        "the group did not read and acknowledge {entries} entries: {:?}",
+        groups(redis, STREAM)
+    );
+}
+
+/// The dead-letter stream's entries, each as field -> value (read one at a time: in redis-cli's
+/// raw output nothing tells where an entry ends).
+fn dead_letters(redis: &RedisServer) -> Vec<HashMap<String, String>> {
+    let mut entries = Vec::new();
+    let mut from = "-".to_string();
+    loop {
+        let out = redis.cli(&["XRANGE", "orders:dead", &from, "+", "COUNT", "1"]);
+        let mut lines = out.lines();
+        let Some(id) = lines.next().filter(|l| !l.is_empty()) else {
+            return entries;
+        };
+        let mut entry = HashMap::new();
+        while let (Some(k), Some(v)) = (lines.next(), lines.next()) {
+            entry.insert(k.to_string(), v.to_string());
+        }
+        entries.push(entry);
+        from = format!("({id}");
+    }
+}
+
+async fn metric(admin: SocketAddr, outcome: &str) -> f64 {
+    scrape(admin)
+        .await
+        .get(&format!(
+            "idemgate_consumer_messages_total{{consumer=\"orders\",outcome=\"{outcome}\"}}"
+        ))
+        .copied()
+        .unwrap_or(0.0)
+}
+
+/// The handler's executions, by the `messageId` of their bodies.
+fn applied(up: &Upstream) -> Vec<String> {
+    up.seen()
+        .iter()
+        .filter(|s| s.path_and_query == "/orders")
+        .filter_map(|s| {
+            let v: serde_json::Value = serde_json::from_slice(&s.body).ok()?;
+            Some(v["messageId"].as_str()?.to_string())
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_published_twice_is_applied_once_and_both_are_acknowledged() {
+    let redis = RedisServer::start();
+    let up = Upstream::counting().await;
+    let admin = free_addr();
+    let _gw = GatewayProcess::start(&config(&redis, &up.url(), admin, ""));
+    // A producer's retry: the same message, a second entry with a new stream id.
+    let body = r#"{"messageId": "m-1", "amount": 1000}"#;
+    publish(&redis, body);
+    publish(&redis, body);
+    wait_all_acked(&redis, 2).await;
+    assert_eq!(applied(&up), vec!["m-1"], "the handler ran once");
+    let seen = &up.seen()[0];
+    assert_eq!(seen.method, http::Method::POST);
+    assert_eq!(seen.headers["content-type"], "application/json");
+    // The key's parts combined: stable per message, for the handler's own inbox.
+    let key = seen.headers["idempotency-key"].to_str().unwrap();
+    assert!(
+        key.len() == 64 && key.bytes().all(|b| b.is_ascii_hexdigit()),
+        "{key}"
+    );
+    assert_eq!(seen.headers["idemgate-deliveries"], "1");
+    assert_eq!(metric(admin, "delivered").await, 1.0);
+    assert_eq!(metric(admin, "deduplicated").await, 1.0);
+    assert!(dead_letters(&redis).is_empty());
+    let (status, _) = admin_get(admin, "/readyz").await;
+    assert_eq!(status, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_failing_three_times_then_succeeding_is_applied_once() {
+    let redis = RedisServer::start();
+    let up = Upstream::start(|_, n| {
+        if n <= 3 {
+            Reply::json(503, r#"{"error":"busy"}"#)
+        } else {
+            Reply::json(201, r#"{"ok":true}"#)
+        }
+    })
+    .await;
+    let admin = free_addr();
+    let _gw = GatewayProcess::start(&config(&redis, &up.url(), admin, "max_attempts = 5"));
+    publish(&redis, r#"{"messageId": "m-2"}"#);
+    wait_all_acked(&redis, 1).await;
+    // Three 503s (each released its key), then the 201 that was stored.
+    assert_eq!(applied(&up).len(), 4);
+    let deliveries: Vec<String> = up
+        .seen()
+        .iter()
+        .map(|s| {
+            s.headers["idemgate-deliveries"]
+                .to_str()
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+    assert_eq!(deliveries, ["1", "2", "3", "4"], "each attempt counted");
+    assert_eq!(metric(admin, "retried").await, 3.0);
+    assert_eq!(metric(admin, "delivered").await, 1.0);
+    assert!(dead_letters(&redis).is_empty());
+    // The stored answer stands for the message from now on.
+    publish(&redis, r#"{"messageId": "m-2"}"#);
+    wait_all_acked(&redis, 2).await;
+    assert_eq!(applied(&up).len(), 4);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poison_message_is_dead_lettered_after_max_attempts_and_others_go_on() {
+    let redis = RedisServer::start();
+    let up = Upstream::start(|seen, _| {
+        if String::from_utf8_lossy(&seen.body).contains("poison") {
+            Reply::json(500, r#"{"error":"boom"}"#)
+        } else {
+            Reply::json(201, "{}")
+        }
+    })
+    .await;
+    let admin = free_addr();
+    let _gw = GatewayProcess::start(&config(&redis, &up.url(), admin, "max_attempts = 3"));
+    let poison = publish(&redis, r#"{"messageId": "m-3", "kind": "poison"}"#);
+    publish(&redis, r#"{"messageId": "m-4"}"#);
+    // No key: never delivered unchecked.
+    let keyless = publish(&redis, r#"{"amount": 1}"#);
+    wait_all_acked(&redis, 3).await;
+    let dead = dead_letters(&redis);
+    assert_eq!(dead.len(), 2, "{dead:?}");
+    let by_id = |id: &str| {
+        dead.iter()
+            .find(|d| d["idemgate-id"] == id)
+            .unwrap()
+            .clone()
+    };
+    let p = by_id(&poison);
+    assert!(p["idemgate-reason"].contains("500"), "{p:?}");
+    assert!(p["idemgate-reason"].contains("3 attempts"), "{p:?}");
+    assert_eq!(p["idemgate-deliveries"], "3");
+    assert_eq!(
+        p["body"], r#"{"messageId": "m-3", "kind": "poison"}"#,
+        "copied whole"
+    );
+    assert_eq!(p["idemgate-stream"], STREAM);
+    let k = by_id(&keyless);
+    assert!(k["idemgate-reason"].starts_with("missing-key"), "{k:?}");
+    assert_eq!(
+        applied(&up).iter().filter(|m| *m == "m-3").count(),
+        3,
+        "three attempts, then no more"
+    );
+    assert_eq!(applied(&up).iter().filter(|m| *m == "m-4").count(), 1);
+    assert_eq!(metric(admin, "dead_lettered").await, 2.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_while_the_handler_works_the_message_is_redelivered_and_not_applied_twice() {
+    let redis = RedisServer::start();
+    let (up, gate) = Upstream::gated().await;
+    let admin = free_addr();
+    let cfg = config(&redis, &up.url(), admin, "lock_timeout = \"1s\"");
+    let gw = GatewayProcess::start(&cfg);
+    publish(&redis, r#"{"messageId": "m-5"}"#);
+    up.next_arrival().await;
+    // Killed mid-call: nothing stored, nothing acknowledged.
+    gw.signal_and_wait("-KILL");
+    gate.add_permits(1);
+    assert!(
+        eventually_within(Duration::from_secs(5), || async {
+            groups(&redis, STREAM)[GROUP]["pending"] == "1"
+        })
+        .await
+    );
+    // The restarted instance is a new consumer: it claims the entry once it has been idle for
+    // claim_idle, finds the key's lease expired mid-call, and never calls the handler again.
+    let _gw = GatewayProcess::start(&cfg);
+    wait_all_acked(&redis, 1).await;
+    assert_eq!(applied(&up), vec!["m-5"], "applied once");
+    let dead = dead_letters(&redis);
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    assert!(
+        dead[0]["idemgate-reason"].starts_with("outcome-unknown"),
+        "{dead:?}"
+    );
+    assert_eq!(dead[0]["idemgate-deliveries"], "2");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_after_the_answer_was_stored_the_redelivery_replays() {
+    let redis = RedisServer::start();
+    let up = Upstream::counting().await;
+    let admin = free_addr();
+    // A message delivered again after its answer was stored (a lost acknowledgement, a
+    // consumer group rewound by an operator): played by rewinding the group after a kill.
+    let cfg = config(&redis, &up.url(), admin, "");
+    let gw = GatewayProcess::start(&cfg);
+    let id = publish(&redis, r#"{"messageId": "m-6"}"#);
+    wait_all_acked(&redis, 1).await;
+    gw.signal_and_wait("-KILL");
+    redis.cli(&["XGROUP", "SETID", STREAM, GROUP, "0"]);
+    let _gw = GatewayProcess::start(&cfg);
+    assert!(
+        eventually_within(Duration::from_secs(20), || async {
+            groups(&redis, STREAM)[GROUP]["pending"] == "0"
+                && groups(&redis, STREAM)[GROUP]["last-delivered-id"] == id
+        })
+        .await
+    );
+    assert_eq!(applied(&up), vec!["m-6"]);
+    assert!(dead_letters(&redis).is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_instances_in_one_group_apply_a_thousand_messages_with_duplicates_exactly_once() {
+    let redis = RedisServer::start();
+    let up = Upstream::counting().await;
+    let (a, b) = (free_addr(), free_addr());
+    let _one = GatewayProcess::start(&config(&redis, &up.url(), a, "concurrency = 32"));
+    let _two = GatewayProcess::start(&config(&redis, &up.url(), b, "concurrency = 32"));
+    // 1,000 entries: 800 messages, every fourth one published a second time.
+    let mut script = String::new();
+    let mut ids = BTreeSet::new();
+    for i in 0..800 {
+        let body = format!(r#"{{"messageId": "bulk-{i}", "n": {i}}}"#);
+        script.push_str(&format!("XADD {STREAM} * body '{body}'\n"));
+        if i % 4 == 0 {
+            script.push_str(&format!("XADD {STREAM} * body '{body}'\n"));
+        }
+        ids.insert(format!("bulk-{i}"));
+    }
+    let mut child = std::process::Command::new("redis-cli")
+        .args(["-h", "127.0.0.1", "-p", &redis.port.to_string()])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    use std::io::Write as _;
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(script.as_bytes())
+        .unwrap();
+    assert!(child.wait().unwrap().success());
+    wait_all_acked(&redis, 1000).await;
+    let applied = applied(&up);
+    assert_eq!(applied.len(), 800, "every message applied once");
+    assert_eq!(applied.iter().cloned().collect::<BTreeSet<_>>(), ids);
+    let delivered_a = metric(a, "delivered").await;
+    let delivered_b = metric(b, "delivered").await;
+    assert_eq!(delivered_a + delivered_b, 800.0);
+    assert!(
+        delivered_a > 0.0 && delivered_b > 0.0,
+        "both instances shared the work: {delivered_a} and {delivered_b}"
+    );
+    let dedup = metric(a, "deduplicated").await + metric(b, "deduplicated").await;
+    assert_eq!(dedup, 200.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_fails_while_the_broker_cannot_be_reached() {
+    let store = RedisServer::start();
+    let mut broker = RedisServer::start();
+    let up = Upstream::counting().await;
+    let admin = free_addr();
+    let extra = format!(
+        "source = {{ redis_stream = \"{STREAM}\", url = \"{}\" }}",
+        broker.url()
+    );
+    let cfg = config(&store, &up.url(), admin, "").replace(
+        &format!(
+            "source = {{ redis_stream = \"{STREAM}\", group = \"{GROUP}\", claim_idle = \"1s\" }}"
+        ),
+        &extra,
+    );
+    let _gw = GatewayProcess::start(&cfg);
+    let ready = || async { admin_get(admin, "/readyz").await };
+    assert!(eventually_within(Duration::from_secs(10), || async { ready().await.0 == 200 }).await);
+    broker.kill();
+    assert!(eventually_within(Duration::from_secs(10), || async { ready().await.0 == 503 }).await);
+    assert!(ready()
+        .await
+        .1
+        .contains("consumer \"orders\": broker unreachable"));
+    broker.restart();
+    assert!(eventually_within(Duration::from_secs(15), || async { ready().await.0 == 200 }).await);
+    broker.cli(&["XADD", STREAM, "*", "body", r#"{"messageId": "m-7"}"#]);
+    assert!(
+        eventually_within(Duration::from_secs(10), || async {
+            applied(&up) == ["m-7"]
+        })
+        .await
+    );
+}
