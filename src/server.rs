@@ -30,7 +30,7 @@ const SUBJECT_LEN: usize = CLIENT_SUBJECT_HEADER.len();
 const _: () = assert!(CLIENT_SUBJECT_UNDERSCORED.len() == SUBJECT_LEN);
 use crate::config::ConsumerConfig;
 use crate::conn::{self, ClientBody};
-use crate::consumer::{self as consumers, BrokerHealth, ConsumerError, RedisStream};
+use crate::consumer::{self as consumers, AnySource, BrokerHealth, ConsumerError};
 use crate::gateway::{ClientConn, Gateway, Routing, WorkerContext};
 use crate::metrics::Metrics;
 use crate::store;
@@ -64,7 +64,7 @@ pub struct Server {
     gateway: Arc<Gateway>,
     settings: ServerConfig,
     /// `[[consumers]]` and their sources, started with the workers.
-    consumers: Vec<(ConsumerConfig, RedisStream)>,
+    consumers: Vec<(ConsumerConfig, AnySource)>,
     /// TLS on the traffic listener, when configured.
     tls: Option<Arc<ListenerTls>>,
 }
@@ -199,7 +199,7 @@ impl Server {
         for (config, source) in consumers {
             let health = BrokerHealth::new(&config.name);
             brokers.push(Arc::clone(&health));
-            tracing::info!(consumer = %config.name, name = source.consumer_name(), "consumer starting");
+            tracing::info!(consumer = %config.name, source = %source.describe(), "consumer starting");
             let ctx = consumers::Context {
                 core: Arc::clone(gateway.core()),
                 store: gateway.store().for_worker(),

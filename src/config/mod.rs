@@ -117,6 +117,18 @@ pub enum SourceConfig {
         /// Entries unacknowledged this long were left by a consumer that died: taken over.
         claim_idle: Duration,
     },
+    /// A NATS JetStream stream, read by a durable pull consumer that every instance shares.
+    NatsStream {
+        url: String,
+        stream: String,
+        /// Only messages on this subject (a filter of the stream's subjects).
+        subject: Option<String>,
+        durable: String,
+        /// The subject failed messages are published to (a stream must capture it).
+        dead_letter: String,
+        /// A message unacknowledged this long is delivered again (to any instance).
+        ack_wait: Duration,
+    },
 }
 
 impl Config {

@@ -54,6 +54,10 @@ pub(super) struct RawSource {
     pub(super) url: Option<String>,
     pub(super) dead_letter: Option<String>,
     pub(super) claim_idle: Option<String>,
+    pub(super) nats_stream: Option<String>,
+    pub(super) subject: Option<String>,
+    pub(super) durable: Option<String>,
+    pub(super) ack_wait: Option<String>,
 }
 
 /// A consumer's `key`: JSON pointers into the body and/or fields of the entry.

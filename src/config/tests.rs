@@ -847,7 +847,10 @@ fn a_consumer_gets_the_documented_defaults_and_the_store_s_redis() {
         redis,
         dead_letter,
         claim_idle,
-    } = &k.source;
+    } = &k.source
+    else {
+        panic!("a Redis stream source: {:?}", k.source);
+    };
     assert_eq!((stream.as_str(), group.as_str()), ("orders", "idemgate"));
     assert_eq!(dead_letter, "orders:dead");
     assert_eq!(*claim_idle, Duration::from_secs(60));
@@ -929,6 +932,12 @@ fn a_consumer_without_redis_or_with_bad_values_is_refused() {
         let (field, _) = invalid_field(consumer(REDIS_STORE, &table));
         assert_eq!(field, bad, "{table}");
     }
+    // A route of the same name would share its records (both can use the shared scope).
+    let (field, _) = invalid_field(consumer(
+        REDIS_STORE,
+        &ORDERS.replace("name = \"orders\"", "name = \"/payments\""),
+    ));
+    assert_eq!(field, "consumers[0].name");
     let twice = format!("{ORDERS}\n[[consumers]]\n{ORDERS}");
     let (field, value) = invalid_field(consumer(REDIS_STORE, &twice));
     assert_eq!(
@@ -947,4 +956,49 @@ fn a_consumer_without_redis_or_with_bad_values_is_refused() {
         consumer(REDIS_STORE, &ORDERS.replace("name = \"orders\"\n", "")),
         Err(ConfigError::Missing { .. })
     ));
+}
+
+#[test]
+fn a_nats_consumer_needs_its_url_and_dead_letter_subject() {
+    let nats = ORDERS.replace(
+        r#"{ redis_stream = "orders" }"#,
+        r#"{ nats_stream = "ORDERS", url = "nats://127.0.0.1:4222", subject = "orders.>", dead_letter = "dead.orders" }"#,
+    );
+    let c = consumer("", &nats).unwrap();
+    let SourceConfig::NatsStream {
+        stream,
+        subject,
+        durable,
+        ack_wait,
+        ..
+    } = &c.consumers[0].source
+    else {
+        panic!("a NATS source");
+    };
+    assert_eq!(stream, "ORDERS");
+    assert_eq!(subject.as_deref(), Some("orders.>"));
+    assert_eq!(durable, "idemgate");
+    assert_eq!(*ack_wait, Duration::from_secs(30));
+    for (from, to, field) in [
+        (
+            ", dead_letter = \"dead.orders\"",
+            "",
+            "consumers[0].source.dead_letter",
+        ),
+        (
+            "url = \"nats://127.0.0.1:4222\"",
+            "url = \"http://x\"",
+            "consumers[0].source.url",
+        ),
+        ("subject", "group", "consumers[0].source.group"),
+        ("nats_stream = \"ORDERS\", ", "", "consumers[0].source"),
+    ] {
+        let r = consumer("", &nats.replace(from, to));
+        match r {
+            Err(ConfigError::Invalid { field: f, .. }) | Err(ConfigError::Missing { field: f }) => {
+                assert_eq!(f, field, "{from} -> {to}")
+            }
+            other => panic!("{from} -> {to}: {other:?}"),
+        }
+    }
 }

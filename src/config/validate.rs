@@ -10,7 +10,7 @@ use http::{HeaderName, Method, StatusCode};
 
 use super::raw::{
     OneOrMany, RawConfig, RawConsumer, RawKey, RawPolicy, RawRouteOwn, RawServer, RawSignature,
-    RawSize, RawStore, ROUTE_OWN_KEYS,
+    RawSize, RawSource, RawStore, ROUTE_OWN_KEYS,
 };
 use super::{
     redact_url, Config, ConfigError, ConsumerConfig, Deadlines, DiskSettings, OnStoreError,
@@ -122,11 +122,12 @@ impl RawConfig {
             if consumers
                 .iter()
                 .any(|c: &ConsumerConfig| c.name == consumer.name)
+                || routes.iter().any(|r| r.name == consumer.name)
             {
                 return Err(ConfigError::invalid(
                     format!("consumers[{index}].name"),
                     consumer.name,
-                    "a name no other consumer has (it is part of every stored key)",
+                    "a name no other consumer or route has (it is part of every stored key)",
                 ));
             }
             consumers.push(consumer);
@@ -170,6 +171,132 @@ impl RawConfig {
 const MAX_CONCURRENCY: i64 = 4096;
 /// Most deliveries of one message before it is dead-lettered.
 const MAX_ATTEMPTS: i64 = 1000;
+
+/// A consumer's `source`: a Redis stream or a NATS JetStream stream.
+fn validate_source(
+    at: &dyn Fn(&str) -> String,
+    source: RawSource,
+    store: &StoreConfig,
+) -> Result<SourceConfig, ConfigError> {
+    let stream_name = |field: &str, v: String| {
+        if v.is_empty() || v.len() > 256 || v.chars().any(char::is_control) {
+            Err(ConfigError::invalid(
+                at(field),
+                v,
+                "1 to 256 characters without control characters",
+            ))
+        } else {
+            Ok(v)
+        }
+    };
+    let duration =
+        |field: &str, v: &Option<String>, default: Duration| -> Result<Duration, ConfigError> {
+            let d = match v {
+                Some(s) => parse_duration(&at(field), s)?,
+                None => default,
+            };
+            if d < Duration::from_millis(100) {
+                return Err(ConfigError::invalid(
+                    at(field),
+                    humantime::format_duration(d).to_string(),
+                    "at least 100ms: the gateway renews its claim every third of it",
+                ));
+            }
+            Ok(d)
+        };
+    match (source.redis_stream, source.nats_stream) {
+        (Some(stream), None) => {
+            for (key, set) in [("subject", source.subject.is_some()), ("durable", source.durable.is_some()), ("ack_wait", source.ack_wait.is_some())] {
+                if set {
+                    return Err(ConfigError::invalid(at(&format!("source.{key}")), "(set)", "only with nats_stream; a Redis stream has group and claim_idle"));
+                }
+            }
+            let stream = stream_name("source.redis_stream", stream)?;
+            let group = stream_name(
+                "source.group",
+                source.group.unwrap_or_else(|| "idemgate".to_string()),
+            )?;
+            let dead_letter = stream_name(
+                "source.dead_letter",
+                source
+                    .dead_letter
+                    .unwrap_or_else(|| format!("{stream}:dead")),
+            )?;
+            if dead_letter == stream {
+                return Err(ConfigError::invalid(
+                    at("source.dead_letter"),
+                    dead_letter,
+                    "another stream than the one read",
+                ));
+            }
+            let redis = match (source.url, store) {
+                (Some(url), _) => RedisSettings {
+                    target: RedisTarget::Single(validate_redis_url(&at("source.url"), url)?),
+                    key_prefix: String::new(),
+                    command_timeout: Duration::from_secs(5),
+                    tls_ca_file: None,
+                    require_noeviction: false,
+                    tls_client: None,
+                },
+                (None, StoreConfig::Redis(settings))
+                    if matches!(settings.target, RedisTarget::Single(_)) =>
+                {
+                    settings.clone()
+                }
+                (None, _) => {
+                    return Err(ConfigError::invalid(
+                        at("source.url"),
+                        "(none)",
+                        "the Redis holding the stream (\"redis://host:6379\"); without it the [store]'s, which must then be a single Redis",
+                    ))
+                }
+            };
+            let claim_idle = duration("source.claim_idle", &source.claim_idle, Duration::from_secs(60))?;
+            Ok(SourceConfig::RedisStream {
+                stream,
+                group,
+                redis,
+                dead_letter,
+                claim_idle,
+            })
+        }
+        (None, Some(stream)) => {
+            for (key, set) in [("group", source.group.is_some()), ("claim_idle", source.claim_idle.is_some())] {
+                if set {
+                    return Err(ConfigError::invalid(at(&format!("source.{key}")), "(set)", "only with redis_stream; a NATS stream has durable and ack_wait"));
+                }
+            }
+            let stream = stream_name("source.nats_stream", stream)?;
+            let url = source.url.ok_or_else(|| ConfigError::Missing { field: at("source.url") })?;
+            if !url.starts_with("nats://") && !url.starts_with("tls://") {
+                return Err(ConfigError::invalid(at("source.url"), redact_url(&url), "a NATS URL such as \"nats://127.0.0.1:4222\""));
+            }
+            let subject = source.subject.map(|s| stream_name("source.subject", s)).transpose()?;
+            let durable = stream_name("source.durable", source.durable.unwrap_or_else(|| "idemgate".to_string()))?;
+            if durable.contains(['.', '*', '>', ' ']) {
+                return Err(ConfigError::invalid(at("source.durable"), durable, "a name without '.', '*', '>' or spaces"));
+            }
+            let dead_letter = stream_name(
+                "source.dead_letter",
+                source.dead_letter.ok_or_else(|| ConfigError::Missing { field: at("source.dead_letter") })?,
+            )?;
+            let ack_wait = duration("source.ack_wait", &source.ack_wait, Duration::from_secs(30))?;
+            Ok(SourceConfig::NatsStream {
+                url,
+                stream,
+                subject,
+                durable,
+                dead_letter,
+                ack_wait,
+            })
+        }
+        _ => Err(ConfigError::invalid(
+            at("source"),
+            "(neither or both)",
+            "one of { redis_stream = \"orders\" } and { nats_stream = \"ORDERS\", url = \"nats://host:4222\", dead_letter = \"orders.dead\" }",
+        )),
+    }
+}
 
 fn validate_consumer(
     index: usize,
@@ -222,73 +349,7 @@ fn validate_consumer(
     let source = raw.source.ok_or_else(|| ConfigError::Missing {
         field: at("source"),
     })?;
-    let stream = source.redis_stream.ok_or_else(|| {
-        ConfigError::invalid(
-            at("source"),
-            "(no redis_stream)",
-            "{ redis_stream = \"orders\", group = \"idemgate\" }: the one source so far",
-        )
-    })?;
-    let stream_name = |field: &str, v: String| {
-        if v.is_empty() || v.len() > 256 || v.chars().any(char::is_control) {
-            Err(ConfigError::invalid(
-                at(field),
-                v,
-                "1 to 256 characters without control characters",
-            ))
-        } else {
-            Ok(v)
-        }
-    };
-    let stream = stream_name("source.redis_stream", stream)?;
-    let group = stream_name(
-        "source.group",
-        source.group.unwrap_or_else(|| "idemgate".to_string()),
-    )?;
-    let dead_letter = stream_name(
-        "source.dead_letter",
-        source
-            .dead_letter
-            .unwrap_or_else(|| format!("{stream}:dead")),
-    )?;
-    if dead_letter == stream {
-        return Err(ConfigError::invalid(
-            at("source.dead_letter"),
-            dead_letter,
-            "another stream than the one read",
-        ));
-    }
-    let redis = match (source.url, store) {
-        (Some(url), _) => RedisSettings {
-            target: RedisTarget::Single(validate_redis_url(&at("source.url"), url)?),
-            key_prefix: String::new(),
-            command_timeout: Duration::from_secs(5),
-            tls_ca_file: None,
-            require_noeviction: false,
-            tls_client: None,
-        },
-        (None, StoreConfig::Redis(settings)) if matches!(settings.target, RedisTarget::Single(_)) => {
-            settings.clone()
-        }
-        (None, _) => {
-            return Err(ConfigError::invalid(
-                at("source.url"),
-                "(none)",
-                "the Redis holding the stream (\"redis://host:6379\"); without it the [store]'s, which must then be a single Redis",
-            ))
-        }
-    };
-    let claim_idle = match &source.claim_idle {
-        Some(s) => parse_duration(&at("source.claim_idle"), s)?,
-        None => Duration::from_secs(60),
-    };
-    if claim_idle < Duration::from_millis(100) {
-        return Err(ConfigError::invalid(
-            at("source.claim_idle"),
-            humantime::format_duration(claim_idle).to_string(),
-            "at least 100ms: the gateway renews its claim every third of it",
-        ));
-    }
+    let source = validate_source(&at, source, store)?;
     let body_field = raw.body_field.unwrap_or_else(|| "body".to_string());
     let content_type = raw
         .content_type
@@ -345,13 +406,7 @@ fn validate_consumer(
     policy.require_key = true;
     Ok(ConsumerConfig {
         name,
-        source: SourceConfig::RedisStream {
-            stream,
-            group,
-            redis,
-            dead_letter,
-            claim_idle,
-        },
+        source,
         handler,
         key,
         check_fingerprint: raw.check_fingerprint.unwrap_or(true),

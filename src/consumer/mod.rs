@@ -7,7 +7,7 @@
 //! ```text
 //! read ─▶ key (a body field, entry fields) ── none ─▶ dead-letter "missing-key"
 //!   └─▶ core.run ─▶ verdict:  stored answer (2xx, 4xx), replay ───────────▶ ack
-//!                            5xx, 408/425/429, handler unreachable ─▶ retry (backoff) ─▶ … ─▶ dead-letter after max_attempts
+//!                            5xx, 401/403/408/425/429, handler unreachable ─▶ retry (backoff) ─▶ … ─▶ dead-letter after max_attempts
 //!                            another message with this key and other content ─▶ dead-letter "key-reused"
 //!                            outcome unknown ─▶ dead-letter "outcome-unknown" (on_unknown = "retry": retry)
 //!                            store down, original still running ─▶ retry, not counted
@@ -22,6 +22,7 @@
 //! `server.shutdown_grace`) and leaves those waiting for a retry pending, for the next claim.
 
 mod handler;
+pub mod nats;
 pub mod redis_stream;
 pub mod source;
 
@@ -44,6 +45,7 @@ use crate::store::Store;
 use crate::upstream::UpstreamPool;
 
 use handler::HandlerCall;
+pub use nats::NatsStream;
 pub use redis_stream::RedisStream;
 pub use source::{Message, Source, SourceError};
 
@@ -60,7 +62,8 @@ pub struct Context {
     pub pool: UpstreamPool,
 }
 
-/// Whether a consumer's broker answered its last call: `/readyz` fails while one does not.
+/// Whether a consumer's broker answered its last read (a fetch; a failed ack, keep or
+/// dead-letter does not count): `/readyz` fails while one does not.
 #[derive(Debug)]
 pub struct BrokerHealth {
     pub consumer: String,
@@ -92,8 +95,70 @@ pub struct ConsumerError {
     source: SourceError,
 }
 
+/// A consumer's source, whichever broker it is.
+pub enum AnySource {
+    Redis(RedisStream),
+    // Boxed: its connection state is large, and one is made per consumer.
+    Nats(Box<NatsStream>),
+}
+
+impl AnySource {
+    /// Who this instance is to the broker: its consumer name in the group, or the durable it
+    /// shares.
+    pub fn describe(&self) -> String {
+        match self {
+            AnySource::Redis(r) => format!("redis stream, consumer {}", r.consumer_name()),
+            AnySource::Nats(n) => format!("nats stream, durable {}", n.durable()),
+        }
+    }
+}
+
+impl Source for AnySource {
+    async fn fetch(&self, max: usize) -> Result<Vec<Message>, SourceError> {
+        match self {
+            AnySource::Redis(s) => s.fetch(max).await,
+            AnySource::Nats(s) => s.fetch(max).await,
+        }
+    }
+
+    async fn ack(&self, message: &Message) -> Result<(), SourceError> {
+        match self {
+            AnySource::Redis(s) => s.ack(message).await,
+            AnySource::Nats(s) => s.ack(message).await,
+        }
+    }
+
+    async fn keep(&self, message: &Message, redelivery: bool) -> Result<(), SourceError> {
+        match self {
+            AnySource::Redis(s) => s.keep(message, redelivery).await,
+            AnySource::Nats(s) => s.keep(message, redelivery).await,
+        }
+    }
+
+    async fn dead_letter(&self, message: &Message, reason: &str) -> Result<(), SourceError> {
+        match self {
+            AnySource::Redis(s) => s.dead_letter(message, reason).await,
+            AnySource::Nats(s) => s.dead_letter(message, reason).await,
+        }
+    }
+
+    async fn pending(&self) -> Result<u64, SourceError> {
+        match self {
+            AnySource::Redis(s) => s.pending().await,
+            AnySource::Nats(s) => s.pending().await,
+        }
+    }
+
+    fn claim_after(&self) -> Duration {
+        match self {
+            AnySource::Redis(s) => s.claim_after(),
+            AnySource::Nats(s) => s.claim_after(),
+        }
+    }
+}
+
 /// Makes each consumer's source (without connecting yet).
-pub fn sources(configs: &[ConsumerConfig]) -> Result<Vec<RedisStream>, ConsumerError> {
+pub fn sources(configs: &[ConsumerConfig]) -> Result<Vec<AnySource>, ConsumerError> {
     configs
         .iter()
         .map(|c| match &c.source {
@@ -111,10 +176,27 @@ pub fn sources(configs: &[ConsumerConfig]) -> Result<Vec<RedisStream>, ConsumerE
                 *claim_idle,
                 &c.body_field,
             )
+            .map(AnySource::Redis)
             .map_err(|source| ConsumerError {
                 consumer: c.name.clone(),
                 source,
             }),
+            SourceConfig::NatsStream {
+                url,
+                stream,
+                subject,
+                durable,
+                dead_letter,
+                ack_wait,
+            } => Ok(AnySource::Nats(Box::new(NatsStream::new(
+                url,
+                stream,
+                subject.as_deref(),
+                durable,
+                dead_letter,
+                *ack_wait,
+                c.concurrency,
+            )))),
         })
         .collect()
 }
@@ -244,8 +326,10 @@ impl<S: Source> Consumer<S> {
                 Verdict::DeadLetter(reason) => return self.dead_letter(&message, &reason).await,
                 Verdict::Retry { reason, counted } => {
                     if counted && message.deliveries >= self.config.max_attempts {
-                        let reason =
-                            format!("{reason} (gave up after {} attempts)", message.deliveries);
+                        let reason = format!(
+                            "failed: {reason} (gave up after {} attempts)",
+                            message.deliveries
+                        );
                         return self.dead_letter(&message, &reason).await;
                     }
                     self.metrics.count(ConsumerOutcome::Retried);
@@ -322,10 +406,23 @@ impl<S: Source> Consumer<S> {
         let key = match config.key.extract(&message.fields, body) {
             Ok(Some(k)) => k,
             Ok(None) => {
+                let parts: Vec<String> = config
+                    .key
+                    .headers
+                    .iter()
+                    .map(|f| format!("the field {f}"))
+                    .chain(
+                        config
+                            .key
+                            .pointers
+                            .iter()
+                            .map(|p| format!("the body field {p}")),
+                    )
+                    .collect();
                 return Verdict::DeadLetter(format!(
-                    "missing-key: no {}",
-                    config.key.describe().replace("header", "field")
-                ))
+                    "missing-key: the message has no value for {}",
+                    parts.join(" and ")
+                ));
             }
             Err(e) => return Verdict::DeadLetter(format!("invalid-key: {e}")),
         };

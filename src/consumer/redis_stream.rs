@@ -28,6 +28,14 @@ const MAX_FIELDS: usize = 64;
 /// Longest field value passed on as a header.
 const MAX_FIELD_VALUE: usize = 8 * 1024;
 
+/// Writes the dead-letter record (KEYS[2]) from ARGV[3..], then acknowledges ARGV[2] in the
+/// group ARGV[1] of KEYS[1]; an error in the XADD ends the script before the XACK.
+const DEAD_LETTER_SCRIPT: &str = "redis.call('XADD', KEYS[2], '*', unpack(ARGV, 3)) \
+     return redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])";
+/// Fields of an entry copied into its dead-letter record at most (Lua's `unpack` takes about
+/// 8,000 values).
+const MAX_DEAD_LETTER_FIELDS: usize = 1000;
+
 /// Headers a field may not become: they frame or route the handler's request.
 const RESERVED: &[&str] = &[
     "host",
@@ -251,19 +259,15 @@ impl RedisStream {
                 body = Some(value.clone());
                 continue;
             }
-            if fields.len() >= MAX_FIELDS || value.len() > MAX_FIELD_VALUE {
-                continue;
-            }
             let (Ok(name), Ok(value)) = (
                 HeaderName::from_bytes(name),
                 HeaderValue::from_maybe_shared(value.clone()),
             ) else {
                 continue;
             };
-            if RESERVED.contains(&name.as_str()) || name.as_str().starts_with("idemgate-") {
-                continue;
+            if passed_on(&name, value.len(), fields.len()) {
+                fields.append(name, value);
             }
-            fields.append(name, value);
         }
         Message {
             id,
@@ -273,6 +277,15 @@ impl RedisStream {
             raw,
         }
     }
+}
+
+/// Whether a field (a message header) is passed on to the handler as a header: not one that
+/// frames or routes the request, not one of the gateway's own, within the count and size caps.
+pub(super) fn passed_on(name: &HeaderName, len: usize, passed: usize) -> bool {
+    passed < MAX_FIELDS
+        && len <= MAX_FIELD_VALUE
+        && !RESERVED.contains(&name.as_str())
+        && !name.as_str().starts_with("idemgate-")
 }
 
 impl Source for RedisStream {
@@ -335,13 +348,20 @@ impl Source for RedisStream {
     }
 
     async fn dead_letter(&self, message: &Message, reason: &str) -> Result<(), SourceError> {
-        let mut pipe = redis::pipe();
-        pipe.atomic();
-        let add = pipe.cmd("XADD").arg(&self.dead_letter).arg("*");
-        for (name, value) in &message.raw {
-            add.arg(name.as_ref()).arg(value.as_ref());
+        // One script, so that the entry is acknowledged only if the dead-letter record was
+        // written: in MULTI/EXEC a failed XADD would not stop the XACK.
+        let mut cmd = Cmd::new();
+        cmd.arg("EVAL")
+            .arg(DEAD_LETTER_SCRIPT)
+            .arg(2)
+            .arg(&self.stream)
+            .arg(&self.dead_letter)
+            .arg(&self.group)
+            .arg(&message.id);
+        for (name, value) in message.raw.iter().take(MAX_DEAD_LETTER_FIELDS) {
+            cmd.arg(name.as_ref()).arg(value.as_ref());
         }
-        add.arg("idemgate-reason")
+        cmd.arg("idemgate-reason")
             .arg(reason)
             .arg("idemgate-stream")
             .arg(&self.stream)
@@ -349,20 +369,7 @@ impl Source for RedisStream {
             .arg(&message.id)
             .arg("idemgate-deliveries")
             .arg(message.deliveries);
-        pipe.cmd("XACK")
-            .arg(&self.stream)
-            .arg(&self.group)
-            .arg(&message.id)
-            .ignore();
-        let mut conn = self.writer.clone();
-        match tokio::time::timeout(self.timeout, pipe.query_async::<Value>(&mut conn)).await {
-            Ok(Ok(_)) => Ok(()),
-            Ok(Err(e)) => Err(SourceError::Unreachable(e.to_string())),
-            Err(_) => Err(SourceError::Unreachable(format!(
-                "no answer within {:?}",
-                self.timeout
-            ))),
-        }
+        self.call(&self.writer, &cmd, self.timeout).await.map(drop)
     }
 
     async fn pending(&self) -> Result<u64, SourceError> {

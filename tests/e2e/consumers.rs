@@ -385,3 +385,175 @@ async fn readiness_fails_while_the_broker_cannot_be_reached() {
         .await
     );
 }
+
+// NATS JetStream: the same guarantees through a durable pull consumer, on the disk store.
+
+mod nats {
+    use super::*;
+    use crate::support::nats::NatsServer;
+    use crate::support::TempDir;
+
+    fn config(
+        nats: &NatsServer,
+        dir: &TempDir,
+        handler: &str,
+        admin: SocketAddr,
+        extra: &str,
+    ) -> String {
+        format!(
+            r#"[server]
+listen = "127.0.0.1:0"
+admin = "{admin}"
+shutdown_grace = "5s"
+[store]
+backend = "disk"
+path = "{dir}"
+[upstream]
+url = "{handler}"
+[[consumers]]
+name = "orders"
+source = {{ nats_stream = "ORDERS", url = "{url}", dead_letter = "dead.orders", ack_wait = "1s" }}
+handler = "{handler}/orders"
+key = {{ json = "/messageId" }}
+backoff = "50ms"
+max_backoff = "200ms"
+{extra}
+"#,
+            dir = dir.path.display(),
+            url = nats.url()
+        )
+    }
+
+    async fn streams(nats: &NatsServer) {
+        nats.stream("ORDERS", &["orders.>"]).await;
+        nats.stream("DEAD", &["dead.orders"]).await;
+    }
+
+    async fn wait_done(nats: &NatsServer) {
+        let done = eventually_within(Duration::from_secs(30), || async {
+            nats.outstanding("ORDERS", "idemgate").await == Some((0, 0))
+        })
+        .await;
+        assert!(
+            done,
+            "messages left unacknowledged: {:?}",
+            nats.outstanding("ORDERS", "idemgate").await
+        );
+    }
+
+    fn header(h: &async_nats::HeaderMap, name: &str) -> String {
+        h.get(name).map(|v| v.to_string()).unwrap_or_default()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_message_published_twice_is_applied_once() {
+        let nats = NatsServer::start();
+        streams(&nats).await;
+        let dir = TempDir::new("nats-once");
+        let up = Upstream::counting().await;
+        let admin = free_addr();
+        let _gw = GatewayProcess::start(&config(&nats, &dir, &up.url(), admin, ""));
+        let body = r#"{"messageId": "n-1", "amount": 5}"#;
+        nats.publish("orders.created", body).await;
+        nats.publish("orders.created", body).await;
+        assert!(
+            eventually_within(Duration::from_secs(20), || async {
+                metric(admin, "deduplicated").await == 1.0
+            })
+            .await
+        );
+        wait_done(&nats).await;
+        assert_eq!(applied(&up), vec!["n-1"]);
+        assert_eq!(metric(admin, "delivered").await, 1.0);
+        assert!(nats.messages("DEAD").await.is_empty());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn failures_are_retried_then_applied_once_and_poison_is_dead_lettered() {
+        let nats = NatsServer::start();
+        streams(&nats).await;
+        let dir = TempDir::new("nats-retry");
+        let up = Upstream::start(|seen, n| {
+            let body = String::from_utf8_lossy(&seen.body);
+            if body.contains("poison") {
+                Reply::json(500, "{}")
+            } else if n <= 3 {
+                Reply::json(503, "{}")
+            } else {
+                Reply::json(201, "{}")
+            }
+        })
+        .await;
+        let admin = free_addr();
+        let _gw = GatewayProcess::start(&config(&nats, &dir, &up.url(), admin, "max_attempts = 4"));
+        nats.publish("orders.created", r#"{"messageId": "n-2"}"#)
+            .await;
+        assert!(
+            eventually_within(Duration::from_secs(20), || async {
+                metric(admin, "delivered").await == 1.0
+            })
+            .await
+        );
+        assert_eq!(applied(&up).len(), 4, "three 503s, then the 201 stored");
+        nats.publish(
+            "orders.created",
+            r#"{"messageId": "n-3", "kind": "poison"}"#,
+        )
+        .await;
+        nats.publish("orders.created", r#"{"no": "key"}"#).await;
+        assert!(
+            eventually_within(Duration::from_secs(20), || async {
+                metric(admin, "dead_lettered").await == 2.0
+            })
+            .await
+        );
+        wait_done(&nats).await;
+        let dead = nats.messages("DEAD").await;
+        assert_eq!(dead.len(), 2);
+        let poison = dead.iter().find(|(_, p)| p.contains("poison")).unwrap();
+        assert!(
+            header(&poison.0, "Idemgate-Reason").contains("500"),
+            "{poison:?}"
+        );
+        assert!(
+            header(&poison.0, "Idemgate-Reason").contains("4 attempts"),
+            "{poison:?}"
+        );
+        let keyless = dead.iter().find(|(_, p)| p.contains("no")).unwrap();
+        assert!(header(&keyless.0, "Idemgate-Reason").starts_with("missing-key"));
+        assert_eq!(applied(&up).iter().filter(|m| *m == "n-3").count(), 4);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn killed_while_the_handler_works_the_message_is_not_applied_twice() {
+        let nats = NatsServer::start();
+        streams(&nats).await;
+        let dir = TempDir::new("nats-kill");
+        let (up, gate) = Upstream::gated().await;
+        let admin = free_addr();
+        let cfg = config(&nats, &dir, &up.url(), admin, "lock_timeout = \"1s\"");
+        let gw = GatewayProcess::start(&cfg);
+        nats.publish("orders.created", r#"{"messageId": "n-4"}"#)
+            .await;
+        up.next_arrival().await;
+        gw.signal_and_wait("-KILL");
+        gate.add_permits(1);
+        // Redelivered after ack_wait, to the restarted gateway, which finds the key's lease
+        // expired mid-call on its disk: never called again.
+        let _gw = GatewayProcess::start(&cfg);
+        assert!(
+            eventually_within(Duration::from_secs(20), || async {
+                metric(admin, "dead_lettered").await == 1.0
+            })
+            .await
+        );
+        wait_done(&nats).await;
+        assert_eq!(applied(&up), vec!["n-4"]);
+        let dead = nats.messages("DEAD").await;
+        assert!(
+            header(&dead[0].0, "Idemgate-Reason").starts_with("outcome-unknown"),
+            "{dead:?}"
+        );
+        assert_eq!(header(&dead[0].0, "Idemgate-Deliveries"), "2");
+    }
+}

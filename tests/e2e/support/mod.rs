@@ -2,6 +2,7 @@
 //! real Redis servers ([`redis`]).
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+pub mod nats;
 pub mod redis;
 
 use std::collections::HashMap;
