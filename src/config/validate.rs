@@ -293,7 +293,7 @@ fn validate_source(
         _ => Err(ConfigError::invalid(
             at("source"),
             "(neither or both)",
-            "one of { redis_stream = \"orders\" } and { nats_stream = \"ORDERS\", url = \"nats://host:4222\", dead_letter = \"orders.dead\" }",
+            "one of { redis_stream = \"orders\" } and { nats_stream = \"ORDERS\", url = \"nats://host:4222\", dead_letter = \"dead.orders\" }",
         )),
     }
 }
@@ -350,6 +350,13 @@ fn validate_consumer(
         field: at("source"),
     })?;
     let source = validate_source(&at, source, store)?;
+    if raw.body_field.is_some() && matches!(source, SourceConfig::NatsStream { .. }) {
+        return Err(ConfigError::invalid(
+            at("body_field"),
+            "(set)",
+            "only with redis_stream: a NATS message's payload is the body",
+        ));
+    }
     let body_field = raw.body_field.unwrap_or_else(|| "body".to_string());
     let content_type = raw
         .content_type

@@ -1,5 +1,6 @@
 //! Broker consumers (`[[consumers]]`): the second front on the idempotency core, beside the HTTP
-//! gateway. Each reads one [`Source`] (a Redis stream), POSTs every message to its handler
+//! gateway. Each reads one [`Source`] (a Redis stream or a NATS JetStream stream), POSTs every
+//! message to its handler
 //! through [`Core::run`], with the same stores, key hashing, fingerprints and unknown-outcome
 //! rules as an HTTP route, and acknowledges the message only once its result is stored.
 //!
@@ -14,7 +15,8 @@
 //! ```
 //! The message stays claimed (unacknowledged, its idle time reset) while it is handled and
 //! while it waits for a retry, so no other instance takes it; a crash leaves it pending, and
-//! whichever instance claims it after `claim_idle` finds the key's record: a replay if the
+//! whichever instance gets it next (after `claim_idle`, or NATS's `ack_wait`) finds the key's
+//! record: a replay if the
 //! answer was stored, an unknown outcome (never run twice) if the crash came mid-call.
 //!
 //! Back pressure: at most `concurrency` messages are held at once; no more are read until one

@@ -4,19 +4,24 @@
 //! while it is handled or waits for a retry, and moved to the dead-letter subject (published to
 //! JetStream, so its own stream keeps it) before it is acknowledged.
 //!
-//! Unlike Redis's MULTI, the dead-letter publish and the ack are two steps: a crash between them
-//! leaves the message pending, and its redelivery is judged again (it lands in the dead-letter
-//! stream a second time, never in the handler).
+//! Unlike Redis's script, the dead-letter publish and the ack are two steps: a crash between them
+//! leaves the message pending, and its redelivery is judged again. One dead-lettered for its
+//! key (missing, reused) or an unknown outcome lands in the dead-letter stream a second time;
+//! one that ran out of attempts had its key released, so the handler is tried again.
+//!
+//! The gateway never creates the stream, and refuses to start reading when the stream would
+//! capture the dead-letter subject (every dead letter would come back as a new message) or when
+//! the durable exists with other settings than the config's.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer::pull, AckKind};
 use bytes::Bytes;
 use futures_util::StreamExt;
 use http::{HeaderMap, HeaderName, HeaderValue};
-use tokio::sync::{Mutex as AsyncMutex, OnceCell};
+use tokio::sync::Mutex as AsyncMutex;
 
 use super::redis_stream::passed_on;
 use super::source::{Message, Source, SourceError};
@@ -25,6 +30,7 @@ use super::source::{Message, Source, SourceError};
 const WAIT: Duration = Duration::from_millis(1000);
 
 struct Connected {
+    client: async_nats::Client,
     js: jetstream::Context,
     consumer: jetstream::consumer::PullConsumer,
     /// The continuous pull: the client keeps up to `buffer` messages requested ahead.
@@ -41,7 +47,8 @@ pub struct NatsStream {
     timeout: Duration,
     /// Messages pulled ahead at most: the consumer's `concurrency`.
     buffer: usize,
-    connected: OnceCell<Connected>,
+    /// Made on the first fetch, and again after the pull ended (the durable deleted, say).
+    connected: AsyncMutex<Option<Arc<Connected>>>,
     /// The messages being handled, by stream sequence: what acknowledging needs.
     held: Mutex<HashMap<String, jetstream::Message>>,
 }
@@ -65,7 +72,7 @@ impl NatsStream {
             ack_wait,
             timeout: Duration::from_secs(5),
             buffer: buffer.max(1),
-            connected: OnceCell::new(),
+            connected: AsyncMutex::new(None),
             held: Mutex::new(HashMap::new()),
         }
     }
@@ -74,51 +81,94 @@ impl NatsStream {
         &self.durable
     }
 
-    /// Connects and binds the durable consumer, once; a failure is tried again on the next call.
-    async fn connected(&self) -> Result<&Connected, SourceError> {
-        self.connected
-            .get_or_try_init(|| async {
-                let client = async_nats::ConnectOptions::new()
-                    .connection_timeout(self.timeout)
-                    .connect(self.url.as_str())
-                    .await
-                    .map_err(|e| SourceError::Unreachable(e.to_string()))?;
-                let js = jetstream::new(client);
-                let stream = js
-                    .get_stream(&self.stream)
-                    .await
-                    .map_err(|e| SourceError::Refused(format!("stream {:?}: {e}", self.stream)))?;
-                let consumer: jetstream::consumer::PullConsumer = stream
-                    .get_or_create_consumer(
-                        &self.durable,
-                        pull::Config {
-                            durable_name: Some(self.durable.clone()),
-                            filter_subject: self.subject.clone().unwrap_or_default(),
-                            ack_policy: jetstream::consumer::AckPolicy::Explicit,
-                            ack_wait: self.ack_wait,
-                            // Attempts are counted and capped by the gateway, which
-                            // dead-letters with the reason; the server never drops one.
-                            max_deliver: -1,
-                            ..Default::default()
-                        },
-                    )
-                    .await
-                    .map_err(|e| {
-                        SourceError::Refused(format!("consumer {:?}: {e}", self.durable))
-                    })?;
-                let messages = consumer
-                    .stream()
-                    .max_messages_per_batch(self.buffer)
-                    .messages()
-                    .await
-                    .map_err(|e| SourceError::Unreachable(e.to_string()))?;
-                Ok(Connected {
-                    js,
-                    consumer,
-                    messages: AsyncMutex::new(messages),
-                })
-            })
+    /// The connection and the bound durable, made if there is none; a broker that is not
+    /// connected now is an error (the client reconnects by itself meanwhile).
+    async fn connected(&self) -> Result<Arc<Connected>, SourceError> {
+        let mut slot = self.connected.lock().await;
+        if let Some(c) = slot.as_ref() {
+            if c.client.connection_state() != async_nats::connection::State::Connected {
+                return Err(SourceError::Unreachable("not connected to NATS".into()));
+            }
+            return Ok(Arc::clone(c));
+        }
+        let c = Arc::new(self.connect().await?);
+        *slot = Some(Arc::clone(&c));
+        Ok(c)
+    }
+
+    /// Forgets the connection, so that the next fetch connects and binds again.
+    async fn reset(&self) {
+        *self.connected.lock().await = None;
+    }
+
+    async fn connect(&self) -> Result<Connected, SourceError> {
+        let client = async_nats::ConnectOptions::new()
+            .connection_timeout(self.timeout)
+            .connect(self.url.as_str())
             .await
+            .map_err(|e| SourceError::Unreachable(e.to_string()))?;
+        let js = jetstream::new(client.clone());
+        let mut stream = js
+            .get_stream(&self.stream)
+            .await
+            .map_err(|e| SourceError::Refused(format!("stream {:?}: {e}", self.stream)))?;
+        let subjects = stream
+            .info()
+            .await
+            .map_err(|e| SourceError::Unreachable(e.to_string()))?
+            .config
+            .subjects
+            .clone();
+        if let Some(s) = subjects
+            .iter()
+            .find(|s| subject_matches(s, &self.dead_letter))
+        {
+            return Err(SourceError::Refused(format!(
+                "stream {:?} captures the dead-letter subject {:?} (its subject {s:?}): every dead letter would come back; use a subject outside it",
+                self.stream, self.dead_letter
+            )));
+        }
+        let wanted = pull::Config {
+            durable_name: Some(self.durable.clone()),
+            filter_subject: self.subject.clone().unwrap_or_default(),
+            ack_policy: jetstream::consumer::AckPolicy::Explicit,
+            ack_wait: self.ack_wait,
+            // Attempts are counted and capped by the gateway, which dead-letters with the
+            // reason; the server never drops one.
+            max_deliver: -1,
+            ..Default::default()
+        };
+        let mut consumer: jetstream::consumer::PullConsumer = stream
+            .get_or_create_consumer(&self.durable, wanted.clone())
+            .await
+            .map_err(|e| SourceError::Refused(format!("consumer {:?}: {e}", self.durable)))?;
+        let info = consumer
+            .info()
+            .await
+            .map_err(|e| SourceError::Unreachable(e.to_string()))?;
+        let have = &info.config;
+        if have.ack_wait != wanted.ack_wait
+            || have.max_deliver != wanted.max_deliver
+            || have.filter_subject != wanted.filter_subject
+            || have.ack_policy != wanted.ack_policy
+        {
+            return Err(SourceError::Refused(format!(
+                "the durable {:?} exists with other settings (ack_wait {:?}, max_deliver {}, filter {:?}); delete it or match the config",
+                self.durable, have.ack_wait, have.max_deliver, have.filter_subject
+            )));
+        }
+        let messages = consumer
+            .stream()
+            .max_messages_per_batch(self.buffer)
+            .messages()
+            .await
+            .map_err(|e| SourceError::Unreachable(e.to_string()))?;
+        Ok(Connected {
+            client,
+            js,
+            consumer,
+            messages: AsyncMutex::new(messages),
+        })
     }
 
     fn take(&self, id: &str) -> Option<jetstream::Message> {
@@ -165,6 +215,21 @@ impl NatsStream {
     }
 }
 
+/// Whether the NATS subject pattern `pattern` (with `*` for one token, `>` for the rest)
+/// matches the literal `subject`.
+fn subject_matches(pattern: &str, subject: &str) -> bool {
+    let mut want = subject.split('.');
+    for token in pattern.split('.') {
+        match (token, want.next()) {
+            (">", Some(_)) => return true,
+            ("*", Some(_)) => {}
+            (t, Some(w)) if t == w => {}
+            _ => return false,
+        }
+    }
+    want.next().is_none()
+}
+
 fn unreachable(e: impl std::fmt::Display) -> SourceError {
     SourceError::Unreachable(e.to_string())
 }
@@ -177,8 +242,15 @@ impl Source for NatsStream {
         // The first message may take a while; those already pulled ahead are taken at once.
         let first = match tokio::time::timeout(WAIT, messages.next()).await {
             Err(_) => return Ok(out),
-            Ok(None) => return Err(SourceError::Unreachable("the pull ended".into())),
-            Ok(Some(m)) => m.map_err(unreachable)?,
+            Ok(Some(Ok(m))) => m,
+            ended => {
+                drop(messages);
+                self.reset().await;
+                return Err(match ended {
+                    Ok(Some(Err(e))) => unreachable(e),
+                    _ => SourceError::Unreachable("the pull ended".into()),
+                });
+            }
         };
         out.extend(self.message(first));
         while out.len() < max {
@@ -255,5 +327,21 @@ impl Source for NatsStream {
 
     fn claim_after(&self) -> Duration {
         self.ack_wait
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::subject_matches;
+
+    #[test]
+    fn subject_patterns_match_as_nats_does() {
+        assert!(subject_matches("orders.>", "orders.dead"));
+        assert!(subject_matches("orders.*", "orders.dead"));
+        assert!(subject_matches("dead.orders", "dead.orders"));
+        assert!(!subject_matches("orders.*", "orders.dead.x"));
+        assert!(!subject_matches("orders.>", "orders"));
+        assert!(!subject_matches("orders.>", "dead.orders"));
+        assert!(!subject_matches("orders", "orders.dead"));
     }
 }

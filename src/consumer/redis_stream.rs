@@ -1,6 +1,7 @@
 //! A Redis stream read by a consumer group: XREADGROUP for new entries, XAUTOCLAIM for entries
 //! a consumer that died left pending, XACK once a message is done, XCLAIM to keep one while it
-//! is worked on, and MULTI/XADD/XACK/EXEC to move one to the dead-letter stream atomically.
+//! is worked on, and one Lua script (XADD, then XACK) to move one to the dead-letter stream
+//! atomically.
 //!
 //! Each gateway instance is its own consumer in the group, named after its host and process
 //! (unique per instance, and per restart), so that instances share the stream's entries and a

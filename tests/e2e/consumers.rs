@@ -556,4 +556,36 @@ max_backoff = "200ms"
         );
         assert_eq!(header(&dead[0].0, "Idemgate-Deliveries"), "2");
     }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_dead_letter_subject_the_stream_captures_is_refused_and_an_outage_fails_readiness() {
+        let mut nats = NatsServer::start();
+        streams(&nats).await;
+        let dir = TempDir::new("nats-ready");
+        let up = Upstream::counting().await;
+        let admin = free_addr();
+        // orders.> would capture every dead letter and hand it back as a new message.
+        let looping = config(&nats, &dir, &up.url(), admin, "").replace(
+            "dead_letter = \"dead.orders\"",
+            "dead_letter = \"orders.dead\"",
+        );
+        let gw = GatewayProcess::start(&looping);
+        gw.wait_log("captures the dead-letter subject");
+        let (status, body) = admin_get(admin, "/readyz").await;
+        assert_eq!(
+            (status, body.as_str()),
+            (503, "consumer \"orders\": broker unreachable\n")
+        );
+        drop(gw);
+        let dir = TempDir::new("nats-ready-2");
+        let _gw = GatewayProcess::start(&config(&nats, &dir, &up.url(), admin, ""));
+        let ready = || async { admin_get(admin, "/readyz").await.0 };
+        assert!(
+            eventually_within(Duration::from_secs(10), || async { ready().await == 200 }).await
+        );
+        nats.kill();
+        assert!(
+            eventually_within(Duration::from_secs(10), || async { ready().await == 503 }).await
+        );
+    }
 }
