@@ -137,6 +137,13 @@ impl Source for AnySource {
         }
     }
 
+    async fn retry_later(&self, message: &Message, delay: Duration) -> Result<bool, SourceError> {
+        match self {
+            AnySource::Redis(s) => s.retry_later(message, delay).await,
+            AnySource::Nats(s) => s.retry_later(message, delay).await,
+        }
+    }
+
     async fn dead_letter(&self, message: &Message, reason: &str) -> Result<(), SourceError> {
         match self {
             AnySource::Redis(s) => s.dead_letter(message, reason).await,
@@ -342,6 +349,17 @@ impl<S: Source> Consumer<S> {
                         jitter(),
                     );
                     tracing::info!(consumer = %name, id = %message.id, %reason, ?delay, "message not done; trying again");
+                    if counted {
+                        match self.source.retry_later(&message, delay).await {
+                            // The broker delivers it again, as one more delivery.
+                            Ok(true) => return,
+                            Ok(false) => {}
+                            Err(e) => {
+                                tracing::warn!(consumer = %name, id = %message.id, error = %e, "cannot hand the message back; it is delivered again after its claim runs out");
+                                return;
+                            }
+                        }
+                    }
                     if !self.wait_claimed(&message, delay).await {
                         // Shutting down: left pending, for whichever instance claims it next.
                         return;

@@ -1,7 +1,7 @@
 //! A NATS JetStream stream read by a durable pull consumer (`async-nats`): every gateway
 //! instance binds to the same durable, so they share its messages; a message is acknowledged
 //! with a confirmed ack (`double_ack`) once its result is stored, kept with `+WPI` (in progress)
-//! while it is handled or waits for a retry, and moved to the dead-letter subject (published to
+//! while it is handled, handed back with a delayed `nak` for a retry, and moved to the dead-letter subject (published to
 //! JetStream, so its own stream keeps it) before it is acknowledged.
 //!
 //! Unlike Redis's script, the dead-letter publish and the ack are two steps: a crash between them
@@ -281,6 +281,18 @@ impl Source for NatsStream {
             .await
             .map_err(unreachable)?
             .map_err(unreachable)
+    }
+
+    async fn retry_later(&self, message: &Message, delay: Duration) -> Result<bool, SourceError> {
+        // The server counts the redelivery, so attempts survive a crash of this instance.
+        let Some(m) = self.take(&message.id) else {
+            return Ok(true);
+        };
+        tokio::time::timeout(self.timeout, m.ack_with(AckKind::Nak(Some(delay))))
+            .await
+            .map_err(unreachable)?
+            .map_err(unreachable)?;
+        Ok(true)
     }
 
     async fn dead_letter(&self, message: &Message, reason: &str) -> Result<(), SourceError> {

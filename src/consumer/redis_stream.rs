@@ -348,6 +348,10 @@ impl Source for RedisStream {
         self.call(&self.writer, &cmd, self.timeout).await.map(drop)
     }
 
+    async fn retry_later(&self, _message: &Message, _delay: Duration) -> Result<bool, SourceError> {
+        Ok(false)
+    }
+
     async fn dead_letter(&self, message: &Message, reason: &str) -> Result<(), SourceError> {
         // One script, so that the entry is acknowledged only if the dead-letter record was
         // written: in MULTI/EXEC a failed XADD would not stop the XACK.

@@ -58,6 +58,16 @@ pub trait Source: Send + Sync + 'static {
         redelivery: bool,
     ) -> impl Future<Output = Result<(), SourceError>> + Send;
 
+    /// Hands `message` back to the broker to be delivered again after `delay`, to any
+    /// instance, as one more delivery: true if the broker does that (NATS's `nak` with a delay),
+    /// false if it cannot and the caller must wait and try again itself, keeping the message
+    /// (a Redis stream has no delayed redelivery).
+    fn retry_later(
+        &self,
+        message: &Message,
+        delay: Duration,
+    ) -> impl Future<Output = Result<bool, SourceError>> + Send;
+
     /// Moves `message` to the dead-letter stream with `reason`, and acknowledges it, at once.
     fn dead_letter(
         &self,

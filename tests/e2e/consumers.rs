@@ -5,6 +5,7 @@
 
 use std::collections::{BTreeSet, HashMap};
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::support::redis::RedisServer;
@@ -384,6 +385,56 @@ async fn readiness_fails_while_the_broker_cannot_be_reached() {
         })
         .await
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_finishes_the_message_being_handled_and_leaves_a_waiting_retry_pending() {
+    let redis = RedisServer::start();
+    let gate = Arc::new(crate::support::Semaphore::new(0));
+    let g = Arc::clone(&gate);
+    let up = Upstream::start(move |seen, _| {
+        if String::from_utf8_lossy(&seen.body).contains("later") {
+            Reply::json(503, "{}")
+        } else {
+            Reply::json(201, "{}").gated(&g)
+        }
+    })
+    .await;
+    let admin = free_addr();
+    let slow_retries = "max_attempts = 5".to_string();
+    let cfg = config(&redis, &up.url(), admin, &slow_retries)
+        .replace("backoff = \"50ms\"", "backoff = \"30s\"")
+        .replace("max_backoff = \"200ms\"", "max_backoff = \"30s\"");
+    let gw = GatewayProcess::start(&cfg);
+    publish(&redis, r#"{"messageId": "s-1"}"#);
+    publish(&redis, r#"{"messageId": "s-2", "when": "later"}"#);
+    // s-1 is with the handler, s-2 failed once and waits 30 s for its retry.
+    assert!(
+        eventually_within(Duration::from_secs(10), || async {
+            up.executions() == 2 && metric(admin, "retried").await == 1.0
+        })
+        .await
+    );
+    gw.signal("-TERM");
+    gate.add_permits(1);
+    let status = gw.signal_and_wait("-0");
+    assert!(status.success(), "{status:?}");
+    // s-1 finished, was stored and acknowledged; s-2 was left pending, not lost.
+    let g = groups(&redis, STREAM);
+    assert_eq!(g[GROUP]["pending"], "1", "{g:?}");
+    assert_eq!(applied(&up), vec!["s-1", "s-2"]);
+    assert!(dead_letters(&redis).is_empty());
+    // The next instance takes s-2 over once its claim runs out, and its retry is stored (the
+    // handler now answers 503 to it again: this only checks that nothing was lost).
+    let _gw = GatewayProcess::start(&cfg.replace("max_attempts = 5", "max_attempts = 2"));
+    wait_all_acked(&redis, 2).await;
+    let dead = dead_letters(&redis);
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    assert!(
+        dead[0]["idemgate-reason"].starts_with("failed:"),
+        "{dead:?}"
+    );
+    assert_eq!(applied(&up).iter().filter(|m| *m == "s-1").count(), 1);
 }
 
 // NATS JetStream: the same guarantees through a durable pull consumer, on the disk store.
