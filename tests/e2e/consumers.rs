@@ -639,4 +639,56 @@ max_backoff = "200ms"
             eventually_within(Duration::from_secs(10), || async { ready().await == 503 }).await
         );
     }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn two_instances_on_one_durable_apply_a_thousand_messages_with_duplicates_exactly_once() {
+        let nats = NatsServer::start();
+        streams(&nats).await;
+        // Two instances share their records through Redis (a disk store is one instance's).
+        let redis = RedisServer::start();
+        let up = Upstream::counting().await;
+        let (a, b) = (free_addr(), free_addr());
+        let dir = TempDir::new("nats-two");
+        let on_redis = |admin| {
+            config(&nats, &dir, &up.url(), admin, "concurrency = 32").replace(
+                &format!("backend = \"disk\"\npath = \"{}\"", dir.path.display()),
+                &format!("backend = \"redis\"\nurl = \"{}\"", redis.url()),
+            )
+        };
+        let _one = GatewayProcess::start(&on_redis(a));
+        let _two = GatewayProcess::start(&on_redis(b));
+        let js = nats.jetstream().await;
+        let mut ids = BTreeSet::new();
+        let mut acks = Vec::new();
+        for i in 0..800 {
+            let body = format!(r#"{{"messageId": "bulk-{i}"}}"#);
+            let copies = if i % 4 == 0 { 2 } else { 1 };
+            for _ in 0..copies {
+                acks.push(
+                    js.publish("orders.created", body.clone().into())
+                        .await
+                        .unwrap(),
+                );
+            }
+            ids.insert(format!("bulk-{i}"));
+        }
+        for ack in acks {
+            ack.await.unwrap();
+        }
+        let total = || async { metric(a, "delivered").await + metric(b, "delivered").await };
+        assert!(
+            eventually_within(Duration::from_secs(60), || async { total().await == 800.0 }).await
+        );
+        wait_done(&nats).await;
+        let applied = applied(&up);
+        assert_eq!(applied.len(), 800, "every message applied once");
+        assert_eq!(applied.iter().cloned().collect::<BTreeSet<_>>(), ids);
+        let (da, db) = (metric(a, "delivered").await, metric(b, "delivered").await);
+        assert!(
+            da > 0.0 && db > 0.0,
+            "both instances shared the work: {da} and {db}"
+        );
+        let dedup = metric(a, "deduplicated").await + metric(b, "deduplicated").await;
+        assert_eq!(dedup, 200.0);
+    }
 }
