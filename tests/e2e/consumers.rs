@@ -437,6 +437,25 @@ async fn shutdown_finishes_the_message_being_handled_and_leaves_a_waiting_retry_
     assert_eq!(applied(&up).iter().filter(|m| *m == "s-1").count(), 1);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_saturated_handler_stops_the_reading_at_concurrency() {
+    let redis = RedisServer::start();
+    let (up, gate) = Upstream::gated().await;
+    let admin = free_addr();
+    let _gw = GatewayProcess::start(&config(&redis, &up.url(), admin, "concurrency = 2"));
+    for i in 0..10 {
+        publish(&redis, &format!(r#"{{"messageId": "bp-{i}"}}"#));
+    }
+    assert!(eventually_within(Duration::from_secs(10), || async { up.executions() == 2 }).await);
+    // Two held by the handler, none more read: the other eight stay in the stream, where
+    // another instance could take them.
+    let read = || groups(&redis, STREAM)[GROUP]["entries-read"].clone();
+    assert_eq!(read(), "2");
+    gate.add_permits(10);
+    wait_all_acked(&redis, 10).await;
+    assert_eq!(up.executions(), 10);
+}
+
 // NATS JetStream: the same guarantees through a durable pull consumer, on the disk store.
 
 mod nats {
@@ -690,5 +709,46 @@ max_backoff = "200ms"
         );
         let dedup = metric(a, "deduplicated").await + metric(b, "deduplicated").await;
         assert_eq!(dedup, 200.0);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_handler_slower_than_ack_wait_keeps_its_message() {
+        let nats = NatsServer::start();
+        streams(&nats).await;
+        let dir = TempDir::new("nats-slow");
+        // 2.5 times ack_wait: without in-progress acks the server would deliver it again.
+        let up = Upstream::start(|_, _| {
+            Reply::Delayed(
+                Duration::from_millis(2500),
+                Box::new(Reply::json(201, "{}")),
+            )
+        })
+        .await;
+        let admin = free_addr();
+        let _gw = GatewayProcess::start(&config(&nats, &dir, &up.url(), admin, ""));
+        nats.publish("orders.created", r#"{"messageId": "n-slow"}"#)
+            .await;
+        assert!(
+            eventually_within(Duration::from_secs(20), || async {
+                metric(admin, "delivered").await == 1.0
+            })
+            .await
+        );
+        wait_done(&nats).await;
+        assert_eq!(applied(&up), vec!["n-slow"]);
+        assert_eq!(
+            metric(admin, "deduplicated").await,
+            0.0,
+            "never delivered twice"
+        );
+        let js = nats.jetstream().await;
+        let mut consumer: async_nats::jetstream::consumer::PullConsumer = js
+            .get_stream("ORDERS")
+            .await
+            .unwrap()
+            .get_consumer("idemgate")
+            .await
+            .unwrap();
+        assert_eq!(consumer.info().await.unwrap().num_redelivered, 0);
     }
 }
