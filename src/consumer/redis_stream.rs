@@ -84,30 +84,9 @@ impl RedisStream {
                 "a stream is read from a single Redis".into(),
             ));
         };
-        let read = |path: &std::path::PathBuf| {
-            std::fs::read(path)
-                .map_err(|e| SourceError::Refused(format!("cannot read {}: {e}", path.display())))
-        };
-        let client_tls = match &settings.tls_client {
-            None => None,
-            Some((cert, key)) => Some(redis::ClientTlsConfig {
-                client_cert: read(cert)?,
-                client_key: read(key)?,
-            }),
-        };
-        let root_cert = settings.tls_ca_file.as_ref().map(read).transpose()?;
-        let client = if client_tls.is_some() || root_cert.is_some() {
-            redis::Client::build_with_tls(
-                url.as_str(),
-                redis::TlsCertificates {
-                    client_tls,
-                    root_cert,
-                },
-            )
-        } else {
-            redis::Client::open(url.as_str())
-        }
-        .map_err(|e| SourceError::Refused(format!("Redis URL: {e}")))?;
+        let client = crate::store::redis::certificates(settings)
+            .and_then(|certs| crate::store::redis::client(url, certs.as_ref()))
+            .map_err(|e| SourceError::Refused(e.to_string()))?;
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(settings.command_timeout.max(Duration::from_secs(1))))
             // Every call is bounded by our own timeout, the blocking read included.

@@ -337,15 +337,20 @@ async fn two_instances_in_one_group_apply_a_thousand_messages_with_duplicates_ex
         .unwrap();
     assert!(child.wait().unwrap().success());
     wait_all_acked(&redis, 1000).await;
-    let applied = applied(&up);
+    applied_once_by_both(&up, &ids, a, b).await;
+}
+
+/// Every one of `ids` applied once, 800 delivered and 200 deduplicated between the instances
+/// whose admin ports are `a` and `b`, each of which did some of the work.
+async fn applied_once_by_both(up: &Upstream, ids: &BTreeSet<String>, a: SocketAddr, b: SocketAddr) {
+    let applied = applied(up);
     assert_eq!(applied.len(), 800, "every message applied once");
-    assert_eq!(applied.iter().cloned().collect::<BTreeSet<_>>(), ids);
-    let delivered_a = metric(a, "delivered").await;
-    let delivered_b = metric(b, "delivered").await;
-    assert_eq!(delivered_a + delivered_b, 800.0);
+    assert_eq!(&applied.iter().cloned().collect::<BTreeSet<_>>(), ids);
+    let (da, db) = (metric(a, "delivered").await, metric(b, "delivered").await);
+    assert_eq!(da + db, 800.0);
     assert!(
-        delivered_a > 0.0 && delivered_b > 0.0,
-        "both instances shared the work: {delivered_a} and {delivered_b}"
+        da > 0.0 && db > 0.0,
+        "both instances shared the work: {da} and {db}"
     );
     let dedup = metric(a, "deduplicated").await + metric(b, "deduplicated").await;
     assert_eq!(dedup, 200.0);
@@ -699,16 +704,7 @@ max_backoff = "200ms"
             eventually_within(Duration::from_secs(60), || async { total().await == 800.0 }).await
         );
         wait_done(&nats).await;
-        let applied = applied(&up);
-        assert_eq!(applied.len(), 800, "every message applied once");
-        assert_eq!(applied.iter().cloned().collect::<BTreeSet<_>>(), ids);
-        let (da, db) = (metric(a, "delivered").await, metric(b, "delivered").await);
-        assert!(
-            da > 0.0 && db > 0.0,
-            "both instances shared the work: {da} and {db}"
-        );
-        let dedup = metric(a, "deduplicated").await + metric(b, "deduplicated").await;
-        assert_eq!(dedup, 200.0);
+        applied_once_by_both(&up, &ids, a, b).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

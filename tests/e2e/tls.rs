@@ -692,9 +692,20 @@ async fn client_certificates_are_verified_and_their_subject_scopes_keys() {
     let again = post(&mut alice, None).await.unwrap();
     assert!(again.headers().get("idempotent-replayed").is_some());
 
-    // No certificate: the handshake (or the first request) fails; nothing is executed.
+    // No certificate: the handshake (or the first request) fails; nothing is executed. With
+    // TLS 1.3 the client's handshake ends before the server has checked its certificate, so the
+    // refusal comes with the request; once (in some 40 CI runs) that request waited for ever
+    // with no socket left open, so it is bounded here: an answer is what must not come.
     if let Some(mut anonymous) = connect_as(None).await {
-        assert!(post(&mut anonymous, None).await.is_err());
+        let answer = tokio::time::timeout(
+            std::time::Duration::from_secs(10),
+            post(&mut anonymous, None),
+        )
+        .await;
+        assert!(
+            !matches!(answer, Ok(Ok(_))),
+            "a client without a certificate was answered"
+        );
     }
     assert_eq!(up.executions(), 2);
 }

@@ -80,6 +80,43 @@ impl Drop for Shared {
     }
 }
 
+/// The CA and client certificate `settings` name, read from their files; `None` without TLS
+/// files (a `rediss://` URL then trusts the system's roots).
+pub fn certificates(settings: &RedisSettings) -> Result<Option<redis::TlsCertificates>, OpenError> {
+    let read = |path: &std::path::PathBuf| {
+        std::fs::read(path).map_err(|source| OpenError::TlsCaFile {
+            path: path.clone(),
+            source,
+        })
+    };
+    let client_tls = match &settings.tls_client {
+        None => None,
+        Some((cert, key)) => Some(redis::ClientTlsConfig {
+            client_cert: read(cert)?,
+            client_key: read(key)?,
+        }),
+    };
+    let root_cert = settings.tls_ca_file.as_ref().map(read).transpose()?;
+    Ok(
+        (client_tls.is_some() || root_cert.is_some()).then_some(redis::TlsCertificates {
+            client_tls,
+            root_cert,
+        }),
+    )
+}
+
+/// A client of the single Redis at `url`, with `certs` for TLS.
+pub fn client(
+    url: &str,
+    certs: Option<&redis::TlsCertificates>,
+) -> Result<redis::Client, OpenError> {
+    match certs {
+        None => redis::Client::open(url),
+        Some(c) => redis::Client::build_with_tls(url, c.clone()),
+    }
+    .map_err(|e| OpenError::RedisUrl(e.to_string()))
+}
+
 impl RedisStore {
     /// Creates the store. Never waits for Redis: connections are made in the background.
     pub fn new(settings: &RedisSettings) -> Result<Self, OpenError> {
@@ -87,32 +124,8 @@ impl RedisStore {
         let channel = format!("{}done", settings.key_prefix);
         let mut tasks = Vec::new();
         let timeout = settings.command_timeout;
-        let read = |path: &std::path::PathBuf| {
-            std::fs::read(path).map_err(|source| OpenError::TlsCaFile {
-                path: path.clone(),
-                source,
-            })
-        };
-        let client_tls = match &settings.tls_client {
-            None => None,
-            Some((cert, key)) => Some(redis::ClientTlsConfig {
-                client_cert: read(cert)?,
-                client_key: read(key)?,
-            }),
-        };
-        let root_cert = settings.tls_ca_file.as_ref().map(read).transpose()?;
-        let certs =
-            (client_tls.is_some() || root_cert.is_some()).then_some(redis::TlsCertificates {
-                client_tls,
-                root_cert,
-            });
-        let open = |url: &str| -> Result<redis::Client, OpenError> {
-            match &certs {
-                None => redis::Client::open(url),
-                Some(c) => redis::Client::build_with_tls(url, c.clone()),
-            }
-            .map_err(|e| OpenError::RedisUrl(e.to_string()))
-        };
+        let certs = certificates(settings)?;
+        let open = |url: &str| client(url, certs.as_ref());
         let (connector, subscriber_client) = match &settings.target {
             RedisTarget::Single(url) => {
                 let client = open(url)?;
