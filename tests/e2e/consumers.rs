@@ -123,6 +123,19 @@ async fn metric(admin: SocketAddr, outcome: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
+/// Waits (at most 20 s) until the consumer has counted `n` messages with `outcome`.
+async fn wait_metric(admin: SocketAddr, outcome: &str, n: f64) {
+    let reached = eventually_within(Duration::from_secs(20), || async {
+        metric(admin, outcome).await == n
+    })
+    .await;
+    assert!(
+        reached,
+        "{outcome} never reached {n}: {}",
+        metric(admin, outcome).await
+    );
+}
+
 /// The handler's executions, by the `messageId` of their bodies.
 fn applied(up: &Upstream) -> Vec<String> {
     up.seen()
@@ -531,12 +544,7 @@ max_backoff = "200ms"
         let body = r#"{"messageId": "n-1", "amount": 5}"#;
         nats.publish("orders.created", body).await;
         nats.publish("orders.created", body).await;
-        assert!(
-            eventually_within(Duration::from_secs(20), || async {
-                metric(admin, "deduplicated").await == 1.0
-            })
-            .await
-        );
+        wait_metric(admin, "deduplicated", 1.0).await;
         wait_done(&nats).await;
         assert_eq!(applied(&up), vec!["n-1"]);
         assert_eq!(metric(admin, "delivered").await, 1.0);
@@ -563,12 +571,7 @@ max_backoff = "200ms"
         let _gw = GatewayProcess::start(&config(&nats, &dir, &up.url(), admin, "max_attempts = 4"));
         nats.publish("orders.created", r#"{"messageId": "n-2"}"#)
             .await;
-        assert!(
-            eventually_within(Duration::from_secs(20), || async {
-                metric(admin, "delivered").await == 1.0
-            })
-            .await
-        );
+        wait_metric(admin, "delivered", 1.0).await;
         assert_eq!(applied(&up).len(), 4, "three 503s, then the 201 stored");
         nats.publish(
             "orders.created",
@@ -576,12 +579,7 @@ max_backoff = "200ms"
         )
         .await;
         nats.publish("orders.created", r#"{"no": "key"}"#).await;
-        assert!(
-            eventually_within(Duration::from_secs(20), || async {
-                metric(admin, "dead_lettered").await == 2.0
-            })
-            .await
-        );
+        wait_metric(admin, "dead_lettered", 2.0).await;
         wait_done(&nats).await;
         let dead = nats.messages("DEAD").await;
         assert_eq!(dead.len(), 2);
@@ -616,12 +614,7 @@ max_backoff = "200ms"
         // Redelivered after ack_wait, to the restarted gateway, which finds the key's lease
         // expired mid-call on its disk: never called again.
         let _gw = GatewayProcess::start(&cfg);
-        assert!(
-            eventually_within(Duration::from_secs(20), || async {
-                metric(admin, "dead_lettered").await == 1.0
-            })
-            .await
-        );
+        wait_metric(admin, "dead_lettered", 1.0).await;
         wait_done(&nats).await;
         assert_eq!(applied(&up), vec!["n-4"]);
         let dead = nats.messages("DEAD").await;
@@ -724,12 +717,7 @@ max_backoff = "200ms"
         let _gw = GatewayProcess::start(&config(&nats, &dir, &up.url(), admin, ""));
         nats.publish("orders.created", r#"{"messageId": "n-slow"}"#)
             .await;
-        assert!(
-            eventually_within(Duration::from_secs(20), || async {
-                metric(admin, "delivered").await == 1.0
-            })
-            .await
-        );
+        wait_metric(admin, "delivered", 1.0).await;
         wait_done(&nats).await;
         assert_eq!(applied(&up), vec!["n-slow"]);
         assert_eq!(
