@@ -118,17 +118,21 @@ pub enum SourceConfig {
         claim_idle: Duration,
     },
     /// A NATS JetStream stream, read by a durable pull consumer that every instance shares.
-    NatsStream {
-        url: String,
-        stream: String,
-        /// Only messages on this subject (a filter of the stream's subjects).
-        subject: Option<String>,
-        durable: String,
-        /// The subject failed messages are published to (a stream must capture it).
-        dead_letter: String,
-        /// A message unacknowledged this long is delivered again (to any instance).
-        ack_wait: Duration,
-    },
+    NatsStream(NatsSource),
+}
+
+/// A consumer's NATS JetStream stream: what [`crate::consumer::NatsStream`] reads.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NatsSource {
+    pub url: String,
+    pub stream: String,
+    /// Only messages on this subject (a filter of the stream's subjects).
+    pub subject: Option<String>,
+    pub durable: String,
+    /// The subject failed messages are published to (a stream must capture it).
+    pub dead_letter: String,
+    /// A message unacknowledged this long is delivered again (to any instance).
+    pub ack_wait: Duration,
 }
 
 impl Config {

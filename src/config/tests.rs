@@ -965,13 +965,13 @@ fn a_nats_consumer_needs_its_url_and_dead_letter_subject() {
         r#"{ nats_stream = "ORDERS", url = "nats://127.0.0.1:4222", subject = "orders.>", dead_letter = "dead.orders" }"#,
     );
     let c = consumer("", &nats).unwrap();
-    let SourceConfig::NatsStream {
+    let SourceConfig::NatsStream(NatsSource {
         stream,
         subject,
         durable,
         ack_wait,
         ..
-    } = &c.consumers[0].source
+    }) = &c.consumers[0].source
     else {
         panic!("a NATS source");
     };

@@ -13,8 +13,8 @@ use super::raw::{
     RawSize, RawSource, RawStore, ROUTE_OWN_KEYS,
 };
 use super::{
-    redact_url, Config, ConfigError, ConsumerConfig, Deadlines, DiskSettings, OnStoreError,
-    OnUnknown, Policy, RedisSettings, RedisTarget, RouteConfig, Secret, ServerConfig,
+    redact_url, Config, ConfigError, ConsumerConfig, Deadlines, DiskSettings, NatsSource,
+    OnStoreError, OnUnknown, Policy, RedisSettings, RedisTarget, RouteConfig, Secret, ServerConfig,
     SignatureConfig, SignatureScheme, SourceConfig, StoreConfig, SyncMode, UpstreamProtocol,
     UpstreamTls, UpstreamUrl, CLIENT_SUBJECT_HEADER,
 };
@@ -92,33 +92,9 @@ impl RawConfig {
                 ));
             }
         }
-        // A body larger than the whole budget could never be read: say so now, not with a 503
-        // on every such request.
-        for (i, r) in routes.iter().enumerate() {
-            if r.policy.max_body > server.max_buffered {
-                return Err(ConfigError::invalid(
-                    format!("routes[{i}].max_body"),
-                    r.policy.max_body.to_string(),
-                    format!(
-                        "at most server.max_buffered ({} bytes)",
-                        server.max_buffered
-                    ),
-                ));
-            }
-        }
         let mut consumers = Vec::with_capacity(self.consumers.len());
         for (index, raw) in self.consumers.into_iter().enumerate() {
             let consumer = validate_consumer(index, raw, &defaults, &store)?;
-            if consumer.policy.max_body > server.max_buffered {
-                return Err(ConfigError::invalid(
-                    format!("consumers[{index}].max_body"),
-                    consumer.policy.max_body.to_string(),
-                    format!(
-                        "at most server.max_buffered ({} bytes)",
-                        server.max_buffered
-                    ),
-                ));
-            }
             if consumers
                 .iter()
                 .any(|c: &ConsumerConfig| c.name == consumer.name)
@@ -131,6 +107,30 @@ impl RawConfig {
                 ));
             }
             consumers.push(consumer);
+        }
+        // A body larger than the whole budget could never be read: say so now, not with a 503
+        // on every such request (or a dead letter for every such message).
+        let policies = routes
+            .iter()
+            .enumerate()
+            .map(|(i, r)| ("routes", i, &r.policy));
+        let policies = policies.chain(
+            consumers
+                .iter()
+                .enumerate()
+                .map(|(i, c)| ("consumers", i, &c.policy)),
+        );
+        for (table, i, policy) in policies {
+            if policy.max_body > server.max_buffered {
+                return Err(ConfigError::invalid(
+                    format!("{table}[{i}].max_body"),
+                    policy.max_body.to_string(),
+                    format!(
+                        "at most server.max_buffered ({} bytes)",
+                        server.max_buffered
+                    ),
+                ));
+            }
         }
         let upstream_tls = validate_upstream_tls(
             raw_upstream.tls_ca_file,
@@ -281,14 +281,14 @@ fn validate_source(
                 source.dead_letter.ok_or_else(|| ConfigError::Missing { field: at("source.dead_letter") })?,
             )?;
             let ack_wait = duration("source.ack_wait", &source.ack_wait, Duration::from_secs(30))?;
-            Ok(SourceConfig::NatsStream {
+            Ok(SourceConfig::NatsStream(NatsSource {
                 url,
                 stream,
                 subject,
                 durable,
                 dead_letter,
                 ack_wait,
-            })
+            }))
         }
         _ => Err(ConfigError::invalid(
             at("source"),
@@ -350,7 +350,7 @@ fn validate_consumer(
         field: at("source"),
     })?;
     let source = validate_source(&at, source, store)?;
-    if raw.body_field.is_some() && matches!(source, SourceConfig::NatsStream { .. }) {
+    if raw.body_field.is_some() && matches!(source, SourceConfig::NatsStream(_)) {
         return Err(ConfigError::invalid(
             at("body_field"),
             "(set)",

@@ -190,20 +190,8 @@ pub fn sources(configs: &[ConsumerConfig]) -> Result<Vec<AnySource>, ConsumerErr
                 consumer: c.name.clone(),
                 source,
             }),
-            SourceConfig::NatsStream {
-                url,
-                stream,
-                subject,
-                durable,
-                dead_letter,
-                ack_wait,
-            } => Ok(AnySource::Nats(Box::new(NatsStream::new(
-                url,
-                stream,
-                subject.as_deref(),
-                durable,
-                dead_letter,
-                *ack_wait,
+            SourceConfig::NatsStream(source) => Ok(AnySource::Nats(Box::new(NatsStream::new(
+                source.clone(),
                 c.concurrency,
             )))),
         })

@@ -25,6 +25,7 @@ use tokio::sync::Mutex as AsyncMutex;
 
 use super::redis_stream::passed_on;
 use super::source::{Message, Source, SourceError};
+use crate::config::NatsSource;
 
 /// How long one pull waits for a first message.
 const WAIT: Duration = Duration::from_millis(1000);
@@ -38,12 +39,7 @@ struct Connected {
 }
 
 pub struct NatsStream {
-    url: String,
-    stream: String,
-    subject: Option<String>,
-    durable: String,
-    dead_letter: String,
-    ack_wait: Duration,
+    source: NatsSource,
     timeout: Duration,
     /// Messages pulled ahead at most: the consumer's `concurrency`.
     buffer: usize,
@@ -54,22 +50,9 @@ pub struct NatsStream {
 }
 
 impl NatsStream {
-    pub fn new(
-        url: &str,
-        stream: &str,
-        subject: Option<&str>,
-        durable: &str,
-        dead_letter: &str,
-        ack_wait: Duration,
-        buffer: usize,
-    ) -> Self {
+    pub fn new(source: NatsSource, buffer: usize) -> Self {
         NatsStream {
-            url: url.to_string(),
-            stream: stream.to_string(),
-            subject: subject.map(str::to_string),
-            durable: durable.to_string(),
-            dead_letter: dead_letter.to_string(),
-            ack_wait,
+            source,
             timeout: Duration::from_secs(5),
             buffer: buffer.max(1),
             connected: AsyncMutex::new(None),
@@ -78,7 +61,7 @@ impl NatsStream {
     }
 
     pub fn durable(&self) -> &str {
-        &self.durable
+        &self.source.durable
     }
 
     /// The connection and the bound durable, made if there is none; a broker that is not
@@ -104,14 +87,14 @@ impl NatsStream {
     async fn connect(&self) -> Result<Connected, SourceError> {
         let client = async_nats::ConnectOptions::new()
             .connection_timeout(self.timeout)
-            .connect(self.url.as_str())
+            .connect(self.source.url.as_str())
             .await
             .map_err(|e| SourceError::Unreachable(e.to_string()))?;
         let js = jetstream::new(client.clone());
         let mut stream = js
-            .get_stream(&self.stream)
+            .get_stream(&self.source.stream)
             .await
-            .map_err(|e| SourceError::Refused(format!("stream {:?}: {e}", self.stream)))?;
+            .map_err(|e| SourceError::Refused(format!("stream {:?}: {e}", self.source.stream)))?;
         let subjects = stream
             .info()
             .await
@@ -121,27 +104,29 @@ impl NatsStream {
             .clone();
         if let Some(s) = subjects
             .iter()
-            .find(|s| subject_matches(s, &self.dead_letter))
+            .find(|s| subject_matches(s, &self.source.dead_letter))
         {
             return Err(SourceError::Refused(format!(
                 "stream {:?} captures the dead-letter subject {:?} (its subject {s:?}): every dead letter would come back; use a subject outside it",
-                self.stream, self.dead_letter
+                self.source.stream, self.source.dead_letter
             )));
         }
         let wanted = pull::Config {
-            durable_name: Some(self.durable.clone()),
-            filter_subject: self.subject.clone().unwrap_or_default(),
+            durable_name: Some(self.source.durable.clone()),
+            filter_subject: self.source.subject.clone().unwrap_or_default(),
             ack_policy: jetstream::consumer::AckPolicy::Explicit,
-            ack_wait: self.ack_wait,
+            ack_wait: self.source.ack_wait,
             // Attempts are counted and capped by the gateway, which dead-letters with the
             // reason; the server never drops one.
             max_deliver: -1,
             ..Default::default()
         };
         let mut consumer: jetstream::consumer::PullConsumer = stream
-            .get_or_create_consumer(&self.durable, wanted.clone())
+            .get_or_create_consumer(&self.source.durable, wanted.clone())
             .await
-            .map_err(|e| SourceError::Refused(format!("consumer {:?}: {e}", self.durable)))?;
+            .map_err(|e| {
+                SourceError::Refused(format!("consumer {:?}: {e}", self.source.durable))
+            })?;
         let info = consumer
             .info()
             .await
@@ -154,7 +139,7 @@ impl NatsStream {
         {
             return Err(SourceError::Refused(format!(
                 "the durable {:?} exists with other settings (ack_wait {:?}, max_deliver {}, filter {:?}); delete it or match the config",
-                self.durable, have.ack_wait, have.max_deliver, have.filter_subject
+                self.source.durable, have.ack_wait, have.max_deliver, have.filter_subject
             )));
         }
         let messages = consumer
@@ -305,7 +290,7 @@ impl Source for NatsStream {
             );
         }
         headers.insert("Idemgate-Reason", reason);
-        headers.insert("Idemgate-Stream", self.stream.as_str());
+        headers.insert("Idemgate-Stream", self.source.stream.as_str());
         headers.insert("Idemgate-Id", message.id.as_str());
         headers.insert(
             "Idemgate-Deliveries",
@@ -315,7 +300,7 @@ impl Source for NatsStream {
         let publish = async {
             connected
                 .js
-                .publish_with_headers(self.dead_letter.clone(), headers, payload)
+                .publish_with_headers(self.source.dead_letter.clone(), headers, payload)
                 .await
                 .map_err(unreachable)?
                 .await
@@ -338,7 +323,7 @@ impl Source for NatsStream {
     }
 
     fn claim_after(&self) -> Duration {
-        self.ack_wait
+        self.source.ack_wait
     }
 }
 

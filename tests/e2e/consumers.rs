@@ -20,29 +20,45 @@ fn free_addr() -> SocketAddr {
     l.local_addr().unwrap()
 }
 
-/// A gateway on `redis` as its store, with one consumer of [`STREAM`] posting to `handler`.
-fn config(redis: &RedisServer, handler: &str, admin: SocketAddr, extra: &str) -> String {
+/// A gateway config with `store` (its `[store]` lines) and one consumer named "orders" reading
+/// `source` (the `source = ...` value) and posting to `handler`/orders, retrying fast.
+fn gateway_config(
+    store: &str,
+    source: &str,
+    handler: &str,
+    admin: SocketAddr,
+    extra: &str,
+) -> String {
     format!(
         r#"[server]
 listen = "127.0.0.1:0"
 admin = "{admin}"
 shutdown_grace = "5s"
 [store]
-backend = "redis"
-url = "{redis}"
+{store}
 [upstream]
 url = "{handler}"
 [[consumers]]
 name = "orders"
-source = {{ redis_stream = "{STREAM}", group = "{GROUP}", claim_idle = "1s" }}
+source = {source}
 handler = "{handler}/orders"
 key = {{ json = "/messageId" }}
 backoff = "50ms"
 max_backoff = "200ms"
 {extra}
-"#,
-        redis = redis.url()
+"#
     )
+}
+
+fn redis_store(redis: &RedisServer) -> String {
+    format!("backend = \"redis\"\nurl = \"{}\"", redis.url())
+}
+
+/// A gateway on `redis` as its store, with one consumer of [`STREAM`] posting to `handler`.
+fn config(redis: &RedisServer, handler: &str, admin: SocketAddr, extra: &str) -> String {
+    let source =
+        format!("{{ redis_stream = \"{STREAM}\", group = \"{GROUP}\", claim_idle = \"1s\" }}");
+    gateway_config(&redis_store(redis), &source, handler, admin, extra)
 }
 
 fn publish(redis: &RedisServer, body: &str) -> String {
@@ -375,16 +391,12 @@ async fn readiness_fails_while_the_broker_cannot_be_reached() {
     let mut broker = RedisServer::start();
     let up = Upstream::counting().await;
     let admin = free_addr();
-    let extra = format!(
-        "source = {{ redis_stream = \"{STREAM}\", url = \"{}\" }}",
+    // The stream on a Redis of its own: the store's stays up while the broker goes down.
+    let source = format!(
+        "{{ redis_stream = \"{STREAM}\", url = \"{}\" }}",
         broker.url()
     );
-    let cfg = config(&store, &up.url(), admin, "").replace(
-        &format!(
-            "source = {{ redis_stream = \"{STREAM}\", group = \"{GROUP}\", claim_idle = \"1s\" }}"
-        ),
-        &extra,
-    );
+    let cfg = gateway_config(&redis_store(&store), &source, &up.url(), admin, "");
     let _gw = GatewayProcess::start(&cfg);
     let ready = || async { admin_get(admin, "/readyz").await };
     assert!(eventually_within(Duration::from_secs(10), || async { ready().await.0 == 200 }).await);
@@ -481,6 +493,14 @@ mod nats {
     use crate::support::nats::NatsServer;
     use crate::support::TempDir;
 
+    fn source(nats: &NatsServer) -> String {
+        format!(
+            "{{ nats_stream = \"ORDERS\", url = \"{}\", dead_letter = \"dead.orders\", ack_wait = \"1s\" }}",
+            nats.url()
+        )
+    }
+
+    /// A gateway on the disk store in `dir`, with one consumer of `ORDERS` posting to `handler`.
     fn config(
         nats: &NatsServer,
         dir: &TempDir,
@@ -488,28 +508,8 @@ mod nats {
         admin: SocketAddr,
         extra: &str,
     ) -> String {
-        format!(
-            r#"[server]
-listen = "127.0.0.1:0"
-admin = "{admin}"
-shutdown_grace = "5s"
-[store]
-backend = "disk"
-path = "{dir}"
-[upstream]
-url = "{handler}"
-[[consumers]]
-name = "orders"
-source = {{ nats_stream = "ORDERS", url = "{url}", dead_letter = "dead.orders", ack_wait = "1s" }}
-handler = "{handler}/orders"
-key = {{ json = "/messageId" }}
-backoff = "50ms"
-max_backoff = "200ms"
-{extra}
-"#,
-            dir = dir.path.display(),
-            url = nats.url()
-        )
+        let store = format!("backend = \"disk\"\npath = \"{}\"", dir.path.display());
+        gateway_config(&store, &source(nats), handler, admin, extra)
     }
 
     async fn streams(nats: &NatsServer) {
@@ -665,11 +665,13 @@ max_backoff = "200ms"
         let redis = RedisServer::start();
         let up = Upstream::counting().await;
         let (a, b) = (free_addr(), free_addr());
-        let dir = TempDir::new("nats-two");
         let on_redis = |admin| {
-            config(&nats, &dir, &up.url(), admin, "concurrency = 32").replace(
-                &format!("backend = \"disk\"\npath = \"{}\"", dir.path.display()),
-                &format!("backend = \"redis\"\nurl = \"{}\"", redis.url()),
+            gateway_config(
+                &redis_store(&redis),
+                &source(&nats),
+                &up.url(),
+                admin,
+                "concurrency = 32",
             )
         };
         let _one = GatewayProcess::start(&on_redis(a));
