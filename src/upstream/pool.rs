@@ -38,9 +38,11 @@ const MAX_IDLE_PER_UPSTREAM: usize = 256;
 /// The most header bytes (HPACK-decoded) an HTTP/2 upstream may send in one response head or
 /// trailer block: a bound on what a response can make the gateway hold before its body.
 const MAX_H2_HEADER_LIST: u32 = 256 * 1024;
-/// Streams assumed open-able on a new HTTP/2 connection until the upstream's SETTINGS say
-/// otherwise (RFC 9113 recommends servers allow at least 100).
-const INITIAL_H2_STREAMS: usize = 100;
+/// Streams assumed open-able on a new HTTP/2 connection until the upstream's SETTINGS arrive:
+/// only the one its maker sends. Assuming more (RFC 9113 suggests 100) let requests take streams
+/// on a connection whose upstream then allowed fewer, and those queued inside hyper. h2 applies
+/// the upstream's limit when its SETTINGS arrive, or none if they name none.
+const STREAMS_BEFORE_SETTINGS: usize = 1;
 /// A PING this often on an HTTP/2 connection, idle or not, and closed if the answer takes longer
 /// than this too: an upstream that vanished without a FIN (a pod gone, a NAT entry dropped) is
 /// found within 40 s, not when TCP gives up minutes later.
@@ -545,7 +547,7 @@ where
         let (sender, conn) = http2::Builder::new(TokioExecutor::new())
             .timer(TokioTimer::new())
             .max_header_list_size(MAX_H2_HEADER_LIST)
-            .initial_max_send_streams(INITIAL_H2_STREAMS)
+            .initial_max_send_streams(STREAMS_BEFORE_SETTINGS)
             .keep_alive_interval(H2_KEEPALIVE)
             .keep_alive_timeout(H2_KEEPALIVE)
             .keep_alive_while_idle(true)
@@ -553,7 +555,7 @@ where
             .await?;
         let streams = Arc::new(Streams {
             open: AtomicUsize::new(0),
-            max: AtomicUsize::new(INITIAL_H2_STREAMS),
+            max: AtomicUsize::new(STREAMS_BEFORE_SETTINGS),
         });
         let limit = Arc::clone(&streams);
         tokio::spawn(async move {

@@ -8,6 +8,7 @@ use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use futures_util::Stream;
 use http::uri::PathAndQuery;
@@ -345,22 +346,28 @@ async fn a_reply_too_large_to_keep_is_never_executed_twice() {
     assert_eq!(payments.charges.load(Ordering::SeqCst), 1);
 }
 
-/// An HTTP/2 upstream that allows 2 streams per connection: 6 requests at once all reach it, on
-/// more connections, instead of 4 of them queueing inside one connection for a stream (where a
-/// request still waiting at its deadline would count as maybe executed).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn requests_past_an_upstreams_stream_limit_open_another_connection() {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let connections = Arc::new(AtomicUsize::new(0));
-    let gate = Arc::new(Semaphore::new(0));
-    let (arrived_tx, mut arrived) = tokio::sync::mpsc::unbounded_channel::<()>();
-    {
-        let (connections, gate) = (Arc::clone(&connections), Arc::clone(&gate));
+/// An HTTP/2 upstream (prior knowledge) that allows 2 streams per connection. It counts the
+/// connections it accepts, reports each request's arrival, and answers a request once `gate`
+/// gives it a permit.
+struct LimitedUpstream {
+    addr: SocketAddr,
+    connections: Arc<AtomicUsize>,
+    gate: Arc<Semaphore>,
+    arrived: tokio::sync::mpsc::UnboundedReceiver<()>,
+}
+
+impl LimitedUpstream {
+    async fn start() -> LimitedUpstream {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let connections = Arc::new(AtomicUsize::new(0));
+        let gate = Arc::new(Semaphore::new(0));
+        let (arrived_tx, arrived) = tokio::sync::mpsc::unbounded_channel::<()>();
+        let (counted, gated) = (Arc::clone(&connections), Arc::clone(&gate));
         tokio::spawn(async move {
             while let Ok((sock, _)) = listener.accept().await {
-                connections.fetch_add(1, Ordering::SeqCst);
-                let (gate, arrived_tx) = (Arc::clone(&gate), arrived_tx.clone());
+                counted.fetch_add(1, Ordering::SeqCst);
+                let (gate, arrived_tx) = (Arc::clone(&gated), arrived_tx.clone());
                 tokio::spawn(async move {
                     let svc = service_fn(move |_req: http::Request<hyper::body::Incoming>| {
                         let (gate, arrived_tx) = (Arc::clone(&gate), arrived_tx.clone());
@@ -379,34 +386,123 @@ async fn requests_past_an_upstreams_stream_limit_open_another_connection() {
                 });
             }
         });
+        LimitedUpstream {
+            addr,
+            connections,
+            gate,
+            arrived,
+        }
     }
-    let mut cfg = config(&format!("http://{addr}"), "protocol = \"http2\"\n");
-    cfg.server.workers = 1;
-    let gw = Running::start(cfg).await.unwrap();
-    let http = Http::new(gw.addr());
-    // One call first, so the connection has the upstream's SETTINGS (its limit of 2) before the
-    // burst; a brand-new connection assumes 100 until they arrive.
-    gate.add_permits(1);
-    assert_eq!(http.request("GET", "/warm").send().await.status, 200);
-    arrived.recv().await.unwrap();
-    let calls: Vec<_> = (0..6)
+
+    /// Waits until `n` more requests have reached it, failing the test if they have not within
+    /// 10 s: those would be queued inside the gateway's connections.
+    async fn arrivals(&mut self, n: usize) {
+        for i in 0..n {
+            tokio::time::timeout(Duration::from_secs(10), self.arrived.recv())
+                .await
+                .unwrap_or_else(|_| panic!("only {i} of {n} reached the upstream: the rest queued"))
+                .unwrap();
+        }
+    }
+}
+
+/// Sends 6 GETs through the gateway at once, in the background.
+fn burst(http: &Http) -> Vec<tokio::task::JoinHandle<Got>> {
+    (0..6)
         .map(|i| {
             let http = http.clone();
             tokio::spawn(async move { http.request("GET", &format!("/slow/{i}")).send().await })
         })
-        .collect();
-    for n in 0..6 {
-        tokio::time::timeout(std::time::Duration::from_secs(10), arrived.recv())
-            .await
-            .unwrap_or_else(|_| panic!("only {n} of 6 reached the upstream: the rest queued"))
-            .unwrap();
-    }
+        .collect()
+}
+
+fn http2_gateway_config(upstream: SocketAddr) -> idemgate::config::Config {
+    let mut cfg = config(&format!("http://{upstream}"), "protocol = \"http2\"\n");
+    cfg.server.workers = 1;
+    cfg
+}
+
+/// An HTTP/2 upstream that allows 2 streams per connection: 6 requests at once all reach it, on
+/// more connections, instead of 4 of them queueing inside one connection for a stream (where a
+/// request still waiting at its deadline would count as maybe executed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_past_an_upstreams_stream_limit_open_another_connection() {
+    let mut upstream = LimitedUpstream::start().await;
+    let gw = Running::start(http2_gateway_config(upstream.addr))
+        .await
+        .unwrap();
+    let http = Http::new(gw.addr());
+    // One call first, so the connection has the upstream's SETTINGS (its limit of 2) before the
+    // burst.
+    upstream.gate.add_permits(1);
+    assert_eq!(http.request("GET", "/warm").send().await.status, 200);
+    upstream.arrivals(1).await;
+    let calls = burst(&http);
+    upstream.arrivals(6).await;
     // At least 3 (2 streams each); more when requests arrive while a connection is still being
     // made, since each of them makes its own (at most one per request).
-    let made = connections.load(Ordering::SeqCst);
+    let made = upstream.connections.load(Ordering::SeqCst);
     assert!((3..=7).contains(&made), "{made} connections for 7 requests");
-    gate.add_permits(6);
+    upstream.gate.add_permits(6);
     for call in calls {
         assert_eq!(call.await.unwrap().status, 200);
+    }
+}
+
+/// The cause of requests queueing inside a connection, made certain: the upstream's SETTINGS
+/// (its limit of 2) held back on every connection until all 6 requests have reached it. A new
+/// connection is used for its maker's request only until its SETTINGS arrive; had the pool
+/// assumed more, the requests it put on an unsettled connection past the upstream's limit
+/// would have been refused or queued, never reaching the upstream in time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_connection_is_not_shared_before_its_upstreams_settings_arrive() {
+    let mut upstream = LimitedUpstream::start().await;
+    let relay = HeldReplies::start(upstream.addr).await;
+    let gw = Running::start(http2_gateway_config(relay.addr))
+        .await
+        .unwrap();
+    let calls = burst(&Http::new(gw.addr()));
+    upstream.arrivals(6).await;
+    assert_eq!(
+        upstream.connections.load(Ordering::SeqCst),
+        6,
+        "one connection per request while no SETTINGS have arrived"
+    );
+    relay.release.add_permits(64);
+    upstream.gate.add_permits(6);
+    for call in calls {
+        assert_eq!(call.await.unwrap().status, 200);
+    }
+}
+
+/// A TCP relay to `upstream` that forwards what clients send at once and holds everything the
+/// upstream sends back (its SETTINGS first) until `release` has permits.
+struct HeldReplies {
+    addr: SocketAddr,
+    release: Arc<Semaphore>,
+}
+
+impl HeldReplies {
+    async fn start(upstream: SocketAddr) -> HeldReplies {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let release = Arc::new(Semaphore::new(0));
+        let held = Arc::clone(&release);
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let held = Arc::clone(&held);
+                tokio::spawn(async move {
+                    let server = tokio::net::TcpStream::connect(upstream).await.unwrap();
+                    let (mut from_client, mut to_client) = client.into_split();
+                    let (mut from_server, mut to_server) = server.into_split();
+                    tokio::spawn(async move {
+                        let _ = tokio::io::copy(&mut from_client, &mut to_server).await;
+                    });
+                    let _open = held.acquire().await.unwrap();
+                    let _ = tokio::io::copy(&mut from_server, &mut to_client).await;
+                });
+            }
+        });
+        HeldReplies { addr, release }
     }
 }
