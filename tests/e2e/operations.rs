@@ -78,9 +78,20 @@ async fn metrics_count_every_outcome() {
     });
     up.arrival_at("/busy").await;
     assert_eq!(http.post("/busy", "b", "{}").await.status, 409);
-    // The two held originals and the waiter: open the gate only once the waiter is inside too,
-    // or it would count as a replay.
-    eventually(|| async { scrape(admin).await["idemgate_requests_in_flight"] >= 3.0 }).await;
+    // The two held originals and the waiter: open the gate only once the waiter waits (being in
+    // flight is not enough: it may not have reached the store yet), or it would count as a
+    // replay.
+    let waiting = || async {
+        scrape(admin)
+            .await
+            .get("idemgate_waiting_requests")
+            .copied()
+            .unwrap_or(0.0)
+    };
+    assert!(
+        eventually(|| async { waiting().await == 1.0 }).await,
+        "the duplicate never waited"
+    );
     assert_eq!(
         scrape(admin).await["idemgate_requests_in_flight"],
         3.0,

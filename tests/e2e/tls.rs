@@ -553,8 +553,9 @@ async fn a_silent_client_of_the_tls_listener_is_closed_at_header_timeout() {
         "workers = 1\nheader_timeout = \"500ms\"\n",
         1,
     ));
-    let mut silent = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    // Before connecting: the gateway's clock may start as soon as it accepts.
     let started = std::time::Instant::now();
+    let mut silent = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
     let mut buf = [0u8; 16];
     use tokio::io::AsyncReadExt;
     let closed = tokio::time::timeout(std::time::Duration::from_secs(10), silent.read(&mut buf))
