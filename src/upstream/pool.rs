@@ -85,11 +85,39 @@ struct Shared {
     since: Instant,
 }
 
-/// The streams open on one HTTP/2 connection, and the most its upstream allows now
-/// (`SETTINGS_MAX_CONCURRENT_STREAMS`, kept up to date by the connection's task).
+/// The streams open on one HTTP/2 connection, and the connection, to ask how many its upstream
+/// allows now (`SETTINGS_MAX_CONCURRENT_STREAMS`).
 struct Streams {
     open: AtomicUsize,
-    max: AtomicUsize,
+    /// Read live at each checkout: hyper applies the upstream's SETTINGS in a task of its own,
+    /// so a copy kept from this connection's own polls could be stale in either direction.
+    limit: Arc<dyn StreamLimit>,
+}
+
+impl Streams {
+    fn has_room(&self) -> bool {
+        self.open.load(Ordering::Relaxed) < self.limit.max_send_streams()
+    }
+}
+
+/// An HTTP/2 connection's current limit on the streams it may open.
+trait StreamLimit: Send + Sync {
+    fn max_send_streams(&self) -> usize;
+}
+
+/// The connection is polled by its task and read by checkouts, each under the lock for a
+/// moment.
+type SharedH2<IO> = Mutex<Pin<Box<http2::Connection<IO, Body, TokioExecutor>>>>;
+
+impl<IO> StreamLimit for SharedH2<IO>
+where
+    IO: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+{
+    fn max_send_streams(&self) -> usize {
+        self.lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .current_max_send_streams()
+    }
 }
 
 /// One request's stream on an HTTP/2 connection, given back when dropped (with the response
@@ -391,9 +419,7 @@ impl Pool {
             .iter_mut()
             .find(|u| u.authority == *authority && u.secure == secure && u.protocol == protocol)?;
         upstream.shared.retain(|c| !c.sender.is_closed());
-        let free = upstream.shared.iter_mut().find(|c| {
-            c.streams.open.load(Ordering::Relaxed) < c.streams.max.load(Ordering::Relaxed)
-        });
+        let free = upstream.shared.iter_mut().find(|c| c.streams.has_room());
         if let Some(c) = free {
             c.since = Instant::now();
             return Some(Conn::H2(c.sender.clone(), Stream::take(&c.streams)));
@@ -553,23 +579,18 @@ where
             .keep_alive_while_idle(true)
             .handshake(io)
             .await?;
+        let conn: Arc<SharedH2<IO>> = Arc::new(Mutex::new(Box::pin(conn)));
         let streams = Arc::new(Streams {
             open: AtomicUsize::new(0),
-            max: AtomicUsize::new(STREAMS_BEFORE_SETTINGS),
+            limit: Arc::clone(&conn) as Arc<dyn StreamLimit>,
         });
-        let limit = Arc::clone(&streams);
         tokio::spawn(async move {
             // Ends when the connection does, or when no handle to it is left (the pool dropped
             // its own); streams still open then finish in hyper's own task.
             let _slot = slot;
-            let mut conn = std::pin::pin!(conn);
             let ended = std::future::poll_fn(|cx| {
-                let polled = std::future::Future::poll(conn.as_mut(), cx);
-                // The upstream's SETTINGS may change it at any time; read after every turn.
-                limit
-                    .max
-                    .store(conn.current_max_send_streams(), Ordering::Relaxed);
-                polled
+                let mut conn = conn.lock().unwrap_or_else(PoisonError::into_inner);
+                std::future::Future::poll(conn.as_mut(), cx)
             })
             .await;
             if let Err(e) = ended {
