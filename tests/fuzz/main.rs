@@ -401,7 +401,7 @@ proptest! {
         }
         match Config::parse(&text) {
             Ok(c) => {
-                let _ = c.describe();
+                let _ = idemgate::cli::describe(&c);
             }
             Err(e) => prop_assert!(!e.to_string().is_empty()),
         }

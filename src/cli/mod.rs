@@ -1,6 +1,10 @@
 //! The command line: `idemgate run`, `idemgate check`, `idemgate keys get|delete`,
 //! `idemgate probe`.
 
+mod describe;
+
+pub use describe::describe;
+
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -89,7 +93,7 @@ pub fn main() -> ExitCode {
     match cli.command {
         Command::Check { config } => match Config::load(&config) {
             Ok(c) => {
-                say(&c.describe());
+                say(&describe(&c));
                 say("config OK\n");
                 ExitCode::SUCCESS
             }

@@ -1,0 +1,225 @@
+//! What `idemgate check` prints: the configuration as the gateway resolved it (every default
+//! applied), one line per listener, store, upstream and route, and never a secret.
+
+use std::fmt::Write;
+
+use http::{HeaderName, Method};
+
+use crate::config::{
+    redact_url, Config, Policy, RedisTarget, RouteConfig, SignatureScheme, StoreConfig, SyncMode,
+};
+
+fn shown(d: std::time::Duration) -> humantime::FormattedDuration {
+    humantime::format_duration(d)
+}
+
+/// A human-readable list of the resolved settings and routes.
+pub fn describe(config: &Config) -> String {
+    let mut out = String::new();
+    server(&mut out, config);
+    let _ = writeln!(out, "{}", store(&config.store));
+    let _ = writeln!(
+        out,
+        "default upstream {} (at most {} connections to each upstream)",
+        config.upstream, config.upstream_max_connections
+    );
+    for r in &config.routes {
+        route(&mut out, r);
+    }
+    let _ = writeln!(
+        out,
+        "everything else: passed through to {}",
+        config.upstream
+    );
+    out
+}
+
+fn server(out: &mut String, config: &Config) {
+    let server = &config.server;
+    let _ = writeln!(out, "listen {}", server.listen);
+    let d = &server.deadlines;
+    let _ = writeln!(
+        out,
+        "connections: max {}, header_timeout {}, body_timeout {}, idle_timeout {}, send_timeout {}, max_streams {}, max_buffered {}",
+        server.max_connections,
+        shown(d.header),
+        shown(d.body),
+        shown(d.idle),
+        shown(d.send),
+        server.max_streams,
+        server.max_buffered
+    );
+    if !server.trusted_proxies.is_empty() {
+        let list: Vec<String> = server
+            .trusted_proxies
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        let _ = writeln!(out, "trusted proxies: {}", list.join(", "));
+    }
+}
+
+fn store(store: &StoreConfig) -> String {
+    match store {
+        StoreConfig::Memory {
+            max_keys,
+            max_bytes,
+        } => format!("store memory (max_keys {max_keys}, max_bytes {max_bytes})"),
+        StoreConfig::Disk(d) => {
+            let sync = match d.sync {
+                SyncMode::Always => "always".to_string(),
+                SyncMode::Batch { interval } => format!("batch every {}", shown(interval)),
+            };
+            format!(
+                "store disk {} (sync {sync}, max_disk {})",
+                d.path.display(),
+                d.max_disk
+            )
+        }
+        StoreConfig::Redis(r) => {
+            let target = match &r.target {
+                RedisTarget::Single(u) => redact_url(u),
+                RedisTarget::Cluster(nodes) => format!(
+                    "cluster [{}]",
+                    nodes
+                        .iter()
+                        .map(|u| redact_url(u))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            };
+            format!(
+                "store redis {target} (key_prefix {:?}, command_timeout {})",
+                r.key_prefix,
+                shown(r.command_timeout)
+            )
+        }
+    }
+}
+
+fn route(out: &mut String, r: &RouteConfig) {
+    let methods: Vec<&str> = r.methods.iter().map(Method::as_str).collect();
+    let p = &r.policy;
+    let _ = writeln!(
+        out,
+        "route {:?}: {} {} -> {} (key from {}, require_key {}, ttl {}, lock_timeout {}, wait {}, max_waiters {}, mismatch {}, client scope {}, max_keys_per_client {}, max_keys_anonymous {}, max_body {}, max_stored_response {}, upstream_timeout {}, store_server_errors {}, on_store_error {:?}, on_unknown {:?})",
+        r.name,
+        methods.join(","),
+        r.pattern,
+        r.upstream,
+        r.key.describe(),
+        p.require_key,
+        shown(p.ttl),
+        shown(p.lock_timeout),
+        shown(p.wait),
+        p.max_waiters,
+        p.mismatch_status.as_u16(),
+        client_scope(p),
+        p.max_keys_per_client,
+        p.max_keys_anonymous,
+        p.max_body,
+        p.max_stored_response,
+        shown(p.upstream_timeout),
+        p.store_server_errors,
+        p.on_store_error,
+        p.on_unknown,
+    );
+    signature(out, r);
+}
+
+/// The scheme and how many secrets, never a secret; and the key's headers a captured delivery
+/// could change.
+fn signature(out: &mut String, r: &RouteConfig) {
+    let Some(sig) = &r.signature else {
+        return;
+    };
+    let timestamps = if sig.scheme.is_timestamped() {
+        format!(", timestamps within {}", shown(sig.tolerance))
+    } else {
+        String::new()
+    };
+    let _ = writeln!(
+        out,
+        "  signature {} ({} secret{}{timestamps}): deliveries that fail get 401",
+        sig.scheme.name(),
+        sig.secrets.len(),
+        if sig.secrets.len() == 1 { "" } else { "s" },
+    );
+    // Only Standard Webhooks signs its id; any other header in the key can be changed on a
+    // captured delivery, which then runs again under the new key.
+    let signed_id = |h: &HeaderName| {
+        sig.scheme == SignatureScheme::StandardWebhooks
+            && matches!(h.as_str(), "webhook-id" | "svix-id")
+    };
+    for h in r.key.headers.iter().filter(|h| !signed_id(h)) {
+        let _ = writeln!(
+            out,
+            "  note: the key's header {h} is not covered by the signature: a captured delivery sent again with another {h} runs again"
+        );
+    }
+}
+
+/// How a route tells clients apart.
+fn client_scope(p: &Policy) -> String {
+    if p.client_headers.is_empty() {
+        return "(one scope)".into();
+    }
+    let names: Vec<&str> = p.client_headers.iter().map(HeaderName::as_str).collect();
+    let required = if p.require_client { ", required" } else { "" };
+    format!("{}{required}", names.join(" or "))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parsed(extra: &str) -> Config {
+        Config::parse(&format!(
+            "[server]\nlisten = \"127.0.0.1:8080\"\n[upstream]\nurl = \"http://127.0.0.1:3000\"\n{extra}"
+        ))
+        .unwrap()
+    }
+
+    #[test]
+    fn lists_routes_with_every_default_applied() {
+        let text = describe(&parsed("[[routes]]\npath = \"/payments\"\n"));
+        assert!(
+            text.contains("route \"/payments\": POST /payments -> http://127.0.0.1:3000"),
+            "{text}"
+        );
+        assert!(text.contains("ttl 1day"), "{text}");
+        assert!(text.contains("store memory"), "{text}");
+    }
+
+    #[test]
+    fn stores_are_shown_without_passwords() {
+        let text = describe(&parsed(
+            "[store]\nbackend = \"redis\"\nurl = \"redis://user:s3cret@10.0.0.5:6380/2\"\n",
+        ));
+        assert!(text.contains("redis://user:***@10.0.0.5:6380/2"), "{text}");
+        assert!(!text.contains("s3cret"), "{text}");
+        let text = describe(&parsed(
+            "[store]\nbackend = \"disk\"\npath = \"/var/lib/idemgate\"\nsync = \"batch\"\nsync_interval = \"20ms\"\n",
+        ));
+        assert!(
+            text.contains("store disk /var/lib/idemgate (sync batch every 20ms"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn signatures_are_shown_without_their_secrets() {
+        let dir = std::env::temp_dir().join(format!("idemgate-describe-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("secret");
+        std::fs::write(&file, "topsecretvalue\n").unwrap();
+        let text = describe(&parsed(&format!(
+            "[[routes]]\npath = \"/hooks\"\nkey = {{ header = \"x-delivery\" }}\nsignature = {{ scheme = \"github\", secret_file = \"{}\" }}\n",
+            file.display()
+        )));
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert!(text.contains("signature github (1 secret)"), "{text}");
+        assert!(text.contains("note: the key's header x-delivery"), "{text}");
+        assert!(!text.contains("topsecretvalue"), "{text}");
+    }
+}

@@ -1,0 +1,353 @@
+//! `[[consumers]]`: a broker's messages delivered to a handler through the same core, and the
+//! source each one reads (a Redis stream or a NATS JetStream stream).
+
+use std::time::Duration;
+
+use super::route::{validate_key_source, KeyParts};
+use super::{duration_or, entry_name, parse_duration, shown, validate_redis_url};
+use crate::config::raw::{RawConsumer, RawPolicy, RawSource};
+use crate::config::{
+    redact_url, ConfigError, ConsumerConfig, NatsSource, OnStoreError, Policy, RedisSettings,
+    RedisTarget, SourceConfig, StoreConfig, UpstreamProtocol, UpstreamUrl,
+};
+
+/// A message's key: fields of the entry and JSON pointers into its body.
+const MESSAGE_KEY: KeyParts = KeyParts {
+    named: "field",
+    example: "{ field = \"messageId\" }",
+};
+
+/// Most messages one consumer handles at once.
+const MAX_CONCURRENCY: i64 = 4096;
+/// Most deliveries of one message before it is dead-lettered.
+const MAX_ATTEMPTS: i64 = 1000;
+
+/// A consumer's `source`: a Redis stream or a NATS JetStream stream.
+fn validate_source(
+    at: &dyn Fn(&str) -> String,
+    source: RawSource,
+    store: &StoreConfig,
+) -> Result<SourceConfig, ConfigError> {
+    let (redis, nats) = (source.redis_stream.is_some(), source.nats_stream.is_some());
+    match (redis, nats) {
+        (true, false) => redis_source(at, source, store),
+        (false, true) => nats_source(at, source),
+        _ => Err(ConfigError::invalid(
+            at("source"),
+            "(neither or both)",
+            "one of { redis_stream = \"orders\" } and { nats_stream = \"ORDERS\", url = \"nats://host:4222\", dead_letter = \"dead.orders\" }",
+        )),
+    }
+}
+
+/// A stream, group, subject or consumer name.
+fn stream_name(at: &dyn Fn(&str) -> String, field: &str, v: String) -> Result<String, ConfigError> {
+    if v.is_empty() || v.len() > 256 || v.chars().any(char::is_control) {
+        Err(ConfigError::invalid(
+            at(field),
+            v,
+            "1 to 256 characters without control characters",
+        ))
+    } else {
+        Ok(v)
+    }
+}
+
+/// How long a message stays with the instance handling it: renewed every third of it.
+fn hold_time(
+    at: &dyn Fn(&str) -> String,
+    field: &str,
+    v: &Option<String>,
+    default: Duration,
+) -> Result<Duration, ConfigError> {
+    let d = match v {
+        Some(s) => parse_duration(&at(field), s)?,
+        None => default,
+    };
+    if d < Duration::from_millis(100) {
+        return Err(ConfigError::invalid(
+            at(field),
+            shown(d),
+            "at least 100ms: the gateway renews its claim every third of it",
+        ));
+    }
+    Ok(d)
+}
+
+/// Fails if any of `keys` is set: they belong to the other kind of source.
+fn only_with(
+    at: &dyn Fn(&str) -> String,
+    keys: &[(&str, bool)],
+    allowed: &str,
+) -> Result<(), ConfigError> {
+    match keys.iter().find(|(_, set)| *set) {
+        Some((key, _)) => Err(ConfigError::invalid(
+            at(&format!("source.{key}")),
+            "(set)",
+            allowed,
+        )),
+        None => Ok(()),
+    }
+}
+
+fn redis_source(
+    at: &dyn Fn(&str) -> String,
+    source: RawSource,
+    store: &StoreConfig,
+) -> Result<SourceConfig, ConfigError> {
+    only_with(
+        at,
+        &[
+            ("subject", source.subject.is_some()),
+            ("durable", source.durable.is_some()),
+            ("ack_wait", source.ack_wait.is_some()),
+        ],
+        "only with nats_stream; a Redis stream has group and claim_idle",
+    )?;
+    let stream = stream_name(
+        at,
+        "source.redis_stream",
+        source.redis_stream.unwrap_or_default(),
+    )?;
+    let group = stream_name(
+        at,
+        "source.group",
+        source.group.unwrap_or_else(|| "idemgate".to_string()),
+    )?;
+    let dead_letter = stream_name(
+        at,
+        "source.dead_letter",
+        source
+            .dead_letter
+            .unwrap_or_else(|| format!("{stream}:dead")),
+    )?;
+    if dead_letter == stream {
+        return Err(ConfigError::invalid(
+            at("source.dead_letter"),
+            dead_letter,
+            "another stream than the one read",
+        ));
+    }
+    let redis = match (source.url, store) {
+        (Some(url), _) => RedisSettings {
+            target: RedisTarget::Single(validate_redis_url(&at("source.url"), url)?),
+            key_prefix: String::new(),
+            command_timeout: Duration::from_secs(5),
+            tls_ca_file: None,
+            require_noeviction: false,
+            tls_client: None,
+        },
+        (None, StoreConfig::Redis(settings)) if matches!(settings.target, RedisTarget::Single(_)) => {
+            settings.clone()
+        }
+        (None, _) => {
+            return Err(ConfigError::invalid(
+                at("source.url"),
+                "(none)",
+                "the Redis holding the stream (\"redis://host:6379\"); without it the [store]'s, which must then be a single Redis",
+            ))
+        }
+    };
+    let claim_idle = hold_time(
+        at,
+        "source.claim_idle",
+        &source.claim_idle,
+        Duration::from_secs(60),
+    )?;
+    Ok(SourceConfig::RedisStream {
+        stream,
+        group,
+        redis,
+        dead_letter,
+        claim_idle,
+    })
+}
+
+fn nats_source(
+    at: &dyn Fn(&str) -> String,
+    source: RawSource,
+) -> Result<SourceConfig, ConfigError> {
+    only_with(
+        at,
+        &[
+            ("group", source.group.is_some()),
+            ("claim_idle", source.claim_idle.is_some()),
+        ],
+        "only with redis_stream; a NATS stream has durable and ack_wait",
+    )?;
+    let stream = stream_name(
+        at,
+        "source.nats_stream",
+        source.nats_stream.unwrap_or_default(),
+    )?;
+    let url = source.url.ok_or_else(|| ConfigError::Missing {
+        field: at("source.url"),
+    })?;
+    if !url.starts_with("nats://") && !url.starts_with("tls://") {
+        return Err(ConfigError::invalid(
+            at("source.url"),
+            redact_url(&url),
+            "a NATS URL such as \"nats://127.0.0.1:4222\"",
+        ));
+    }
+    let subject = source
+        .subject
+        .map(|s| stream_name(at, "source.subject", s))
+        .transpose()?;
+    let durable = stream_name(
+        at,
+        "source.durable",
+        source.durable.unwrap_or_else(|| "idemgate".to_string()),
+    )?;
+    if durable.contains(['.', '*', '>', ' ']) {
+        return Err(ConfigError::invalid(
+            at("source.durable"),
+            durable,
+            "a name without '.', '*', '>' or spaces",
+        ));
+    }
+    let dead_letter = source.dead_letter.ok_or_else(|| ConfigError::Missing {
+        field: at("source.dead_letter"),
+    })?;
+    let dead_letter = stream_name(at, "source.dead_letter", dead_letter)?;
+    let ack_wait = hold_time(
+        at,
+        "source.ack_wait",
+        &source.ack_wait,
+        Duration::from_secs(30),
+    )?;
+    Ok(SourceConfig::NatsStream(NatsSource {
+        url,
+        stream,
+        subject,
+        durable,
+        dead_letter,
+        ack_wait,
+    }))
+}
+
+pub(super) fn validate_consumer(
+    index: usize,
+    raw: RawConsumer,
+    defaults: &Policy,
+    store: &StoreConfig,
+) -> Result<ConsumerConfig, ConfigError> {
+    let at = |f: &str| format!("consumers[{index}].{f}");
+    let name = raw
+        .name
+        .ok_or_else(|| ConfigError::Missing { field: at("name") })?;
+    let name = entry_name(&at("name"), name)?;
+    let handler = raw.handler.ok_or_else(|| ConfigError::Missing {
+        field: at("handler"),
+    })?;
+    let mut handler = UpstreamUrl::parse(&at("handler"), &handler)?;
+    if let Some(p) = &raw.protocol {
+        handler.protocol = UpstreamProtocol::parse(&at("protocol"), p)?;
+    }
+    let key = raw
+        .key
+        .ok_or_else(|| ConfigError::Missing { field: at("key") })?;
+    let key = validate_key_source(&at("key"), key.field, key.json, &MESSAGE_KEY)?;
+    let source = raw.source.ok_or_else(|| ConfigError::Missing {
+        field: at("source"),
+    })?;
+    let source = validate_source(&at, source, store)?;
+    if raw.body_field.is_some() && matches!(source, SourceConfig::NatsStream(_)) {
+        return Err(ConfigError::invalid(
+            at("body_field"),
+            "(set)",
+            "only with redis_stream: a NATS message's payload is the body",
+        ));
+    }
+    let body_field = raw.body_field.unwrap_or_else(|| "body".to_string());
+    let content_type = raw
+        .content_type
+        .unwrap_or_else(|| "application/json".to_string());
+    let content_type = http::HeaderValue::from_str(&content_type).map_err(|_| {
+        ConfigError::invalid(
+            at("content_type"),
+            &content_type,
+            "a media type such as \"application/json\"",
+        )
+    })?;
+    let retries = retries(
+        &at,
+        (raw.concurrency, raw.max_attempts),
+        (raw.backoff.as_deref(), raw.max_backoff.as_deref()),
+    )?;
+    let policy_raw = RawPolicy {
+        ttl: raw.ttl,
+        lock_timeout: raw.lock_timeout,
+        wait: raw.wait,
+        max_body: raw.max_body,
+        max_stored_response: raw.max_stored_response,
+        upstream_timeout: raw.upstream_timeout,
+        store_server_errors: raw.store_server_errors,
+        on_unknown: raw.on_unknown,
+        ..RawPolicy::default()
+    };
+    let mut policy =
+        super::policy::apply_policy(&format!("consumers[{index}]"), defaults, &policy_raw)?;
+    // A message is never handled without its key being kept: there is no client to tell.
+    policy.on_store_error = OnStoreError::Reject;
+    policy.require_key = true;
+    Ok(ConsumerConfig {
+        name,
+        source,
+        handler,
+        key,
+        check_fingerprint: raw.check_fingerprint.unwrap_or(true),
+        body_field,
+        content_type,
+        concurrency: retries.concurrency,
+        max_attempts: retries.max_attempts,
+        backoff: retries.backoff,
+        max_backoff: retries.max_backoff,
+        policy,
+    })
+}
+
+/// How many messages at once, and how often and how far apart one is tried.
+struct Retries {
+    concurrency: usize,
+    max_attempts: u64,
+    backoff: Duration,
+    max_backoff: Duration,
+}
+
+/// `(concurrency, max_attempts)` and `(backoff, max_backoff)` as written.
+fn retries(
+    at: &dyn Fn(&str) -> String,
+    (concurrency, max_attempts): (Option<i64>, Option<i64>),
+    (backoff, max_backoff): (Option<&str>, Option<&str>),
+) -> Result<Retries, ConfigError> {
+    let int = |field: &str, v: Option<i64>, default: i64, max: i64| -> Result<i64, ConfigError> {
+        match v {
+            None => Ok(default),
+            Some(n) if (1..=max).contains(&n) => Ok(n),
+            Some(n) => Err(ConfigError::invalid(
+                at(field),
+                n.to_string(),
+                format!("from 1 to {max}"),
+            )),
+        }
+    };
+    let concurrency = int("concurrency", concurrency, 16, MAX_CONCURRENCY)?;
+    let max_attempts = int("max_attempts", max_attempts, 5, MAX_ATTEMPTS)?;
+    let backoff = duration_or(&at("backoff"), backoff, Duration::from_secs(1))?;
+    let max_backoff = duration_or(&at("max_backoff"), max_backoff, Duration::from_secs(60))?;
+    if max_backoff < backoff {
+        return Err(ConfigError::invalid(
+            at("max_backoff"),
+            shown(max_backoff),
+            "at least backoff",
+        ));
+    }
+    Ok(Retries {
+        // Both within bounds checked above.
+        concurrency: usize::try_from(concurrency).unwrap_or(16),
+        max_attempts: u64::try_from(max_attempts).unwrap_or(5),
+        backoff,
+        max_backoff,
+    })
+}

@@ -1,0 +1,377 @@
+//! Raw config -> validated [`Config`]: every value checked, defaults applied (route over
+//! `[defaults]` over built-in), every rejection a [`ConfigError`] naming field, value and what
+//! is allowed. One file per section: [`server`], [`store`], [`route`] (with the policy of
+//! [`policy`] and the signatures of [`signature`]) and [`consumer`]; here the whole file, the
+//! rules that cross sections, and the value parsers they share.
+
+mod consumer;
+mod policy;
+mod route;
+mod server;
+mod signature;
+mod store;
+
+use std::time::Duration;
+
+use http::HeaderName;
+use rustls::pki_types::pem::{self, PemObject};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+
+use super::raw::{RawConfig, RawSize, RawUpstream};
+use super::{
+    redact_url, Config, ConfigError, ConsumerConfig, Policy, RouteConfig, ServerConfig,
+    UpstreamProtocol, UpstreamTls, UpstreamUrl, CLIENT_SUBJECT_HEADER,
+};
+
+/// Connections to each upstream when `upstream.max_connections` is not set.
+const DEFAULT_UPSTREAM_CONNECTIONS: usize = 1024;
+
+impl RawConfig {
+    pub(super) fn validate(self) -> Result<Config, ConfigError> {
+        let server = server::validate_server(self.server)?;
+        let store = store::validate_store(self.store)?;
+        let raw_upstream = self.upstream.ok_or_else(|| ConfigError::Missing {
+            field: "upstream.url".into(),
+        })?;
+        let (upstream, upstream_max_connections) = validate_upstream(&raw_upstream)?;
+        let defaults = policy::apply_policy("defaults", &Policy::builtin(), &self.defaults)?;
+
+        let mut routes = Vec::with_capacity(self.routes.len());
+        for (index, table) in self.routes.into_iter().enumerate() {
+            routes.push(route::validate_route(index, table, &defaults, &upstream)?);
+        }
+        route::check_unique_names(&routes)?;
+        route::check_overlaps(&routes)?;
+        route::check_protocols(&upstream, &routes)?;
+        check_client_subject(&server, &defaults, &routes)?;
+        let mut consumers: Vec<ConsumerConfig> = Vec::with_capacity(self.consumers.len());
+        for (index, raw) in self.consumers.into_iter().enumerate() {
+            let consumer = consumer::validate_consumer(index, raw, &defaults, &store)?;
+            if consumers.iter().any(|c| c.name == consumer.name)
+                || routes.iter().any(|r| r.name == consumer.name)
+            {
+                return Err(ConfigError::invalid(
+                    format!("consumers[{index}].name"),
+                    consumer.name,
+                    "a name no other consumer or route has (it is part of every stored key)",
+                ));
+            }
+            consumers.push(consumer);
+        }
+        check_body_budget(&server, &routes, &consumers)?;
+        let upstream_tls = validate_upstream_tls(raw_upstream)?;
+        check_tls_server_name(&upstream_tls, &upstream, &routes)?;
+        Ok(Config {
+            server,
+            store,
+            upstream,
+            upstream_max_connections,
+            upstream_tls,
+            defaults,
+            routes,
+            consumers,
+        })
+    }
+}
+
+/// `[upstream] url`, `protocol` and `max_connections`.
+fn validate_upstream(raw: &RawUpstream) -> Result<(UpstreamUrl, usize), ConfigError> {
+    let url = raw.url.as_deref().ok_or_else(|| ConfigError::Missing {
+        field: "upstream.url".into(),
+    })?;
+    let mut upstream = UpstreamUrl::parse("upstream.url", url)?;
+    if let Some(p) = &raw.protocol {
+        upstream.protocol = UpstreamProtocol::parse("upstream.protocol", p)?;
+    }
+    let max_connections = match raw.max_connections {
+        None => DEFAULT_UPSTREAM_CONNECTIONS,
+        Some(n) => match usize::try_from(n) {
+            Ok(n @ 1..=65_535) => n,
+            _ => {
+                return Err(ConfigError::invalid(
+                    "upstream.max_connections",
+                    n.to_string(),
+                    "from 1 to 65535 connections to each upstream (1024 is the default)",
+                ))
+            }
+        },
+    };
+    Ok((upstream, max_connections))
+}
+
+/// The subject header is the gateway's to set only where it verifies certificates; elsewhere
+/// a client could write it and pick its scope.
+fn check_client_subject(
+    server: &ServerConfig,
+    defaults: &Policy,
+    routes: &[RouteConfig],
+) -> Result<(), ConfigError> {
+    if server.tls_client_ca.is_some() {
+        return Ok(());
+    }
+    let names_subject = |p: &Policy| p.client_headers.iter().any(|h| h == CLIENT_SUBJECT_HEADER);
+    if names_subject(defaults) || routes.iter().any(|r| names_subject(&r.policy)) {
+        return Err(ConfigError::invalid(
+            "client_header",
+            CLIENT_SUBJECT_HEADER,
+            "only with server.tls_client_ca, which verifies the certificate it comes from",
+        ));
+    }
+    Ok(())
+}
+
+/// A body larger than the whole budget could never be read: say so now, not with a 503 on
+/// every such request (or a dead letter for every such message).
+fn check_body_budget(
+    server: &ServerConfig,
+    routes: &[RouteConfig],
+    consumers: &[ConsumerConfig],
+) -> Result<(), ConfigError> {
+    let policies = routes
+        .iter()
+        .enumerate()
+        .map(|(i, r)| ("routes", i, &r.policy));
+    let policies = policies.chain(
+        consumers
+            .iter()
+            .enumerate()
+            .map(|(i, c)| ("consumers", i, &c.policy)),
+    );
+    for (table, i, policy) in policies {
+        if policy.max_body > server.max_buffered {
+            return Err(ConfigError::invalid(
+                format!("{table}[{i}].max_body"),
+                policy.max_body.to_string(),
+                format!(
+                    "at most server.max_buffered ({} bytes)",
+                    server.max_buffered
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// One name for every https upstream: only right if there is one https host.
+fn check_tls_server_name(
+    tls: &UpstreamTls,
+    upstream: &UpstreamUrl,
+    routes: &[RouteConfig],
+) -> Result<(), ConfigError> {
+    let Some(name) = &tls.server_name else {
+        return Ok(());
+    };
+    if let Some(r) = routes
+        .iter()
+        .find(|r| r.upstream.tls && r.upstream.authority != upstream.authority)
+    {
+        return Err(ConfigError::invalid(
+            "upstream.tls_server_name",
+            name,
+            format!(
+                "only when every https:// upstream is upstream.url; route {:?} goes to {}",
+                r.name, r.upstream
+            ),
+        ));
+    }
+    Ok(())
+}
+
+fn validate_upstream_tls(raw: RawUpstream) -> Result<UpstreamTls, ConfigError> {
+    let ca_file = raw
+        .tls_ca_file
+        .map(|p| pem_file("upstream.tls_ca_file", p, Pem::Certificate))
+        .transpose()?;
+    let (client_cert, client_key) = match pem_pair(
+        ("upstream.tls_client_cert", "upstream.tls_client_key"),
+        raw.tls_client_cert,
+        raw.tls_client_key,
+    )? {
+        Some((cert, key)) => (Some(cert), Some(key)),
+        None => (None, None),
+    };
+    if let Some(name) = &raw.tls_server_name {
+        if rustls::pki_types::ServerName::try_from(name.as_str()).is_err() {
+            return Err(ConfigError::invalid(
+                "upstream.tls_server_name",
+                name,
+                "a DNS name or IP address that the upstream's certificate names",
+            ));
+        }
+    }
+    Ok(UpstreamTls {
+        ca_file,
+        client_cert,
+        client_key,
+        server_name: raw.tls_server_name,
+    })
+}
+
+/// The parser's message and where, without the quoted source line: that line may hold a
+/// password (`url = "redis://:secret@..."`), and these errors are printed and logged.
+pub(super) fn syntax_error(text: &str, e: &toml::de::Error) -> ConfigError {
+    let at = e
+        .span()
+        .map(|span| {
+            let before = &text[..span.start.min(text.len())];
+            let line = before.matches('\n').count() + 1;
+            let column = before.len() - before.rfind('\n').map_or(0, |i| i + 1) + 1;
+            format!(" (line {line}, column {column})")
+        })
+        .unwrap_or_default();
+    ConfigError::Syntax(format!("{}{at}", e.message().trim_end()))
+}
+
+/// What a PEM file must hold.
+#[derive(Clone, Copy)]
+enum Pem {
+    Certificate,
+    PrivateKey,
+}
+
+/// A PEM file that must parse and hold at least one certificate or a private key (PKCS#8,
+/// PKCS#1 or SEC1); errors name the file, never its content.
+fn pem_file(field: &str, path: String, what: Pem) -> Result<std::path::PathBuf, ConfigError> {
+    let (found, block) = match what {
+        Pem::Certificate => (
+            CertificateDer::pem_file_iter(&path).and_then(|certs| {
+                let certs = certs.collect::<Result<Vec<_>, _>>()?;
+                Ok(!certs.is_empty())
+            }),
+            "CERTIFICATE",
+        ),
+        Pem::PrivateKey => (
+            PrivateKeyDer::from_pem_file(&path).map(|_| true),
+            "PRIVATE KEY",
+        ),
+    };
+    match found {
+        Ok(true) => Ok(std::path::PathBuf::from(path)),
+        Err(pem::Error::Io(e)) => Err(ConfigError::invalid(
+            field,
+            &path,
+            format!("a readable PEM file ({})", e.kind()),
+        )),
+        Ok(false) | Err(_) => Err(ConfigError::invalid(
+            field,
+            &path,
+            format!("a PEM file with a {block} block"),
+        )),
+    }
+}
+
+/// A PEM certificate and its key, set together or not at all; `fields` are their names.
+fn pem_pair(
+    (cert_field, key_field): (&str, &str),
+    cert: Option<String>,
+    key: Option<String>,
+) -> Result<Option<(std::path::PathBuf, std::path::PathBuf)>, ConfigError> {
+    match (cert, key) {
+        (None, None) => Ok(None),
+        (Some(c), Some(k)) => Ok(Some((
+            pem_file(cert_field, c, Pem::Certificate)?,
+            pem_file(key_field, k, Pem::PrivateKey)?,
+        ))),
+        (Some(_), None) => Err(ConfigError::Missing {
+            field: format!("{key_field} (with {cert_field})"),
+        }),
+        (None, Some(_)) => Err(ConfigError::Missing {
+            field: format!("{cert_field} (with {key_field})"),
+        }),
+    }
+}
+
+/// Checks a Redis URL without connecting; errors show it with the password masked.
+fn validate_redis_url(field: &str, url: String) -> Result<String, ConfigError> {
+    let allowed = "a URL such as \"redis://127.0.0.1:6379/0\", \"redis://user:password@host:6379\" or, for TLS, \"rediss://host:6380\"";
+    if !url.starts_with("redis://") && !url.starts_with("rediss://") {
+        return Err(ConfigError::invalid(field, redact_url(&url), allowed));
+    }
+    redis::Client::open(url.as_str())
+        .map_err(|_| ConfigError::invalid(field, redact_url(&url), allowed))?;
+    Ok(url)
+}
+
+/// A route's or consumer's name: part of every key it stores.
+fn entry_name(field: &str, name: String) -> Result<String, ConfigError> {
+    if name.is_empty() || name.len() > 128 || name.chars().any(char::is_control) {
+        return Err(ConfigError::invalid(
+            field,
+            name,
+            "1 to 128 characters without control characters",
+        ));
+    }
+    Ok(name)
+}
+
+fn parse_header_name(field: &str, raw: &str) -> Result<HeaderName, ConfigError> {
+    HeaderName::from_bytes(raw.as_bytes()).map_err(|_| {
+        ConfigError::invalid(
+            field,
+            raw,
+            "an HTTP header name such as \"Idempotency-Key\"",
+        )
+    })
+}
+
+/// Parses "250ms", "30s", "24h", "1h 30m".
+fn parse_duration(field: &str, raw: &str) -> Result<Duration, ConfigError> {
+    humantime::parse_duration(raw).map_err(|_| {
+        ConfigError::invalid(
+            field,
+            raw,
+            "a duration such as \"250ms\", \"30s\", \"5m\" or \"24h\"",
+        )
+    })
+}
+
+/// `raw` if set, else `default`.
+fn duration_or(field: &str, raw: Option<&str>, default: Duration) -> Result<Duration, ConfigError> {
+    raw.map_or(Ok(default), |s| parse_duration(field, s))
+}
+
+/// A duration as the messages show it.
+fn shown(d: Duration) -> String {
+    humantime::format_duration(d).to_string()
+}
+
+fn parse_size(field: &str, raw: &RawSize, max: u64) -> Result<u64, ConfigError> {
+    let allowed =
+        || format!("a size such as \"512KiB\", \"1MiB\" or a byte count, at most {max} bytes");
+    let bytes = match raw {
+        RawSize::Bytes(n) => {
+            u64::try_from(*n).map_err(|_| ConfigError::invalid(field, n.to_string(), allowed()))?
+        }
+        RawSize::Text(s) => s
+            .trim()
+            .parse::<bytesize::ByteSize>()
+            .map_err(|_| ConfigError::invalid(field, s, allowed()))?
+            .as_u64(),
+    };
+    if bytes > max {
+        let shown = match raw {
+            RawSize::Bytes(n) => n.to_string(),
+            RawSize::Text(s) => s.clone(),
+        };
+        return Err(ConfigError::invalid(field, shown, allowed()));
+    }
+    Ok(bytes)
+}
+
+/// A whole number in `range`, or `default` when unset.
+fn whole_number(
+    field: &str,
+    raw: Option<i64>,
+    default: i64,
+    range: std::ops::RangeInclusive<i64>,
+) -> Result<i64, ConfigError> {
+    match raw {
+        None => Ok(default),
+        Some(n) if range.contains(&n) => Ok(n),
+        Some(n) => Err(ConfigError::invalid(
+            field,
+            n.to_string(),
+            format!("a whole number from {} to {}", range.start(), range.end()),
+        )),
+    }
+}

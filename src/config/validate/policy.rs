@@ -1,0 +1,262 @@
+//! The policy of a route, a consumer or `[defaults]`: the fields set in a raw table applied over
+//! a base (the built-ins, or `[defaults]`), then the rules between fields checked on the merged
+//! result, so that a route cannot break them by halves.
+
+use std::time::Duration;
+
+use http::StatusCode;
+
+use super::{parse_duration, parse_header_name, parse_size, shown};
+use crate::config::raw::{OneOrMany, RawPolicy};
+use crate::config::{ConfigError, OnStoreError, OnUnknown, Policy};
+
+/// Largest accepted `max_body` / `max_stored_response`: both are buffered in memory per request.
+const MAX_BUFFER_LIMIT: u64 = 1 << 30;
+/// A key must be kept at least this long, or a quick retry could execute again.
+const MIN_TTL: Duration = Duration::from_secs(1);
+/// Longer would overflow store expiry arithmetic, and no retry comes back after a year.
+const MAX_TTL: Duration = Duration::from_secs(365 * 24 * 3600);
+
+/// Applies the fields set in `raw` on top of `base`; `scope` prefixes field names in errors.
+pub(super) fn apply_policy(
+    scope: &str,
+    base: &Policy,
+    raw: &RawPolicy,
+) -> Result<Policy, ConfigError> {
+    let f = |name: &str| format!("{scope}.{name}");
+    let mut p = base.clone();
+    apply_identity(&f, &mut p, raw)?;
+    apply_timing(&f, &mut p, raw)?;
+    apply_limits(&f, &mut p, raw)?;
+    check_policy(&f, &p)?;
+    Ok(p)
+}
+
+/// Which header carries the key, how clients are told apart, what a mismatch answers.
+fn apply_identity(
+    f: &dyn Fn(&str) -> String,
+    p: &mut Policy,
+    raw: &RawPolicy,
+) -> Result<(), ConfigError> {
+    if let Some(h) = &raw.key_header {
+        p.key_header = parse_header_name(&f("key_header"), h)?;
+    }
+    if let Some(b) = raw.require_key {
+        p.require_key = b;
+    }
+    if let Some(n) = raw.mismatch_status {
+        p.mismatch_status = match u16::try_from(n).ok().map(StatusCode::from_u16) {
+            Some(Ok(s)) if s.is_client_error() => s,
+            _ => {
+                return Err(ConfigError::invalid(
+                    f("mismatch_status"),
+                    n.to_string(),
+                    "a 4xx status: 409 (default) or 422 (the IETF draft's choice)",
+                ))
+            }
+        };
+    }
+    if let Some(h) = &raw.replay_header {
+        p.replay_header = parse_header_name(&f("replay_header"), h)?;
+    }
+    if let Some(h) = raw.client_header.clone() {
+        p.client_headers = match h {
+            OneOrMany::One(one) if one.is_empty() => Vec::new(),
+            many => {
+                let names = many.into_vec();
+                if names.is_empty() || names.len() > 8 {
+                    return Err(ConfigError::invalid(
+                        f("client_header"),
+                        format!("{names:?}"),
+                        "one header name, \"\" (one scope for every caller), or a list of 1 to 8 header names",
+                    ));
+                }
+                names
+                    .iter()
+                    .map(|n| parse_header_name(&f("client_header"), n))
+                    .collect::<Result<_, _>>()?
+            }
+        };
+    }
+    if let Some(b) = raw.require_client {
+        p.require_client = b;
+    }
+    Ok(())
+}
+
+/// How long keys are kept, leased and waited for.
+fn apply_timing(
+    f: &dyn Fn(&str) -> String,
+    p: &mut Policy,
+    raw: &RawPolicy,
+) -> Result<(), ConfigError> {
+    if let Some(s) = &raw.ttl {
+        p.ttl = parse_duration(&f("ttl"), s)?;
+    }
+    if let Some(s) = &raw.lock_timeout {
+        p.lock_timeout = parse_duration(&f("lock_timeout"), s)?;
+    }
+    if let Some(s) = &raw.wait {
+        p.wait = parse_duration(&f("wait"), s)?;
+    }
+    if let Some(n) = raw.max_waiters {
+        p.max_waiters = match usize::try_from(n) {
+            Ok(n @ 1..=10_000) => n,
+            _ => {
+                return Err(ConfigError::invalid(
+                    f("max_waiters"),
+                    n.to_string(),
+                    "from 1 to 10000 duplicates waiting on one key (64 is the default)",
+                ))
+            }
+        };
+    }
+    Ok(())
+}
+
+/// Quotas, sizes, the upstream's deadline and what failures do.
+fn apply_limits(
+    f: &dyn Fn(&str) -> String,
+    p: &mut Policy,
+    raw: &RawPolicy,
+) -> Result<(), ConfigError> {
+    for (name, raw, field) in [
+        (
+            "max_keys_per_client",
+            raw.max_keys_per_client,
+            &mut p.max_keys_per_client,
+        ),
+        (
+            "max_keys_anonymous",
+            raw.max_keys_anonymous,
+            &mut p.max_keys_anonymous,
+        ),
+    ] {
+        if let Some(n) = raw {
+            *field = u64::try_from(n).map_err(|_| {
+                ConfigError::invalid(
+                    f(name),
+                    n.to_string(),
+                    "a number of records per ttl, 0 for no quota",
+                )
+            })?;
+        }
+    }
+    if let Some(s) = &raw.max_body {
+        p.max_body = parse_size(&f("max_body"), s, MAX_BUFFER_LIMIT)? as usize;
+    }
+    if let Some(s) = &raw.max_stored_response {
+        p.max_stored_response =
+            parse_size(&f("max_stored_response"), s, MAX_BUFFER_LIMIT)? as usize;
+    }
+    if let Some(s) = &raw.upstream_timeout {
+        p.upstream_timeout = parse_duration(&f("upstream_timeout"), s)?;
+    }
+    if let Some(b) = raw.store_server_errors {
+        p.store_server_errors = b;
+    }
+    if let Some(s) = &raw.on_store_error {
+        p.on_store_error = match s.as_str() {
+            "reject" => OnStoreError::Reject,
+            "pass" => OnStoreError::Pass,
+            _ => {
+                return Err(ConfigError::invalid(
+                    f("on_store_error"),
+                    s,
+                    "\"reject\" (503, fail closed; the default) or \"pass\" (forward without idempotency)",
+                ))
+            }
+        };
+    }
+    if let Some(s) = &raw.on_unknown {
+        p.on_unknown = match s.as_str() {
+            "reject" => OnUnknown::Reject,
+            "retry" => OnUnknown::Retry,
+            _ => {
+                return Err(ConfigError::invalid(
+                    f("on_unknown"),
+                    s,
+                    "\"reject\" (never re-execute an unknown outcome; the default) or \"retry\" (only for upstreams that are safe to run twice)",
+                ))
+            }
+        };
+    }
+
+    Ok(())
+}
+
+/// The rules between fields, on the merged policy.
+fn check_policy(f: &dyn Fn(&str) -> String, p: &Policy) -> Result<(), ConfigError> {
+    if p.ttl < MIN_TTL {
+        return Err(ConfigError::invalid(
+            f("ttl"),
+            shown(p.ttl),
+            "at least 1s; keep it longer than your clients retry (24h is the default)",
+        ));
+    }
+    if p.ttl > MAX_TTL {
+        return Err(ConfigError::invalid(
+            f("ttl"),
+            shown(p.ttl),
+            "at most \"365days\"",
+        ));
+    }
+    if p.upstream_timeout > Duration::from_secs(3600) {
+        return Err(ConfigError::invalid(
+            f("upstream_timeout"),
+            shown(p.upstream_timeout),
+            "at most \"1h\"",
+        ));
+    }
+    if p.lock_timeout.is_zero() || p.lock_timeout > p.ttl {
+        return Err(ConfigError::invalid(
+            f("lock_timeout"),
+            shown(p.lock_timeout),
+            format!(
+                "more than 0s and at most ttl ({})",
+                humantime::format_duration(p.ttl)
+            ),
+        ));
+    }
+    // A pending record must outlive the whole upstream call plus one lease, or it could expire
+    // mid-flight and let a retry execute while the original still runs.
+    if p.ttl < p.upstream_timeout + p.lock_timeout {
+        return Err(ConfigError::invalid(
+            f("ttl"),
+            shown(p.ttl),
+            format!(
+                "at least upstream_timeout + lock_timeout ({})",
+                humantime::format_duration(p.upstream_timeout + p.lock_timeout)
+            ),
+        ));
+    }
+    if p.wait > Duration::from_secs(600) {
+        return Err(ConfigError::invalid(
+            f("wait"),
+            shown(p.wait),
+            "from \"0s\" (409 at once) to \"10m\"",
+        ));
+    }
+    if p.upstream_timeout.is_zero() {
+        return Err(ConfigError::invalid(
+            f("upstream_timeout"),
+            "0s",
+            "a duration above zero such as \"30s\"",
+        ));
+    }
+    if p.key_header == p.replay_header {
+        return Err(ConfigError::invalid(
+            f("replay_header"),
+            p.replay_header.as_str(),
+            "a header name other than key_header",
+        ));
+    }
+    if p.require_client && p.client_headers.is_empty() {
+        return Err(ConfigError::invalid(
+            f("require_client"),
+            "true",
+            "false while client_header = \"\" (no header names a client to require)",
+        ));
+    }
+    Ok(())
+}

@@ -1,0 +1,211 @@
+//! `[server]`: the listener, its limits, deadlines and TLS, and whose forwarding headers to
+//! believe.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use super::{parse_duration, parse_size, pem_file, pem_pair, shown, whole_number, Pem};
+use crate::config::raw::RawServer;
+use crate::config::{ConfigError, Deadlines, ServerConfig};
+
+/// Request bodies buffered at once across every connection when `server.max_buffered` is not
+/// set: about 64 thousand 1 KiB payment requests, or 64 at the 1 MiB `max_body`.
+const DEFAULT_MAX_BUFFERED: usize = 64 << 20;
+const MIN_BUFFERED: usize = 64 << 10;
+const MAX_BUFFERED: u64 = 1 << 40;
+/// More worker threads than this would only add switching.
+const MAX_WORKERS: usize = 256;
+/// How often the listener's certificate files are read again by default: cert-manager renews
+/// days before expiry, and kubelet swaps a mounted Secret's files within about a minute.
+const DEFAULT_TLS_RECHECK: Duration = Duration::from_secs(60);
+
+pub(super) fn validate_server(raw: Option<RawServer>) -> Result<ServerConfig, ConfigError> {
+    let raw = raw.ok_or_else(|| ConfigError::Missing {
+        field: "server.listen".into(),
+    })?;
+    let listen_raw = raw.listen.clone().ok_or_else(|| ConfigError::Missing {
+        field: "server.listen".into(),
+    })?;
+    let listen = socket_addr("server.listen", &listen_raw)?;
+    let admin = raw
+        .admin
+        .as_deref()
+        .map(|a| socket_addr("server.admin", a))
+        .transpose()?;
+    let shutdown_grace = parse_duration_or("server.shutdown_grace", &raw.shutdown_grace, 30)?;
+    if shutdown_grace > Duration::from_secs(3600) {
+        return Err(ConfigError::invalid(
+            "server.shutdown_grace",
+            shown(shutdown_grace),
+            "at most \"1h\"",
+        ));
+    }
+    let max_connections = whole_number(
+        "server.max_connections",
+        raw.max_connections,
+        4096,
+        1..=1_000_000,
+    )? as usize;
+    // Unset: what the process may use, cgroup CPU limits included (a Kubernetes `limits.cpu`).
+    let available = std::thread::available_parallelism().map_or(1, |n| n.get().min(MAX_WORKERS));
+    let workers = whole_number(
+        "server.workers",
+        raw.workers,
+        available as i64,
+        1..=MAX_WORKERS as i64,
+    )? as usize;
+    let max_streams = whole_number("server.max_streams", raw.max_streams, 100, 1..=1000)? as u32;
+    let max_buffered = max_buffered(&raw)?;
+    let deadlines = deadlines(&raw)?;
+    let (tls, tls_client_ca, tls_recheck) = listener_tls(&raw)?;
+    let trusted_proxies = trusted_proxies(raw.trusted_proxies.unwrap_or_default())?;
+    Ok(ServerConfig {
+        listen,
+        admin,
+        shutdown_grace,
+        max_connections,
+        workers,
+        deadlines,
+        max_streams,
+        max_buffered,
+        tls,
+        tls_client_ca,
+        tls_recheck,
+        trusted_proxies,
+        case_sensitive_routes: raw.case_sensitive_routes.unwrap_or(false),
+    })
+}
+
+fn socket_addr(field: &str, raw: &str) -> Result<SocketAddr, ConfigError> {
+    raw.parse().map_err(|_| {
+        ConfigError::invalid(
+            field,
+            raw,
+            "an IP address and port such as \"127.0.0.1:8080\" or \"[::]:8080\"",
+        )
+    })
+}
+
+fn parse_duration_or(
+    field: &str,
+    raw: &Option<String>,
+    default_secs: u64,
+) -> Result<Duration, ConfigError> {
+    super::duration_or(field, raw.as_deref(), Duration::from_secs(default_secs))
+}
+
+fn max_buffered(raw: &RawServer) -> Result<usize, ConfigError> {
+    let max_buffered = match &raw.max_buffered {
+        None => DEFAULT_MAX_BUFFERED,
+        Some(s) => parse_size("server.max_buffered", s, MAX_BUFFERED)? as usize,
+    };
+    if max_buffered < MIN_BUFFERED {
+        return Err(ConfigError::invalid(
+            "server.max_buffered",
+            max_buffered.to_string(),
+            "at least 64KiB (64MiB is the default)",
+        ));
+    }
+    Ok(max_buffered)
+}
+
+/// Every phase of a connection has a deadline, each from 100ms to 1h.
+fn deadlines(raw: &RawServer) -> Result<Deadlines, ConfigError> {
+    let defaults = Deadlines::default();
+    let timeout = |field: &str, raw: &Option<String>, default: Duration| match raw {
+        None => Ok(default),
+        Some(s) => {
+            let d = parse_duration(field, s)?;
+            if d < Duration::from_millis(100) || d > Duration::from_secs(3600) {
+                return Err(ConfigError::invalid(
+                    field,
+                    s,
+                    "a duration from \"100ms\" to \"1h\"",
+                ));
+            }
+            Ok(d)
+        }
+    };
+    Ok(Deadlines {
+        header: timeout(
+            "server.header_timeout",
+            &raw.header_timeout,
+            defaults.header,
+        )?,
+        body: timeout("server.body_timeout", &raw.body_timeout, defaults.body)?,
+        idle: timeout("server.idle_timeout", &raw.idle_timeout, defaults.idle)?,
+        send: timeout("server.send_timeout", &raw.send_timeout, defaults.send)?,
+    })
+}
+
+type ListenerTls = (
+    Option<(PathBuf, PathBuf)>,
+    Option<PathBuf>,
+    Option<Duration>,
+);
+
+/// The listener's certificate and key, the CA its clients' certificates must chain to, and
+/// how often the files are read again.
+fn listener_tls(raw: &RawServer) -> Result<ListenerTls, ConfigError> {
+    let tls = pem_pair(
+        ("server.tls_cert", "server.tls_key"),
+        raw.tls_cert.clone(),
+        raw.tls_key.clone(),
+    )?;
+    let tls_client_ca = match &raw.tls_client_ca {
+        None => None,
+        Some(_) if tls.is_none() => {
+            return Err(ConfigError::invalid(
+                "server.tls_client_ca",
+                "(set)",
+                "only with server.tls_cert and tls_key: client certificates are asked for in the TLS handshake",
+            ))
+        }
+        Some(path) => Some(pem_file(
+            "server.tls_client_ca",
+            path.clone(),
+            Pem::Certificate,
+        )?),
+    };
+    let tls_recheck = match raw.tls_recheck.as_deref() {
+        None => Some(DEFAULT_TLS_RECHECK),
+        Some(_) if tls.is_none() => {
+            return Err(ConfigError::invalid(
+                "server.tls_recheck",
+                "(set)",
+                "only with server.tls_cert and tls_key",
+            ))
+        }
+        Some(raw) => match parse_duration("server.tls_recheck", raw)? {
+            d if d.is_zero() => None,
+            d if d < Duration::from_secs(1) => {
+                return Err(ConfigError::invalid(
+                    "server.tls_recheck",
+                    raw,
+                    "at least 1s, or 0 to read the files again only on SIGHUP",
+                ))
+            }
+            d => Some(d),
+        },
+    };
+    Ok((tls, tls_client_ca, tls_recheck))
+}
+
+fn trusted_proxies(raw: Vec<String>) -> Result<Vec<ipnet::IpNet>, ConfigError> {
+    let mut nets = Vec::with_capacity(raw.len());
+    for (i, raw) in raw.into_iter().enumerate() {
+        let net = raw
+            .parse::<ipnet::IpNet>()
+            .or_else(|_| raw.parse::<std::net::IpAddr>().map(ipnet::IpNet::from))
+            .map_err(|_| {
+                ConfigError::invalid(
+                    format!("server.trusted_proxies[{i}]"),
+                    &raw,
+                    "an IP address or CIDR range such as \"10.0.0.0/8\" or \"127.0.0.1\"",
+                )
+            })?;
+        nets.push(net.trunc());
+    }
+    Ok(nets)
+}

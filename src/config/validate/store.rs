@@ -1,0 +1,226 @@
+//! `[store]`: which backend, and the settings of that one (a setting of another backend is an
+//! error, not silently ignored).
+
+use std::time::Duration;
+
+use super::{
+    duration_or, parse_size, pem_file, pem_pair, shown, validate_redis_url, whole_number, Pem,
+};
+use crate::config::raw::RawStore;
+use crate::config::{ConfigError, DiskSettings, RedisSettings, RedisTarget, StoreConfig, SyncMode};
+
+/// Largest accepted `max_disk` (1 PiB): counts stay far from overflowing.
+const MAX_DISK: u64 = 1 << 50;
+
+pub(super) fn validate_store(raw: RawStore) -> Result<StoreConfig, ConfigError> {
+    let backend = raw.backend.clone().unwrap_or_else(|| "memory".into());
+    match backend.as_str() {
+        "disk" => {
+            not_redis(&raw)?;
+            not_memory(&raw)?;
+            disk(raw).map(StoreConfig::Disk)
+        }
+        "memory" => {
+            not_disk(&raw)?;
+            not_redis(&raw)?;
+            memory(raw)
+        }
+        "redis" => {
+            not_disk(&raw)?;
+            not_memory(&raw)?;
+            redis(raw).map(StoreConfig::Redis)
+        }
+        other => Err(ConfigError::invalid(
+            "store.backend",
+            other,
+            "\"disk\" (embedded and durable, one instance), \"memory\" (embedded, lost on restart) or \"redis\" (shared by several instances)",
+        )),
+    }
+}
+
+/// `store.{field}` must not be set: it belongs to `backend`.
+fn only(field: &str, set: bool, backend: &str) -> Result<(), ConfigError> {
+    if set {
+        Err(ConfigError::invalid(
+            format!("store.{field}"),
+            "(set)",
+            format!("only with backend = \"{backend}\""),
+        ))
+    } else {
+        Ok(())
+    }
+}
+
+fn not_disk(raw: &RawStore) -> Result<(), ConfigError> {
+    only("path", raw.path.is_some(), "disk")?;
+    only("sync", raw.sync.is_some(), "disk")?;
+    only("sync_interval", raw.sync_interval.is_some(), "disk")?;
+    only("max_disk", raw.max_disk.is_some(), "disk")
+}
+
+fn not_memory(raw: &RawStore) -> Result<(), ConfigError> {
+    only("max_keys", raw.max_keys.is_some(), "memory")?;
+    only("max_bytes", raw.max_bytes.is_some(), "memory")
+}
+
+fn not_redis(raw: &RawStore) -> Result<(), ConfigError> {
+    only("url", raw.url.is_some(), "redis")?;
+    only("cluster", raw.cluster.is_some(), "redis")?;
+    only("key_prefix", raw.key_prefix.is_some(), "redis")?;
+    only("command_timeout", raw.command_timeout.is_some(), "redis")?;
+    only("tls_ca_file", raw.tls_ca_file.is_some(), "redis")?;
+    only(
+        "require_noeviction",
+        raw.require_noeviction.is_some(),
+        "redis",
+    )?;
+    only("tls_client_cert", raw.tls_client_cert.is_some(), "redis")?;
+    only("tls_client_key", raw.tls_client_key.is_some(), "redis")
+}
+
+fn disk(raw: RawStore) -> Result<DiskSettings, ConfigError> {
+    let path =
+        match raw.path {
+            Some(p) if !p.trim().is_empty() => std::path::PathBuf::from(p),
+            Some(p) => return Err(ConfigError::invalid(
+                "store.path",
+                p,
+                "the directory that keeps the records, such as \"data\" or \"/var/lib/idemgate\"",
+            )),
+            None => {
+                return Err(ConfigError::Missing {
+                    field: "store.path".into(),
+                })
+            }
+        };
+    let interval = duration_or(
+        "store.sync_interval",
+        raw.sync_interval.as_deref(),
+        Duration::from_millis(100),
+    )?;
+    if interval.is_zero() || interval > Duration::from_secs(10) {
+        return Err(ConfigError::invalid(
+            "store.sync_interval",
+            shown(interval),
+            "more than 0s and at most 10s",
+        ));
+    }
+    let sync = match raw.sync.as_deref() {
+        None | Some("always") => {
+            if raw.sync_interval.is_some() {
+                return Err(ConfigError::invalid(
+                    "store.sync_interval",
+                    "(set)",
+                    "only with sync = \"batch\"",
+                ));
+            }
+            SyncMode::Always
+        }
+        Some("batch") => SyncMode::Batch { interval },
+        Some(other) => {
+            return Err(ConfigError::invalid(
+                "store.sync",
+                other,
+                "\"always\" (a result is on disk before its client gets it) or \"batch\" (within sync_interval after)",
+            ))
+        }
+    };
+    let max_disk = match raw.max_disk {
+        None => 1 << 30,
+        Some(s) => parse_size("store.max_disk", &s, MAX_DISK)?,
+    };
+    if max_disk < 1 << 20 {
+        return Err(ConfigError::invalid(
+            "store.max_disk",
+            max_disk.to_string(),
+            "at least 1MiB",
+        ));
+    }
+    Ok(DiskSettings {
+        path,
+        sync,
+        max_disk,
+    })
+}
+
+fn memory(raw: RawStore) -> Result<StoreConfig, ConfigError> {
+    let max_keys = whole_number("store.max_keys", raw.max_keys, 1_000_000, 1..=100_000_000)?;
+    let max_bytes = match raw.max_bytes {
+        None => 256 << 20,
+        Some(s) => parse_size("store.max_bytes", &s, u64::MAX)?,
+    };
+    Ok(StoreConfig::Memory {
+        max_keys: max_keys as usize,
+        max_bytes,
+    })
+}
+
+fn redis(raw: RawStore) -> Result<RedisSettings, ConfigError> {
+    let target = redis_target(raw.url, raw.cluster)?;
+    let key_prefix = raw.key_prefix.unwrap_or_else(|| "idemgate:".into());
+    if key_prefix.contains(['{', '}']) || key_prefix.len() > 64 {
+        return Err(ConfigError::invalid(
+            "store.key_prefix",
+            key_prefix,
+            "up to 64 characters without \"{\" or \"}\" (the gateway adds its own hash tag)",
+        ));
+    }
+    let command_timeout = duration_or(
+        "store.command_timeout",
+        raw.command_timeout.as_deref(),
+        Duration::from_millis(500),
+    )?;
+    if command_timeout.is_zero() || command_timeout > Duration::from_secs(60) {
+        return Err(ConfigError::invalid(
+            "store.command_timeout",
+            shown(command_timeout),
+            "more than 0s and at most 60s",
+        ));
+    }
+    let tls_ca_file = raw
+        .tls_ca_file
+        .map(|p| pem_file("store.tls_ca_file", p, Pem::Certificate))
+        .transpose()?;
+    let tls_client = pem_pair(
+        ("store.tls_client_cert", "store.tls_client_key"),
+        raw.tls_client_cert,
+        raw.tls_client_key,
+    )?;
+    Ok(RedisSettings {
+        target,
+        key_prefix,
+        command_timeout,
+        tls_ca_file,
+        require_noeviction: raw.require_noeviction.unwrap_or(false),
+        tls_client,
+    })
+}
+
+/// `store.url` (one Redis) or `store.cluster` (seed nodes), exactly one of them.
+fn redis_target(
+    url: Option<String>,
+    cluster: Option<Vec<String>>,
+) -> Result<RedisTarget, ConfigError> {
+    match (url, cluster) {
+        (Some(url), None) => Ok(RedisTarget::Single(validate_redis_url("store.url", url)?)),
+        (None, Some(nodes)) if !nodes.is_empty() => Ok(RedisTarget::Cluster(
+            nodes
+                .into_iter()
+                .map(|u| validate_redis_url("store.cluster", u))
+                .collect::<Result<_, _>>()?,
+        )),
+        (None, Some(_)) => Err(ConfigError::invalid(
+            "store.cluster",
+            "[]",
+            "a non-empty list of seed node URLs such as [\"redis://10.0.0.1:7000\"]",
+        )),
+        (Some(_), Some(_)) => Err(ConfigError::invalid(
+            "store.cluster",
+            "(set together with store.url)",
+            "either store.url (one Redis) or store.cluster (Redis Cluster seed nodes), not both",
+        )),
+        (None, None) => Err(ConfigError::Missing {
+            field: "store.url (or store.cluster)".into(),
+        }),
+    }
+}
