@@ -167,6 +167,40 @@ impl Activity {
 /// Held by a response until it has been sent in full (hyper drops the body then).
 struct Finished(Arc<Activity>);
 
+/// A client connection's place under `server.max_connections` and in its worker's load, held
+/// while the connection (or a tunnel that took its socket over) lives.
+pub struct ConnectionSlot {
+    _permit: tokio::sync::OwnedSemaphorePermit,
+    load: prometheus_client::metrics::gauge::Gauge,
+}
+
+impl ConnectionSlot {
+    /// `load` has already been counted up for this connection; it is counted down on drop.
+    pub fn new(
+        permit: tokio::sync::OwnedSemaphorePermit,
+        load: prometheus_client::metrics::gauge::Gauge,
+    ) -> Self {
+        ConnectionSlot {
+            _permit: permit,
+            load,
+        }
+    }
+}
+
+impl Drop for ConnectionSlot {
+    fn drop(&mut self) {
+        self.load.dec();
+    }
+}
+
+/// What keeps a client connection counted while a WebSocket relayed from it lives: the
+/// connection's slot (an HTTP/1.1 upgrade takes the socket over), or its stream's hold (an
+/// HTTP/2 WebSocket is one stream of a connection that goes on).
+pub enum Hold {
+    Connection(ConnectionSlot),
+    Stream(StreamHold),
+}
+
 /// Given to a CONNECT request (an HTTP/2 WebSocket): whoever keeps it keeps the connection
 /// counted as busy, so it is not closed as idle while the stream is relayed after its response
 /// (which ends the request as far as the connection can see).

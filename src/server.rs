@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{mpsc, oneshot, Semaphore};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -29,9 +29,9 @@ const CLIENT_SUBJECT_UNDERSCORED: &str = "x_client_cert_subject";
 const SUBJECT_LEN: usize = CLIENT_SUBJECT_HEADER.len();
 const _: () = assert!(CLIENT_SUBJECT_UNDERSCORED.len() == SUBJECT_LEN);
 use crate::config::ConsumerConfig;
-use crate::conn::{self, ClientBody};
+use crate::conn::{self, ClientBody, ConnectionSlot};
 use crate::consumer::{self as consumers, AnySource, BrokerHealth, ConsumerError};
-use crate::gateway::{ClientConn, Gateway, Routing, WorkerContext};
+use crate::gateway::{ClientConn, Gateway, GatewayParts, Routing, WorkerContext};
 use crate::metrics::Metrics;
 use crate::store;
 use crate::tls::{ListenerTls, ListenerTlsError};
@@ -93,15 +93,15 @@ impl Server {
             &config.defaults,
             config.server.case_sensitive_routes,
         );
-        let gateway = Arc::new(Gateway::new(
+        let gateway = Arc::new(Gateway::new(GatewayParts {
             routing,
             store,
             metrics,
             connect_timeout,
-            ConnectionLimits::new(config.upstream_max_connections),
-            UpstreamTlsConnector::new(&config.upstream_tls)?,
-            config.server.max_buffered,
-        ));
+            upstream_limits: ConnectionLimits::new(config.upstream_max_connections),
+            upstream_tls: UpstreamTlsConnector::new(&config.upstream_tls)?,
+            max_buffered: config.server.max_buffered,
+        }));
         let sources = consumers::sources(&config.consumers)?;
         let consumers = config.consumers.into_iter().zip(sources).collect();
         let tls = match &config.server.tls {
@@ -316,10 +316,7 @@ async fn accept(
             stream,
             peer,
             trusted: settings.is_trusted_proxy(peer.ip()),
-            _slot: Slot {
-                _permit: permit,
-                load: worker.load.clone(),
-            },
+            slot: ConnectionSlot::new(permit, worker.load.clone()),
         };
         if worker.handoff.send(accepted).is_err() {
             tracing::error!("a worker thread is gone; connection dropped");
@@ -340,20 +337,7 @@ struct Accepted {
     peer: SocketAddr,
     /// From one of `server.trusted_proxies`.
     trusted: bool,
-    _slot: Slot,
-}
-
-/// Held while a connection is open: its `max_connections` permit and its place in the worker's
-/// load.
-struct Slot {
-    _permit: OwnedSemaphorePermit,
-    load: Gauge,
-}
-
-impl Drop for Slot {
-    fn drop(&mut self) {
-        self.load.dec();
-    }
+    slot: ConnectionSlot,
 }
 
 /// How far ahead a worker always has a timer armed: see [`heartbeat`].
@@ -443,7 +427,7 @@ impl Worker {
                 stream,
                 peer,
                 trusted,
-                _slot,
+                slot,
             }) = incoming.recv().await
             {
                 let stream = match TcpStream::from_std(stream) {
@@ -454,11 +438,11 @@ impl Worker {
                     }
                 };
                 let gw = Arc::clone(&gateway);
-                let conn = Arc::new(ClientConn {
-                    addr: ClientAddr::new(peer, trusted).over_tls(tls.is_some()),
-                    worker: Arc::clone(&context),
-                    hold: std::sync::Mutex::new(Some(Box::new(_slot))),
-                });
+                let conn = Arc::new(ClientConn::new(
+                    ClientAddr::new(peer, trusted).over_tls(tls.is_some()),
+                    Arc::clone(&context),
+                    slot,
+                ));
                 let held = Arc::clone(&conn);
                 // With client certificates verified, the subject header is the gateway's alone:
                 // whatever a client sent under that name is replaced.
@@ -519,7 +503,7 @@ impl Worker {
                         metrics.connection_closed(why);
                     }
                     // Unless a tunnel took it over.
-                    drop(held.take_hold());
+                    drop(held.take_slot());
                 });
             }
 

@@ -567,7 +567,7 @@ impl Store for RedisStore {
     }
 
     async fn flush(&self) -> Result<(), StoreError> {
-        // Every change was answered by Redis; its persistence is Redis's (see the README).
+        // Every change was answered by Redis; its persistence is Redis's (docs/stores.md).
         Ok(())
     }
 

@@ -1,0 +1,211 @@
+//! Executing a request on an idempotent route (send it upstream and capture the answer within
+//! `upstream_timeout`), replaying a stored answer, and what an upstream's failure is to a client.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{header, request, HeaderValue, Request, Response};
+use tokio::time::Instant;
+
+use super::{ClientConn, Route};
+use crate::body::{self, Body, Captured, Lease};
+use crate::config::{Policy, UpstreamProtocol};
+use crate::grpc;
+use crate::idempotency::{Attempt, Execute};
+use crate::key::StoreKey;
+use crate::metrics::Metrics;
+use crate::problem::Problem;
+use crate::store::{StoredResponse, UnknownReason};
+use crate::upstream::{
+    prepare_request, NoConnectionSlot, UpstreamBody, UpstreamError, UpstreamPool,
+};
+
+/// Header on a replay whose body was too large to keep: the body is deliberately empty.
+pub const BODY_OMITTED_HEADER: &str = "idemgate-body-omitted";
+
+#[derive(Clone, Copy)]
+pub(super) struct UpstreamTime(pub(super) Duration);
+
+/// How the core executes a request on an idempotent route: forward it and capture the answer,
+/// all within `upstream_timeout`.
+pub(super) struct Forward {
+    pub(super) route: Arc<Route>,
+    pub(super) parts: request::Parts,
+    pub(super) body: Bytes,
+    pub(super) conn: Arc<ClientConn>,
+    /// Upstream time is counted here, inside the execution, so it is counted too when the
+    /// execution finishes on its own after its client left.
+    pub(super) metrics: Arc<Metrics>,
+    /// For the log, should the request not even be made.
+    pub(super) key: StoreKey,
+    /// The request body's share of `server.max_buffered`, held until the execution is over.
+    pub(super) _lease: Lease,
+}
+
+impl Execute for Forward {
+    type Output = Response<Body>;
+
+    async fn execute(self) -> Attempt<Response<Body>> {
+        let Forward {
+            route,
+            mut parts,
+            body,
+            conn,
+            metrics,
+            key,
+            _lease,
+        } = self;
+        let policy = &route.config.policy;
+        if let Err(e) = prepare_request(&mut parts, &route.config.upstream, &conn.addr) {
+            tracing::error!(key = key.short(), error = %e, "cannot build upstream request");
+            return Attempt::NotSent(Box::new(e));
+        }
+        let req = Request::from_parts(parts, body::full(body));
+        let started = Instant::now();
+        let forwarded = forward_and_capture(
+            &conn.worker.upstream,
+            req,
+            route.config.upstream.protocol,
+            policy,
+        )
+        .await;
+        metrics.upstream(&route.metrics, started.elapsed());
+        let forwarded = match forwarded {
+            Ok(f) => f,
+            Err(UpstreamError::NotSent(e)) => return Attempt::NotSent(e),
+            Err(e) => {
+                let reason = match e {
+                    UpstreamError::Timeout(_) => UnknownReason::Timeout,
+                    _ => UnknownReason::Interrupted,
+                };
+                return Attempt::Unknown {
+                    reason,
+                    error: Box::new(e),
+                };
+            }
+        };
+        let response = StoredResponse {
+            status: forwarded.head.status,
+            headers: forwarded
+                .head
+                .headers
+                .iter()
+                .map(|(n, v)| (n.clone(), v.clone()))
+                .collect(),
+            trailers: match &forwarded.body {
+                ForwardedBody::Complete(_, Some(t)) => {
+                    t.iter().map(|(n, v)| (n.clone(), v.clone())).collect()
+                }
+                _ => Vec::new(),
+            },
+            body: match &forwarded.body {
+                ForwardedBody::Complete(b, _) => b.clone(),
+                ForwardedBody::Streaming { .. } => Bytes::new(),
+            },
+            body_kept: matches!(forwarded.body, ForwardedBody::Complete(..)),
+            completed_ms: 0,
+        };
+        if grpc::ended_without_status(&response) {
+            return Attempt::Unknown {
+                reason: UnknownReason::Interrupted,
+                error: "the gRPC answer ended without a grpc-status".into(),
+            };
+        }
+        // The upstream's own framing headers still hold: the body is the same bytes.
+        let output = Response::from_parts(
+            forwarded.head,
+            match forwarded.body {
+                ForwardedBody::Complete(b, trailers) => body::with_trailers(b, trailers),
+                ForwardedBody::Streaming { head, rest } => body::prepend(head, rest),
+            },
+        );
+        Attempt::Answered { response, output }
+    }
+}
+
+/// Upstream's answer to the owner.
+struct Forwarded {
+    head: http::response::Parts,
+    body: ForwardedBody,
+}
+
+enum ForwardedBody {
+    /// Within `max_stored_response`: stored and sent as one, with its trailers (gRPC's status).
+    Complete(Bytes, Option<http::HeaderMap>),
+    /// Too large to store: streamed to the client, replays carry status and headers only.
+    Streaming {
+        head: Vec<Bytes>,
+        rest: UpstreamBody,
+    },
+}
+
+/// Sends the request and reads the response, all within `upstream_timeout`.
+async fn forward_and_capture(
+    upstream: &UpstreamPool,
+    req: Request<Body>,
+    protocol: UpstreamProtocol,
+    policy: &Policy,
+) -> Result<Forwarded, UpstreamError> {
+    let exchange = async {
+        let (head, body) = upstream.exchange(req, protocol).await?.into_parts();
+        let captured = body::capture(body, policy.max_stored_response)
+            .await
+            // A body cut off mid-way: the upstream ran, but we do not know what it said.
+            .map_err(|e| UpstreamError::Failed(Box::new(e)))?;
+        let body = match captured {
+            Captured::Complete(b, trailers) => ForwardedBody::Complete(b, trailers),
+            Captured::TooLarge { head, rest } => ForwardedBody::Streaming { head, rest },
+        };
+        Ok(Forwarded { head, body })
+    };
+    tokio::time::timeout(policy.upstream_timeout, exchange)
+        .await
+        .unwrap_or(Err(UpstreamError::Timeout(policy.upstream_timeout)))
+}
+
+/// The stored response, byte for byte (trailers too), marked as a replay.
+pub(super) fn replay(policy: &Policy, stored: &StoredResponse) -> Response<Body> {
+    let trailers = (!stored.trailers.is_empty()).then(|| {
+        let mut t = http::HeaderMap::with_capacity(stored.trailers.len());
+        for (name, value) in &stored.trailers {
+            t.append(name.clone(), value.clone());
+        }
+        t
+    });
+    let mut resp = Response::new(body::with_trailers(stored.body.clone(), trailers));
+    *resp.status_mut() = stored.status;
+    let headers = resp.headers_mut();
+    for (name, value) in &stored.headers {
+        headers.append(name.clone(), value.clone());
+    }
+    headers.insert(header::CONTENT_LENGTH, HeaderValue::from(stored.body.len()));
+    if !stored.body_kept {
+        headers.insert(BODY_OMITTED_HEADER, HeaderValue::from_static("true"));
+    }
+    headers.insert(
+        policy.replay_header.clone(),
+        HeaderValue::from_static("true"),
+    );
+    resp
+}
+
+/// Why a request was not sent: the upstream's connection cap, or the upstream unreachable.
+pub(super) fn not_sent_problem(e: &(dyn std::error::Error + 'static)) -> Problem {
+    if e.is::<NoConnectionSlot>() {
+        Problem::Overloaded {
+            what: "connections to the upstream",
+        }
+    } else {
+        Problem::UpstreamUnreachable
+    }
+}
+
+/// What a client gets when its request, not made idempotent, did not get an answer.
+pub(super) fn upstream_problem(e: UpstreamError) -> Problem {
+    match e {
+        UpstreamError::NotSent(e) => not_sent_problem(&*e),
+        UpstreamError::Timeout(_) => Problem::UpstreamTimeout,
+        UpstreamError::Failed(_) => Problem::UpstreamFailed,
+    }
+}

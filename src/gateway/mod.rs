@@ -1,0 +1,364 @@
+//! The HTTP front: what happens to one request, phase by phase, in front of the idempotency
+//! core ([`crate::idempotency`]).
+//!
+//! ```text
+//! classify ─ no route ───────────────────────────────────────────────▶ pass_through (streams)
+//!    │ idempotent route
+//! identify ──── no client header + require_client ─▶ 401 problem
+//! verify ────── signed route, signature fails ──────▶ 401 problem (body read first, nothing stored)
+//! extract_key ─ missing/invalid ─▶ 400 problem   (missing + require_key=false ▶ pass_through)
+//! read_body ─── over max_body ───▶ 413 problem   (counted while reading, upstream not called)
+//!               over max_buffered ▶ 503 problem
+//! fingerprint
+//! core ─────── Owned ──▶ the upstream's answer (stored), or its problem (unreachable, unknown)
+//!    │         Replay ─▶ the stored response, byte for byte, marked
+//!    │         Refused ▶ problem (mismatch, in flight, outcome unknown, store down/full)
+//!    └──────── Bypass ─▶ pass_through (on_store_error = "pass")
+//! ```
+//! The phases are in [`phases`]; the core executes through [`forward`] (send upstream and
+//! capture the answer within `upstream_timeout`); WebSockets outside the routes are relayed by
+//! [`tunnel`]. Every response the gateway makes itself comes from [`Problem`].
+
+mod forward;
+mod phases;
+mod tunnel;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use http::{request, Method, Request, Response};
+use tokio::time::Instant;
+use tokio_util::task::TaskTracker;
+
+use crate::body::{self, Body, Budget};
+use crate::config::{Policy, RouteConfig, UpstreamUrl};
+use crate::conn::{ClientBody, ConnectionSlot};
+use crate::grpc;
+use crate::idempotency::Core;
+use crate::key::StoreKey;
+use crate::metrics::{Metrics, Outcome, RouteMetrics};
+use crate::problem::{self, Problem};
+use crate::route::{RoutePattern, Routed, Router};
+use crate::store::Store;
+use crate::upstream::{
+    prepare_request, ClientAddr, ConnectionLimits, UpstreamPool, UpstreamTlsConnector,
+};
+use forward::{upstream_problem, UpstreamTime};
+use tunnel::wants_upgrade;
+
+pub use forward::BODY_OMITTED_HEADER;
+
+/// A route as the gateway runs it: its config, and its live metric series beside it.
+pub struct Route {
+    pub config: RouteConfig,
+    pub metrics: RouteMetrics,
+}
+
+impl Routed for Route {
+    fn pattern(&self) -> &RoutePattern {
+        &self.config.pattern
+    }
+
+    fn methods(&self) -> &[Method] {
+        &self.config.methods
+    }
+}
+
+/// What a config reload replaces: the routes, the default upstream and its timeout.
+pub struct Routing {
+    router: Router<Route>,
+    default_upstream: UpstreamUrl,
+    /// `[defaults] upstream_timeout`, for pass-through traffic outside any route.
+    default_timeout: Duration,
+}
+
+impl Routing {
+    /// What a config says about routing: at startup and on every reload. A reload starts every
+    /// route's metric handles afresh (a renamed route is another series).
+    pub fn new(
+        routes: Vec<RouteConfig>,
+        default_upstream: UpstreamUrl,
+        defaults: &Policy,
+        case_sensitive: bool,
+    ) -> Self {
+        Routing {
+            router: Router::new(
+                routes.into_iter().map(|config| Route {
+                    metrics: RouteMetrics::new(&config.name),
+                    config,
+                }),
+                case_sensitive,
+            ),
+            default_upstream,
+            default_timeout: defaults.upstream_timeout,
+        }
+    }
+}
+
+/// One worker thread's own parts, built on that thread when it starts and handed to every
+/// request it serves: a request, its store commands and its upstream connection all run on one
+/// thread, with no hand-off between threads on the hot path.
+pub struct WorkerContext {
+    pub upstream: UpstreamPool,
+    /// This worker's store handle ([`Store::for_worker`]).
+    pub store: Arc<dyn Store>,
+}
+
+/// One client connection: who is asking, on which worker.
+pub struct ClientConn {
+    pub addr: ClientAddr,
+    pub worker: Arc<WorkerContext>,
+    /// The connection's `server.max_connections` slot while it lives; a tunnel takes it over,
+    /// since its socket outlives the HTTP connection.
+    slot: std::sync::Mutex<Option<ConnectionSlot>>,
+}
+
+impl ClientConn {
+    pub fn new(addr: ClientAddr, worker: Arc<WorkerContext>, slot: ConnectionSlot) -> Self {
+        ClientConn {
+            addr,
+            worker,
+            slot: std::sync::Mutex::new(Some(slot)),
+        }
+    }
+
+    /// Takes over the connection's slot (see [`ClientConn::new`]); `None` once taken.
+    pub fn take_slot(&self) -> Option<ConnectionSlot> {
+        self.slot
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take()
+    }
+}
+
+/// Everything a request needs; shared by all workers.
+pub struct Gateway {
+    /// Swapped whole on SIGHUP; each request works on the snapshot it started with.
+    routing: ArcSwap<Routing>,
+    /// The store as opened: for readiness and for making each worker's handle.
+    store: Arc<dyn Store>,
+    core: Arc<Core>,
+    /// For the upstream pools the workers create ([`Gateway::worker_context`]).
+    connect_timeout: Duration,
+    /// The cap on connections per upstream that every worker's pool shares.
+    upstream_limits: Arc<ConnectionLimits>,
+    /// TLS for `https://` upstreams, shared by every worker's pool (and its session cache).
+    upstream_tls: Arc<UpstreamTlsConnector>,
+    /// Request bodies buffered at once, all requests together.
+    budget: Arc<Budget>,
+    metrics: Arc<Metrics>,
+    /// Set when shutdown begins, so readiness turns false before the listener closes.
+    shutting_down: AtomicBool,
+}
+
+/// What a gateway is made of; [`Gateway::new`] takes it.
+pub struct GatewayParts {
+    pub routing: Routing,
+    pub store: Arc<dyn Store>,
+    pub metrics: Arc<Metrics>,
+    /// Should be below every route's `upstream_timeout`, so that a connection that could not
+    /// be made is reported as such (the key released), not as a timeout (unknown).
+    pub connect_timeout: Duration,
+    pub upstream_limits: Arc<ConnectionLimits>,
+    pub upstream_tls: Arc<UpstreamTlsConnector>,
+    /// `server.max_buffered`.
+    pub max_buffered: usize,
+}
+
+impl Gateway {
+    pub fn new(parts: GatewayParts) -> Self {
+        let GatewayParts {
+            routing,
+            store,
+            metrics,
+            connect_timeout,
+            upstream_limits,
+            upstream_tls,
+            max_buffered,
+        } = parts;
+        Gateway {
+            upstream_limits,
+            upstream_tls,
+            budget: Budget::new(max_buffered, metrics.buffered()),
+            routing: ArcSwap::from_pointee(routing),
+            store,
+            core: Arc::new(Core::new(Arc::clone(&metrics))),
+            connect_timeout,
+            metrics,
+            shutting_down: AtomicBool::new(false),
+        }
+    }
+
+    /// A worker's own upstream pool and store handle; called on the worker's thread.
+    pub fn worker_context(&self) -> WorkerContext {
+        WorkerContext {
+            upstream: UpstreamPool::new(
+                self.connect_timeout,
+                Arc::clone(&self.upstream_limits),
+                Arc::clone(&self.upstream_tls),
+            ),
+            store: self.store.for_worker(),
+        }
+    }
+
+    pub fn store(&self) -> &Arc<dyn Store> {
+        &self.store
+    }
+
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+
+    /// Replaces routes and default upstream; requests already running keep their snapshot.
+    pub fn reload(&self, routing: Routing) {
+        self.routing.store(Arc::new(routing));
+    }
+
+    pub fn begin_shutdown(&self) {
+        self.shutting_down.store(true, Ordering::SeqCst);
+    }
+
+    pub fn is_shutting_down(&self) -> bool {
+        self.shutting_down.load(Ordering::SeqCst)
+    }
+
+    /// The idempotency core, for the other fronts (the broker consumers).
+    pub fn core(&self) -> &Arc<Core> {
+        &self.core
+    }
+
+    /// A new upstream pool on the gateway's connection caps and TLS, for a front of its own
+    /// (each consumer has one, on the runtime that uses it).
+    pub fn upstream_pool(&self) -> UpstreamPool {
+        UpstreamPool::new(
+            self.connect_timeout,
+            Arc::clone(&self.upstream_limits),
+            Arc::clone(&self.upstream_tls),
+        )
+    }
+
+    /// Owner executions still running (detached from their clients).
+    pub fn tasks(&self) -> &TaskTracker {
+        self.core.tasks()
+    }
+
+    /// One request in, one response out; a gRPC client gets the gateway's own answers as gRPC
+    /// statuses.
+    pub async fn handle(&self, req: Request<ClientBody>, conn: &Arc<ClientConn>) -> Response<Body> {
+        // One await point: two would give this future two copies of `classify`'s state to move.
+        let grpc = grpc::is_grpc(req.headers());
+        let resp = self.classify(req, conn).await;
+        if grpc {
+            problem::for_grpc(resp)
+        } else {
+            resp
+        }
+    }
+
+    /// Phase `classify`: which path a request takes.
+    async fn classify(&self, req: Request<ClientBody>, conn: &Arc<ClientConn>) -> Response<Body> {
+        let _in_flight = self.metrics.in_flight();
+        // Boxed, as the upgrade below: rare paths that would otherwise make every request's
+        // future larger, and costlier to move.
+        if req.method() == Method::CONNECT {
+            return Box::pin(self.connect(req, conn)).await;
+        }
+        let routing = self.routing.load_full();
+        let upgrade = wants_upgrade(&req);
+        let Some(route) = routing.router.find(req.method(), req.uri().path()).cloned() else {
+            if upgrade {
+                let resp = Box::pin(self.tunnel(
+                    req,
+                    conn,
+                    &routing.default_upstream,
+                    routing.default_timeout,
+                ))
+                .await;
+                self.metrics
+                    .request(self.metrics.unrouted(), Outcome::Passthrough);
+                return resp;
+            }
+            let resp = self
+                .pass_through(
+                    req.map(body::boxed),
+                    conn,
+                    &routing.default_upstream,
+                    routing.default_timeout,
+                    self.metrics.unrouted(),
+                )
+                .await;
+            self.metrics
+                .request(self.metrics.unrouted(), Outcome::Passthrough);
+            return resp;
+        };
+        drop(routing);
+        if upgrade {
+            self.metrics.request(&route.metrics, Outcome::BadRequest);
+            return Problem::UpgradeRefused.into_response();
+        }
+        let started = Instant::now();
+        // Boxed: the idempotent path's future is many times the size of the pass-through one,
+        // and every future of a request is moved a few times (into hyper's connection state,
+        // into the deadline wrapper): unboxed, every pass-through request paid to copy it.
+        let answer = Box::pin(self.idempotent(&route, req, conn)).await;
+        self.metrics.request(&route.metrics, answer.outcome);
+        let resp = answer.response;
+        tracing::info!(
+            route = %route.config.name,
+            key = %answer.key.as_ref().map(StoreKey::short).unwrap_or_else(|| "-".into()),
+            outcome = %answer.outcome.as_str(),
+            status = resp.status().as_u16(),
+            elapsed_ms = started.elapsed().as_millis() as u64,
+            upstream_ms = resp.extensions().get::<UpstreamTime>().map(|t| t.0.as_millis() as u64),
+            "idempotent request"
+        );
+        resp
+    }
+
+    /// Forwards a request on an idempotent route without idempotency (no key where none is
+    /// required, or the store down with `on_store_error = "pass"`).
+    async fn pass_through_route(
+        &self,
+        route: &Route,
+        parts: request::Parts,
+        body: Body,
+        conn: &Arc<ClientConn>,
+    ) -> Response<Body> {
+        let req = Request::from_parts(parts, body);
+        let timeout = route.config.policy.upstream_timeout;
+        self.pass_through(req, conn, &route.config.upstream, timeout, &route.metrics)
+            .await
+    }
+
+    /// Forwards a request that is not made idempotent, streaming both ways.
+    async fn pass_through(
+        &self,
+        req: Request<Body>,
+        conn: &Arc<ClientConn>,
+        target: &UpstreamUrl,
+        timeout: Duration,
+        metrics: &RouteMetrics,
+    ) -> Response<Body> {
+        let (mut parts, body) = req.into_parts();
+        if prepare_request(&mut parts, target, &conn.addr).is_err() {
+            return Problem::UpstreamUnreachable.into_response();
+        }
+        let req = Request::from_parts(parts, body);
+        let started = Instant::now();
+        let sent = conn
+            .worker
+            .upstream
+            .send(req, target.protocol, timeout)
+            .await;
+        self.metrics.upstream(metrics, started.elapsed());
+        match sent {
+            Ok(resp) => resp.map(body::boxed),
+            Err(e) => {
+                tracing::warn!(error = %e, "pass-through request failed");
+                upstream_problem(e).into_response()
+            }
+        }
+    }
+}

@@ -1,0 +1,350 @@
+//! The phases of a request on an idempotent route, in order (the diagram in [`super`]): each
+//! returns what the next one needs, or the [`Problem`] that ends the request.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{request, HeaderMap, Request, Response};
+
+use super::forward::{not_sent_problem, replay, Forward, UpstreamTime};
+use super::{ClientConn, Gateway, Route};
+use crate::body::{self, Body, Budget, Lease, OverBudget, ReadError};
+use crate::config::{Policy, RouteConfig};
+use crate::conn::{BodyTimeout, ClientBody};
+use crate::fingerprint::{fingerprint, RequestParts};
+use crate::idempotency::{Decision, Refusal, Rules, Settled};
+use crate::key::{ClientScope, StoreKey};
+use crate::metrics::Outcome;
+use crate::problem::Problem;
+use crate::quota::{Quota, QuotaId};
+use crate::signature;
+
+/// What became of a request: the response, what to count it as, and its key if it had one.
+pub(super) struct Answer {
+    pub(super) response: Response<Body>,
+    pub(super) outcome: Outcome,
+    pub(super) key: Option<StoreKey>,
+}
+
+impl Answer {
+    fn problem(p: Problem) -> Self {
+        Answer {
+            outcome: outcome_of(&p),
+            response: p.into_response(),
+            key: None,
+        }
+    }
+
+    fn of(response: Response<Body>, outcome: Outcome) -> Self {
+        Answer {
+            response,
+            outcome,
+            key: None,
+        }
+    }
+}
+
+/// How far the phases before the core took a request.
+enum Admitted {
+    /// A key, the whole body, and the client's quota: for the core.
+    Keyed {
+        key: StoreKey,
+        body: (Bytes, Lease),
+        quota: Option<Quota>,
+    },
+    /// No key where none is required: forwarded as it is.
+    Unkeyed(Body),
+}
+
+impl Gateway {
+    pub(super) async fn idempotent(
+        &self,
+        route: &Arc<Route>,
+        req: Request<ClientBody>,
+        conn: &Arc<ClientConn>,
+    ) -> Answer {
+        let (parts, incoming) = req.into_parts();
+        match self.admit(route, &parts, incoming).await {
+            Err(problem) => Answer::problem(problem),
+            Ok(Admitted::Unkeyed(body)) => {
+                let response = self.pass_through_route(route, parts, body, conn).await;
+                Answer::of(response, Outcome::Passthrough)
+            }
+            Ok(Admitted::Keyed { key, body, quota }) => {
+                let mut answer = self.keyed(route, parts, body, conn, &key, quota).await;
+                answer.key = Some(key);
+                answer
+            }
+        }
+    }
+
+    /// Phases `identify`, `read_body` (first when the key lives in the body, as for deliveries
+    /// keyed by message or business id, or the body is signed), `verify`, `extract_key`, then
+    /// `read_body` once the key is known to be valid.
+    async fn admit(
+        &self,
+        route: &Route,
+        parts: &request::Parts,
+        incoming: ClientBody,
+    ) -> Result<Admitted, Problem> {
+        let config = &route.config;
+        let policy = &config.policy;
+        let (scope, quota) = identify(config, &parts.headers)?;
+        let mut body = ReqBody::Unread(incoming);
+        if config.key.needs_body() || config.signature.is_some() {
+            let (b, lease) = body.read(policy.max_body, &self.budget).await?;
+            body = ReqBody::Read(b, lease);
+        }
+        self.verify(route, &parts.headers, body.bytes())?;
+        let Some(raw_key) = extract_key(config, &parts.headers, body.bytes())? else {
+            return Ok(Admitted::Unkeyed(body.into_body()));
+        };
+        let key = StoreKey::new(&scope, &config.name, &raw_key);
+        // Only its hash is kept from here on.
+        drop(raw_key);
+        let body = body.read(policy.max_body, &self.budget).await?;
+        Ok(Admitted::Keyed { key, body, quota })
+    }
+
+    /// Phase `verify`: a delivery that its sender did not sign claims no key and reaches no
+    /// handler.
+    fn verify(&self, route: &Route, headers: &HeaderMap, body: &[u8]) -> Result<(), Problem> {
+        let Some(sig) = &route.config.signature else {
+            return Ok(());
+        };
+        let checked = signature::verify(sig, headers, body, now_s());
+        self.metrics.signature(
+            &route.metrics,
+            checked.map_or_else(|why| why.as_str(), |()| "verified"),
+        );
+        checked.map_err(|why| {
+            tracing::info!(route = %route.config.name, scheme = sig.scheme.name(), why = why.as_str(), "delivery signature rejected");
+            Problem::SignatureRejected { why: why.as_str() }
+        })
+    }
+
+    /// Phase `fingerprint`, then the core.
+    async fn keyed(
+        &self,
+        route: &Arc<Route>,
+        parts: request::Parts,
+        (body, lease): (Bytes, Lease),
+        conn: &Arc<ClientConn>,
+        key: &StoreKey,
+        quota: Option<Quota>,
+    ) -> Answer {
+        let config = &route.config;
+        let fp = fingerprint(
+            &RequestParts {
+                method: &parts.method,
+                route: &config.name,
+                path: parts.uri.path(),
+                query: parts.uri.query(),
+                headers: &parts.headers,
+                body: &body,
+            },
+            &config.fingerprint_ignore,
+        );
+        let rules = Rules {
+            quota,
+            ..Rules::new(&config.policy, config.check_fingerprint)
+        };
+        let forward = Forward {
+            route: Arc::clone(route),
+            parts,
+            body,
+            conn: Arc::clone(conn),
+            metrics: Arc::clone(&self.metrics),
+            key: *key,
+            _lease: lease,
+        };
+        let decision = self
+            .core
+            .run(&conn.worker.store, key, fp, rules, forward)
+            .await;
+        match decision {
+            Decision::Owned { settled, took } => {
+                let mut answer = settled_answer(settled);
+                // For the request's log line; extensions never go on the wire.
+                answer.response.extensions_mut().insert(UpstreamTime(took));
+                answer
+            }
+            Decision::Replay { response, waited } => Answer::of(
+                replay(&config.policy, &response),
+                if waited {
+                    Outcome::Waited
+                } else {
+                    Outcome::Replayed
+                },
+            ),
+            Decision::Refused(refusal) => Answer::problem(refusal_problem(&config.policy, refusal)),
+            Decision::Bypass(Forward {
+                route, parts, body, ..
+            }) => {
+                let response = self
+                    .pass_through_route(&route, parts, body::full(body), conn)
+                    .await;
+                Answer::of(response, Outcome::StoreError)
+            }
+        }
+    }
+}
+
+/// Phase `identify`: whose operation this is, before anything is read or stored; and the quota
+/// of records that caller may store.
+fn identify(
+    config: &RouteConfig,
+    headers: &HeaderMap,
+) -> Result<(ClientScope, Option<Quota>), Problem> {
+    let policy = &config.policy;
+    let (scope, quota) = match ClientScope::identify(headers, &policy.client_headers) {
+        Some(scope) => (scope, policy.max_keys_per_client),
+        None if policy.require_client => {
+            return Err(Problem::ClientRequired {
+                what: describe_headers(&policy.client_headers),
+            })
+        }
+        // One scope for every caller by the operator's choice: the store's bounds are its quota.
+        None if policy.client_headers.is_empty() => (ClientScope::shared(), 0),
+        None => (ClientScope::anonymous(), policy.max_keys_anonymous),
+    };
+    let quota = (quota > 0).then(|| Quota {
+        id: QuotaId::new(&config.name, &scope),
+        limit: quota,
+        window: policy.ttl,
+    });
+    Ok((scope, quota))
+}
+
+/// Phase `extract_key`: `None` when there is none and none is required.
+fn extract_key(
+    config: &RouteConfig,
+    headers: &HeaderMap,
+    body: &[u8],
+) -> Result<Option<String>, Problem> {
+    match config.key.extract(headers, body) {
+        Ok(Some(k)) => Ok(Some(k)),
+        Ok(None) if !config.policy.require_key => Ok(None),
+        Ok(None) => Err(Problem::MissingKey {
+            what: config.key.describe(),
+        }),
+        Err(reason) => Err(Problem::InvalidKey {
+            what: config.key.describe(),
+            reason,
+        }),
+    }
+}
+
+/// The answer to the owner of a key, once the core has settled what its execution means.
+fn settled_answer(settled: Settled<Response<Body>>) -> Answer {
+    match settled {
+        Settled::Stored(r) => Answer::of(r, Outcome::Executed),
+        Settled::Released(r) => Answer::of(r, Outcome::Released),
+        Settled::NotSent(e) => Answer::problem(not_sent_problem(&*e)),
+        Settled::Unknown { reason, retryable } => Answer::of(
+            Problem::OutcomeUnknown { reason, retryable }.into_response(),
+            Outcome::Unknown,
+        ),
+    }
+}
+
+/// A request body on an idempotent route: still on the wire, or buffered (phase `read_body`)
+/// with its share of the memory budget.
+enum ReqBody {
+    Unread(ClientBody),
+    Read(Bytes, Lease),
+}
+
+impl ReqBody {
+    /// What was buffered so far (nothing while unread).
+    fn bytes(&self) -> &[u8] {
+        match self {
+            ReqBody::Unread(_) => &[],
+            ReqBody::Read(b, _) => b,
+        }
+    }
+
+    /// The whole body, reading it (up to `limit`, within `budget`) unless already read.
+    async fn read(self, limit: usize, budget: &Arc<Budget>) -> Result<(Bytes, Lease), Problem> {
+        match self {
+            ReqBody::Read(b, lease) => Ok((b, lease)),
+            ReqBody::Unread(incoming) => {
+                let mut lease = budget.lease();
+                let read = body::read_within(incoming, limit, &mut lease).await;
+                let bytes = read.map_err(|e| match e {
+                    ReadError::TooLarge(limit) => Problem::BodyTooLarge { limit },
+                    ReadError::Failed(e) if e.is::<BodyTimeout>() => Problem::BodyTimeout,
+                    ReadError::Failed(e) if e.is::<OverBudget>() => Problem::Overloaded {
+                        what: "memory for request bodies",
+                    },
+                    ReadError::Failed(_) => Problem::BadRequestBody,
+                })?;
+                Ok((bytes, lease))
+            }
+        }
+    }
+
+    /// For forwarding as is: streaming if unread.
+    fn into_body(self) -> Body {
+        match self {
+            ReqBody::Unread(incoming) => body::boxed(incoming),
+            ReqBody::Read(b, _) => body::full(b),
+        }
+    }
+}
+
+/// The problem a refusal is answered with.
+fn refusal_problem(policy: &Policy, refusal: Refusal) -> Problem {
+    match refusal {
+        Refusal::KeyReused => Problem::KeyReused {
+            status: policy.mismatch_status,
+        },
+        Refusal::InFlight => Problem::InFlight {
+            retry_after: Duration::from_secs(1),
+        },
+        Refusal::OutcomeUnknown(reason) => Problem::OutcomeUnknown {
+            reason,
+            retryable: false,
+        },
+        Refusal::StoreUnavailable => Problem::StoreUnavailable,
+        Refusal::StoreFull => Problem::StoreFull,
+        Refusal::OverQuota { retry_after } => Problem::KeyQuota { retry_after },
+    }
+}
+
+/// What a response the gateway made itself counts as.
+pub(super) fn outcome_of(p: &Problem) -> Outcome {
+    match p {
+        Problem::MissingKey { .. } => Outcome::MissingKey,
+        Problem::InvalidKey { .. } => Outcome::InvalidKey,
+        Problem::KeyReused { .. } => Outcome::Mismatch,
+        Problem::InFlight { .. } => Outcome::InFlightRejected,
+        Problem::BodyTooLarge { .. } => Outcome::TooLarge,
+        Problem::BadRequestBody
+        | Problem::BodyTimeout
+        | Problem::MethodNotAllowed
+        | Problem::ClientRequired { .. }
+        | Problem::SignatureRejected { .. }
+        | Problem::UpgradeRefused => Outcome::BadRequest,
+        Problem::StoreUnavailable | Problem::StoreFull => Outcome::StoreError,
+        Problem::KeyQuota { .. } | Problem::Overloaded { .. } => Outcome::Limited,
+        Problem::UpstreamUnreachable | Problem::UpstreamTimeout | Problem::UpstreamFailed => {
+            Outcome::UpstreamError
+        }
+        Problem::OutcomeUnknown { .. } => Outcome::Unknown,
+    }
+}
+
+/// "the Authorization header", "the Authorization or Cookie header".
+fn describe_headers(names: &[http::HeaderName]) -> String {
+    let names: Vec<&str> = names.iter().map(http::HeaderName::as_str).collect();
+    format!("the {} header", names.join(" or "))
+}
+
+/// Seconds since the Unix epoch, for signed timestamps (0 if the clock is before 1970).
+fn now_s() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
+}
