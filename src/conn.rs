@@ -405,7 +405,10 @@ const MAX_H2_HEADER_LIST: u32 = 64 * 1024;
 
 /// How client connections speak HTTP: every deadline is ours ([`conn`]), so hyper's own
 /// HTTP/1.1 header timer (which cannot tell keep-alive from a slow head) is off.
-pub fn builder(max_streams: u32) -> auto::Builder<TokioExecutor> {
+/// How a worker serves its connections (both protocols, with the limits below).
+pub type Builder = auto::Builder<TokioExecutor>;
+
+pub fn builder(max_streams: u32) -> Builder {
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
         .http1()
@@ -461,7 +464,7 @@ const CLOSE_GRACE: Duration = Duration::from_secs(1);
 /// cancelled (then it finishes the requests it has, for as long as its caller waits).
 pub async fn serve<S, H, F>(
     stream: S,
-    builder: &auto::Builder<TokioExecutor>,
+    builder: &Builder,
     deadlines: Deadlines,
     stop: &CancellationToken,
     handler: H,
@@ -498,8 +501,8 @@ where
     let conn = builder.serve_connection_with_upgrades(io, svc);
     tokio::pin!(conn);
     // The watchdog and the stop signal, polled only when one of their own timers or signals
-    // fires: polled beside the connection at every wake-up (as `select!` does), they cost about
-    // a thousand instructions a request, 2 % of a pass-through request.
+    // fires: polled beside the connection at every wake-up (as `select!` does), they would cost
+    // every request work for nothing almost always (bench/README.md, "bench/callgrind").
     let watch = async {
         tokio::select! {
             why = watchdog(&activity, deadlines) => Some(why),

@@ -1,7 +1,8 @@
 //! `idemgate`: see the library's documentation and the README.
 
-// glibc's malloc showed up at ~10% of the gateway's CPU under load (arena locking, consolidation);
-// mimalloc's thread-local heaps cost a fraction of that.
+// glibc's malloc was a visible share of the gateway's CPU under load (arena locking,
+// consolidation); mimalloc's thread-local heaps cost a fraction of it (bench/README.md,
+// "bench/run").
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

@@ -28,12 +28,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
-use http::{request, Method, Request, Response};
+use http::{request, HeaderValue, Method, Request, Response};
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 
 use crate::body::{self, Body, Budget};
-use crate::config::{Policy, RouteConfig, UpstreamUrl};
+use crate::config::{Policy, RouteConfig, UpstreamUrl, CLIENT_SUBJECT_HEADER};
 use crate::conn::{ClientBody, ConnectionSlot};
 use crate::grpc;
 use crate::idempotency::Core;
@@ -113,6 +113,9 @@ pub struct ClientConn {
     /// The connection's `server.max_connections` slot while it lives; a tunnel takes it over,
     /// since its socket outlives the HTTP connection.
     slot: std::sync::Mutex<Option<ConnectionSlot>>,
+    /// The subject of the client's certificate, where the listener verified it: what every
+    /// request of the connection carries as [`CLIENT_SUBJECT_HEADER`].
+    subject: Option<HeaderValue>,
 }
 
 impl ClientConn {
@@ -121,6 +124,15 @@ impl ClientConn {
             addr,
             worker,
             slot: std::sync::Mutex::new(Some(slot)),
+            subject: None,
+        }
+    }
+
+    /// A client whose certificate the listener verified (`server.tls_client_ca`).
+    pub fn with_subject(self, subject: HeaderValue) -> Self {
+        ClientConn {
+            subject: Some(subject),
+            ..self
         }
     }
 
@@ -246,7 +258,12 @@ impl Gateway {
 
     /// One request in, one response out; a gRPC client gets the gateway's own answers as gRPC
     /// statuses.
-    pub async fn handle(&self, req: Request<ClientBody>, conn: &Arc<ClientConn>) -> Response<Body> {
+    pub async fn handle(
+        &self,
+        mut req: Request<ClientBody>,
+        conn: &Arc<ClientConn>,
+    ) -> Response<Body> {
+        certificate_subject(req.headers_mut(), conn.subject.as_ref());
         // One await point: two would give this future two copies of `classify`'s state to move.
         let grpc = grpc::is_grpc(req.headers());
         let resp = self.classify(req, conn).await;
@@ -362,3 +379,22 @@ impl Gateway {
         }
     }
 }
+
+/// The subject header is the gateway's alone: whatever a client sent under that name (or its
+/// underscore twin, which CGI-style servers read as the same) never reaches anyone, and a
+/// verified client's certificate subject takes its place.
+fn certificate_subject(headers: &mut http::HeaderMap, subject: Option<&HeaderValue>) {
+    // Both names are the same length: one pass over the names (a few, and no hashing) spares
+    // nearly every request two lookups.
+    if headers.keys().any(|n| n.as_str().len() == SUBJECT_LEN) {
+        headers.remove(CLIENT_SUBJECT_HEADER);
+        headers.remove(CLIENT_SUBJECT_UNDERSCORED);
+    }
+    if let Some(subject) = subject {
+        headers.insert(CLIENT_SUBJECT_HEADER, subject.clone());
+    }
+}
+
+const CLIENT_SUBJECT_UNDERSCORED: &str = "x_client_cert_subject";
+const SUBJECT_LEN: usize = CLIENT_SUBJECT_HEADER.len();
+const _: () = assert!(CLIENT_SUBJECT_UNDERSCORED.len() == SUBJECT_LEN);

@@ -35,7 +35,8 @@ use crate::key::StoreKey;
 
 /// Hashes a [`StoreKey`] for the shard maps. The key is already a SHA-256 output, so one
 /// multiply is enough to spread it; the per-process random seed keeps anyone who grinds keys
-/// from aiming them at one bucket. SipHash, the default, cost ten times as much for nothing.
+/// from aiming them at one bucket. SipHash, the default, costs far more for nothing here
+/// (bench/README.md, "bench/callgrind").
 #[derive(Clone, Copy)]
 struct KeyHasher {
     seed: u64,
@@ -128,12 +129,13 @@ struct Entry {
 
 /// A record as this store keeps it. Pending and unknown records stay as they are: small, and a
 /// pending one is rewritten by every lease renewal. A completed one, which lives for the whole
-/// `ttl`, is kept as its encoded bytes ([`super::codec`]): one allocation instead of about six,
-/// and well under half the memory, which under a stream of new keys is most of what this store
-/// costs. Reads decode it; header values and body then share that one buffer.
+/// `ttl`, is kept as its encoded bytes ([`super::codec`]): one allocation instead of several, and
+/// much less memory, which under a stream of new keys is most of what this store costs
+/// (bench/README.md, "bench/run"). Reads decode it; header values and body then share that one
+/// buffer.
 ///
-/// A record held as is is boxed: every key's map slot is then 96 bytes rather than 160, which
-/// under new keys is less memory to touch for every request than the allocation costs.
+/// A record held as is is boxed, so that every key's map slot stays small (a test holds it to 96
+/// bytes): under new keys that is less memory to touch for every request than the allocation costs.
 enum Held {
     Record(Box<Record>),
     Encoded(Bytes),

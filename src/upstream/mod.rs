@@ -9,15 +9,15 @@
 //! unknown).
 //!
 //! The pool is ours rather than hyper-util's legacy client: that one hashes its pool key with
-//! SipHash several times a request and spawns a task per request to return the connection, which
-//! came to about a sixth of a pass-through request's instructions. Here each worker thread has
-//! its own short list of idle connections per upstream, and a connection goes back when its
-//! response body has been read to the end and it is ready for another request (under load,
-//! always at once; a connection still sending a request body that was answered early goes back
-//! when it is done). A body still streaming to a slow client keeps its connection; a body
-//! dropped half-read takes its connection down with it. What hyper-util did that matters is
-//! kept: a request that a reused connection hands back unwritten (the upstream closed it while
-//! it sat idle) is sent again on another one, and idle connections are dropped after 60 s.
+//! SipHash several times a request and spawns a task per request to return the connection, a large
+//! share of a pass-through request's cost (bench/README.md, "bench/callgrind"). Here each worker
+//! thread has its own short list of idle connections per upstream, and a connection goes back when
+//! its response body has been read to the end and it is ready for another request (under load,
+//! always at once; a connection still sending a request body that was answered early goes back when
+//! it is done). A body still streaming to a slow client keeps its connection; a body dropped
+//! half-read takes its connection down with it. What hyper-util did that matters is kept: a request
+//! that a reused connection hands back unwritten (the upstream closed it while it sat idle) is sent
+//! again on another one, and idle connections are dropped after 60 s.
 
 mod limit;
 mod pool;

@@ -1,0 +1,106 @@
+//! Signals: SIGHUP reloads the routes (and the listener's certificate), SIGTERM and SIGINT
+//! begin a graceful shutdown.
+
+use std::sync::Arc;
+
+use crate::config::Config;
+use crate::gateway::{Gateway, Routing};
+use crate::tls::ListenerTls;
+
+/// Reloads routes, defaults and the default upstream from `path` on every SIGHUP. The new file is
+/// validated first; on any error the running config stays and the error is logged. Requests
+/// already running finish with the routing they started with. Store and server settings cannot
+/// change without a restart, and a reload that changes them says so.
+pub async fn reload_on_sighup(
+    path: std::path::PathBuf,
+    gateway: Arc<Gateway>,
+    running: Config,
+    tls: Option<Arc<ListenerTls>>,
+) {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut hup = match signal(SignalKind::hangup()) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot listen for SIGHUP; config reload disabled");
+                return;
+            }
+        };
+        while hup.recv().await.is_some() {
+            // The listener's certificate first: rotated files are picked up even if the config
+            // has an error.
+            if let Some(tls) = &tls {
+                match tls.reload() {
+                    Ok(()) => tracing::info!("TLS certificate reloaded"),
+                    Err(e) => {
+                        tracing::error!(error = %e, "TLS certificate reload failed; keeping the one in use")
+                    }
+                }
+            }
+            let new = match Config::load(&path) {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::error!(error = %e, "config reload failed; keeping the running config");
+                    continue;
+                }
+            };
+            if new.store != running.store
+                || new.server != running.server
+                || new.upstream_max_connections != running.upstream_max_connections
+                || new.upstream_tls != running.upstream_tls
+            {
+                tracing::warn!("[store], [server], upstream.max_connections and upstream.tls_* changes take effect only after a restart; reloading routes, defaults and upstream only");
+            }
+            // The body budget stays the running one: a route whose bodies could never fit in it
+            // would answer 503 to each of them.
+            let budget = running.server.max_buffered;
+            if let Some(r) = new.routes.iter().find(|r| r.policy.max_body > budget) {
+                tracing::error!(
+                    route = %r.name,
+                    max_body = r.policy.max_body,
+                    max_buffered = budget,
+                    "config reload refused: a route's max_body is over the running server.max_buffered (a restart applies a new one); keeping the running config"
+                );
+                continue;
+            }
+            let routes = new.routes.len();
+            gateway.reload(Routing::new(
+                new.routes,
+                new.upstream,
+                &new.defaults,
+                // A [server] setting: as the warning above says, it waits for a restart.
+                running.server.case_sensitive_routes,
+            ));
+            tracing::info!(routes, "config reloaded");
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = (path, gateway, running, tls);
+    }
+}
+
+/// Resolves on SIGTERM or SIGINT.
+pub async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = tokio::signal::ctrl_c() => {}
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot listen for SIGTERM; only Ctrl-C stops the gateway");
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
