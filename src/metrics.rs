@@ -243,6 +243,27 @@ pub struct Metrics {
     store_ops: [OnceLock<Histogram>; StoreOp::COUNT],
 }
 
+/// A new metric of type `M`, registered under `name`; the registry keeps a handle to it.
+fn registered<M>(registry: &mut Registry, name: &str, help: &str) -> M
+where
+    M: Default + Clone + prometheus_client::registry::Metric,
+{
+    let metric = M::default();
+    registry.register(name, help, metric.clone());
+    metric
+}
+
+/// A new family of latency histograms, registered under `name`.
+fn histograms<L>(registry: &mut Registry, name: &str, help: &str) -> HistogramFamily<L>
+where
+    L: Clone + std::hash::Hash + Eq,
+    HistogramFamily<L>: Clone + prometheus_client::registry::Metric,
+{
+    let family: HistogramFamily<L> = Family::new_with_constructor(latency_histogram);
+    registry.register(name, help, family.clone());
+    family
+}
+
 impl Default for Metrics {
     fn default() -> Self {
         Self::new()
@@ -252,110 +273,65 @@ impl Default for Metrics {
 impl Metrics {
     pub fn new() -> Self {
         let mut registry = Registry::with_prefix("idemgate");
-        let requests = Family::<RequestLabels, Counter>::default();
-        let upstream_seconds: HistogramFamily<RouteLabel> =
-            Family::new_with_constructor(latency_histogram);
-        let store_seconds: HistogramFamily<OpLabel> =
-            Family::new_with_constructor(latency_histogram);
-        let store_errors = Family::<OpLabel, Counter>::default();
-        let in_flight = Gauge::default();
-        let waiting = Gauge::default();
-        let buffered = Gauge::default();
-        let tunnels = Gauge::default();
-        registry.register(
+        let r = &mut registry;
+        let tunnels: Gauge = registered(
+            r,
             "tunnels_open",
             "Upgraded connections (WebSocket) being relayed between a client and an upstream",
-            tunnels.clone(),
         );
-        let worker_connections = Family::<WorkerLabel, Gauge>::default();
-        let records_purged = Counter::default();
-        let store_syncs = Counter::default();
-        let eviction_risk = Family::<PolicyLabel, Gauge>::default();
-        let connections_closed = Family::<ReasonLabel, Counter>::default();
-        let signatures = Family::<SignatureLabels, Counter>::default();
-        registry.register(
-            "signatures",
-            "Deliveries on routes with a signature, by route and result (verified, missing, stale, invalid)",
-            signatures.clone(),
-        );
-        registry.register(
+        let signatures: Family<SignatureLabels, Counter> = registered(r, "signatures", "Deliveries on routes with a signature, by route and result (verified, missing, stale, invalid)");
+        let connections_closed: Family<ReasonLabel, Counter> = registered(
+            r,
             "connections_closed",
             "Client connections closed by a deadline, by reason",
-            connections_closed.clone(),
         );
-        registry.register(
-            "requests",
-            "Requests by route and outcome",
-            requests.clone(),
-        );
-        registry.register(
+        let requests: Family<RequestLabels, Counter> =
+            registered(r, "requests", "Requests by route and outcome");
+        let upstream_seconds: HistogramFamily<RouteLabel> = histograms(
+            r,
             "upstream_duration_seconds",
             "Time to the upstream's complete answer",
-            upstream_seconds.clone(),
         );
-        registry.register(
-            "store_duration_seconds",
-            "Duration of store calls",
-            store_seconds.clone(),
-        );
-        registry.register(
+        let store_seconds: HistogramFamily<OpLabel> =
+            histograms(r, "store_duration_seconds", "Duration of store calls");
+        let store_errors: Family<OpLabel, Counter> = registered(
+            r,
             "store_errors",
             "Store calls that failed (unreachable, timed out, full)",
-            store_errors.clone(),
         );
-        registry.register(
-            "requests_in_flight",
-            "Requests being handled",
-            in_flight.clone(),
-        );
-        registry.register(
+        let in_flight: Gauge = registered(r, "requests_in_flight", "Requests being handled");
+        let waiting: Gauge = registered(
+            r,
             "waiting_requests",
             "Duplicates waiting for the original's result (at most max_waiters per key)",
-            waiting.clone(),
         );
-        registry.register(
-            "buffered_request_bytes",
-            "Bytes of request bodies buffered now, all requests together (at most server.max_buffered)",
-            buffered.clone(),
-        );
-        registry.register(
+        let buffered: Gauge = registered(r, "buffered_request_bytes", "Bytes of request bodies buffered now, all requests together (at most server.max_buffered)");
+        let worker_connections: Family<WorkerLabel, Gauge> = registered(
+            r,
             "worker_connections",
             "Client connections each worker thread is serving",
-            worker_connections.clone(),
         );
-        registry.register(
+        let records_purged: Counter = registered(
+            r,
             "records_purged",
             "Expired records removed by an embedded store",
-            records_purged.clone(),
         );
-        registry.register(
+        let store_syncs: Counter = registered(
+            r,
             "store_syncs",
             "Durable commits (fsyncs) of the disk store",
-            store_syncs.clone(),
         );
-        registry.register(
-            "store_eviction_risk",
-            "1 while Redis's maxmemory-policy (the label) can evict live records, 0 under noeviction; absent until read, and where it cannot be",
-            eviction_risk.clone(),
-        );
-        let consumer_messages = Family::<ConsumerLabels, Counter>::default();
-        let consumer_handler: HistogramFamily<ConsumerLabel> =
-            Family::new_with_constructor(latency_histogram);
-        let consumer_pending = Family::<ConsumerLabel, Gauge>::default();
-        registry.register(
-            "consumer_messages",
-            "Broker messages by consumer and outcome (delivered, deduplicated, retried, dead_lettered)",
-            consumer_messages.clone(),
-        );
-        registry.register(
+        let eviction_risk: Family<PolicyLabel, Gauge> = registered(r, "store_eviction_risk", "1 while Redis's maxmemory-policy (the label) can evict live records, 0 under noeviction; absent until read, and where it cannot be");
+        let consumer_messages: Family<ConsumerLabels, Counter> = registered(r, "consumer_messages", "Broker messages by consumer and outcome (delivered, deduplicated, retried, dead_lettered)");
+        let consumer_handler: HistogramFamily<ConsumerLabel> = histograms(
+            r,
             "consumer_handler_duration_seconds",
             "Time to the handler's complete answer, per consumer",
-            consumer_handler.clone(),
         );
-        registry.register(
+        let consumer_pending: Family<ConsumerLabel, Gauge> = registered(
+            r,
             "consumer_pending",
             "Entries the consumer group has read but not acknowledged (every instance's)",
-            consumer_pending.clone(),
         );
         Metrics {
             eviction_risk,

@@ -52,72 +52,16 @@ pub fn verify(
     body: &[u8],
     now_s: i64,
 ) -> Result<(), Rejection> {
-    let fresh = |ts: &str| -> Result<(), Rejection> {
-        let ts: i64 = ts.trim().parse().map_err(|_| Rejection::Missing)?;
-        let tolerance = i64::try_from(config.tolerance.as_secs()).unwrap_or(i64::MAX);
-        if now_s.abs_diff(ts) > tolerance.unsigned_abs() {
-            return Err(Rejection::Stale);
-        }
-        Ok(())
-    };
+    let fresh = |ts: &str| fresh(ts, config.tolerance, now_s);
     match &config.scheme {
-        SignatureScheme::StandardWebhooks => {
-            // One family of headers, whole: mixing them would let a captured delivery's
-            // signature vouch for another id (the key).
-            let has = |prefix: &str| headers.keys().any(|k| k.as_str().starts_with(prefix));
-            let family = match (has("webhook-"), has("svix-")) {
-                (true, false) => "webhook",
-                (false, true) => "svix",
-                _ => return Err(Rejection::Missing),
-            };
-            let get =
-                |name: &str| header(headers, &format!("{family}-{name}")).ok_or(Rejection::Missing);
-            let (id, ts, sigs) = (get("id")?, get("timestamp")?, get("signature")?);
-            // "v1,<base64>" entries separated by spaces (asymmetric "v1a" ones are not ours).
-            let candidates: Vec<Vec<u8>> = sigs
-                .split(' ')
-                .filter_map(|s| s.strip_prefix("v1,"))
-                .filter_map(|b64| base64::engine::general_purpose::STANDARD.decode(b64).ok())
-                .take(MAX_CANDIDATES)
-                .collect();
-            if candidates.is_empty() {
-                return Err(Rejection::Missing);
-            }
-            fresh(ts)?;
-            matches(
-                &config.secrets,
-                &[id.as_bytes(), b".", ts.as_bytes(), b".", body],
-                &candidates,
-            )
-        }
+        SignatureScheme::StandardWebhooks => standard_webhooks(config, headers, body, now_s),
         SignatureScheme::Github => {
             let sig = header(headers, "x-hub-signature-256").ok_or(Rejection::Missing)?;
             let hex_sig = sig.strip_prefix("sha256=").ok_or(Rejection::Missing)?;
             let candidate = hex::decode(hex_sig).map_err(|_| Rejection::Missing)?;
             matches(&config.secrets, &[body], &[candidate])
         }
-        SignatureScheme::Stripe => {
-            let sig = header(headers, "stripe-signature").ok_or(Rejection::Missing)?;
-            let mut ts = None;
-            let mut candidates = Vec::new();
-            for item in sig.split(',') {
-                match item.trim().split_once('=') {
-                    Some(("t", t)) => ts = Some(t),
-                    Some(("v1", v)) if candidates.len() < MAX_CANDIDATES => {
-                        if let Ok(c) = hex::decode(v) {
-                            candidates.push(c);
-                        }
-                    }
-                    _ => {}
-                }
-            }
-            let ts = ts.ok_or(Rejection::Missing)?;
-            if candidates.is_empty() {
-                return Err(Rejection::Missing);
-            }
-            fresh(ts)?;
-            matches(&config.secrets, &[ts.as_bytes(), b".", body], &candidates)
-        }
+        SignatureScheme::Stripe => stripe(config, headers, body, now_s),
         SignatureScheme::Shopify => {
             let sig = header(headers, "x-shopify-hmac-sha256").ok_or(Rejection::Missing)?;
             let candidate = base64::engine::general_purpose::STANDARD
@@ -157,6 +101,81 @@ pub fn verify(
             matches(&config.secrets, &[body], &[candidate])
         }
     }
+}
+
+/// A signed timestamp within the tolerance of `now_s`.
+fn fresh(ts: &str, tolerance: std::time::Duration, now_s: i64) -> Result<(), Rejection> {
+    let ts: i64 = ts.trim().parse().map_err(|_| Rejection::Missing)?;
+    let tolerance = i64::try_from(tolerance.as_secs()).unwrap_or(i64::MAX);
+    if now_s.abs_diff(ts) > tolerance.unsigned_abs() {
+        return Err(Rejection::Stale);
+    }
+    Ok(())
+}
+
+/// Standard Webhooks: `webhook-id`, `webhook-timestamp` and `webhook-signature` (or their
+/// `svix-` names), the id and timestamp signed with the body.
+fn standard_webhooks(
+    config: &SignatureConfig,
+    headers: &HeaderMap,
+    body: &[u8],
+    now_s: i64,
+) -> Result<(), Rejection> {
+    // One family of headers, whole: mixing them would let a captured delivery's signature vouch
+    // for another id (the key).
+    let has = |prefix: &str| headers.keys().any(|k| k.as_str().starts_with(prefix));
+    let family = match (has("webhook-"), has("svix-")) {
+        (true, false) => "webhook",
+        (false, true) => "svix",
+        _ => return Err(Rejection::Missing),
+    };
+    let get = |name: &str| header(headers, &format!("{family}-{name}")).ok_or(Rejection::Missing);
+    let (id, ts, sigs) = (get("id")?, get("timestamp")?, get("signature")?);
+    // "v1,<base64>" entries separated by spaces (asymmetric "v1a" ones are not ours).
+    let candidates: Vec<Vec<u8>> = sigs
+        .split(' ')
+        .filter_map(|s| s.strip_prefix("v1,"))
+        .filter_map(|b64| base64::engine::general_purpose::STANDARD.decode(b64).ok())
+        .take(MAX_CANDIDATES)
+        .collect();
+    if candidates.is_empty() {
+        return Err(Rejection::Missing);
+    }
+    fresh(ts, config.tolerance, now_s)?;
+    matches(
+        &config.secrets,
+        &[id.as_bytes(), b".", ts.as_bytes(), b".", body],
+        &candidates,
+    )
+}
+
+/// Stripe: `Stripe-Signature: t=<timestamp>,v1=<hex>[,v1=<hex>...]` over the timestamp and body.
+fn stripe(
+    config: &SignatureConfig,
+    headers: &HeaderMap,
+    body: &[u8],
+    now_s: i64,
+) -> Result<(), Rejection> {
+    let sig = header(headers, "stripe-signature").ok_or(Rejection::Missing)?;
+    let mut ts = None;
+    let mut candidates = Vec::new();
+    for item in sig.split(',') {
+        match item.trim().split_once('=') {
+            Some(("t", t)) => ts = Some(t),
+            Some(("v1", v)) if candidates.len() < MAX_CANDIDATES => {
+                if let Ok(c) = hex::decode(v) {
+                    candidates.push(c);
+                }
+            }
+            _ => {}
+        }
+    }
+    let ts = ts.ok_or(Rejection::Missing)?;
+    if candidates.is_empty() {
+        return Err(Rejection::Missing);
+    }
+    fresh(ts, config.tolerance, now_s)?;
+    matches(&config.secrets, &[ts.as_bytes(), b".", body], &candidates)
 }
 
 /// The one value of a header, as text; `None` if absent, repeated or not visible ASCII.
