@@ -16,7 +16,7 @@ use http_body::{Body as HttpBody, Frame};
 use http_body_util::{BodyExt, BodyStream, Full, StreamBody};
 use prometheus_client::metrics::gauge::Gauge;
 
-pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+pub use crate::error::BoxError;
 
 /// Every response body, and every body sent upstream.
 pub type Body = http_body_util::combinators::UnsyncBoxBody<Bytes, BoxError>;
@@ -45,6 +45,7 @@ pub enum ReadError {
 }
 
 /// Reads a request body in full, refusing it as soon as it passes `limit` bytes.
+#[cfg(test)]
 pub async fn read_capped<B>(body: B, limit: usize) -> Result<Bytes, ReadError>
 where
     B: HttpBody<Data = Bytes> + Unpin,
@@ -164,6 +165,7 @@ impl Budget {
     }
 
     /// Bytes held now.
+    #[cfg(test)]
     pub fn used(&self) -> i64 {
         self.used.get()
     }

@@ -39,7 +39,8 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::time::{Instant, Sleep};
 use tokio_util::sync::CancellationToken;
 
-use crate::body::{Body, BoxError};
+use crate::body::Body;
+use crate::error::BoxError;
 use crate::config::Deadlines;
 
 /// The request body handed to the gateway: the client's body, under `body_timeout`.
@@ -195,7 +196,8 @@ impl Drop for ConnectionSlot {
 
 /// What keeps a client connection counted while a WebSocket relayed from it lives: the
 /// connection's slot (an HTTP/1.1 upgrade takes the socket over), or its stream's hold (an
-/// HTTP/2 WebSocket is one stream of a connection that goes on).
+/// HTTP/2 WebSocket is one stream of a connection that goes on). Only ever dropped.
+#[allow(dead_code)]
 pub enum Hold {
     Connection(ConnectionSlot),
     Stream(StreamHold),

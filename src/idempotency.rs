@@ -28,8 +28,8 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 
-use crate::body::BoxError;
-use crate::config::{OnStoreError, OnUnknown, Policy};
+use crate::error::BoxError;
+use crate::config::{OnStoreError, OnUnknown};
 use crate::fingerprint::Fingerprint;
 use crate::key::StoreKey;
 use crate::metrics::Metrics;
@@ -38,12 +38,13 @@ use crate::store::{
     now_ms, OwnerToken, Record, RecordState, Reservation, Store, StoreError, StoreOp,
     StoredResponse, UnknownReason,
 };
-use crate::waiting::{Rooms, Seen};
+use crate::duplicates::{Rooms, Seen};
 
 /// A waiter whose key keeps being released and re-taken gives up after this many rounds.
 const MAX_RESERVE_ROUNDS: usize = 8;
 
-/// The rules of one route that the core applies (from its [`Policy`]).
+/// The rules the core applies to one operation: the front makes them from its own config (a
+/// route's or a consumer's policy).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Rules {
     /// False for deliveries deduplicated by business id: a later, different message with the
@@ -64,22 +65,6 @@ pub struct Rules {
     pub on_unknown: OnUnknown,
 }
 
-impl Rules {
-    pub fn new(policy: &Policy, check_fingerprint: bool) -> Self {
-        Rules {
-            check_fingerprint,
-            lease: policy.lock_timeout,
-            ttl: policy.ttl,
-            wait: policy.wait,
-            max_waiters: policy.max_waiters,
-            quota: None,
-            store_server_errors: policy.store_server_errors,
-            on_store_error: policy.on_store_error,
-            on_unknown: policy.on_unknown,
-        }
-    }
-}
-
 /// How a front runs its operation once this call owns the key.
 pub trait Execute: Send + 'static {
     /// What the front's caller gets (an HTTP response).
@@ -92,8 +77,14 @@ pub trait Execute: Send + 'static {
 /// What became of an execution.
 pub enum Attempt<R> {
     /// The operation ran and answered: `response` is what retries get (its `completed_ms` is
-    /// set by the core), `output` what this caller gets.
-    Answered { response: StoredResponse, output: R },
+    /// set by the core), `output` what this caller gets, and `status` what the answer stands
+    /// for as the front judges it (for a gRPC answer, the HTTP status of its `grpc-status`):
+    /// the core keeps or releases the key by it.
+    Answered {
+        response: StoredResponse,
+        output: R,
+        status: u16,
+    },
     /// The operation certainly did not run (nothing was sent).
     NotSent(BoxError),
     /// It was sent and may have run, but no complete answer came back.
@@ -454,8 +445,12 @@ impl Records {
         rules: Rules,
         attempt: Attempt<R>,
     ) -> Settled<R> {
-        let (mut response, output) = match attempt {
-            Attempt::Answered { response, output } => (response, output),
+        let (mut response, output, status) = match attempt {
+            Attempt::Answered {
+                response,
+                output,
+                status,
+            } => (response, output, status),
             Attempt::NotSent(e) => {
                 tracing::warn!(key = key.short(), error = %e, "upstream unreachable; key released");
                 self.release(key, token).await;
@@ -489,10 +484,7 @@ impl Records {
                 return Settled::Unknown { reason, retryable };
             }
         };
-        if not_executed(
-            crate::grpc::effective_status(&response),
-            rules.store_server_errors,
-        ) {
+        if not_executed(status, rules.store_server_errors) {
             self.release(key, token).await;
             return Settled::Released(output);
         }
@@ -640,8 +632,19 @@ mod tests {
     const FP: Fingerprint = Fingerprint([1; 32]);
     const OTHER: Fingerprint = Fingerprint([2; 32]);
 
+    /// The built-in policy's rules.
     fn rules() -> Rules {
-        Rules::new(&Policy::builtin(), true)
+        Rules {
+            check_fingerprint: true,
+            lease: Duration::from_secs(30),
+            ttl: Duration::from_secs(24 * 3600),
+            wait: Duration::from_secs(10),
+            max_waiters: 64,
+            quota: None,
+            store_server_errors: false,
+            on_store_error: OnStoreError::Reject,
+            on_unknown: OnUnknown::Reject,
+        }
     }
 
     fn retrying() -> Rules {

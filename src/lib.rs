@@ -19,13 +19,14 @@
 //! - [`upstream`] - the per-worker connection pool, request rewriting, failure classification.
 //!   A new upstream protocol goes here.
 //! - [`body`] - the body type, capped reading, streaming what is too large to keep.
+//! - [`error`] - the boxed error every layer hands to hyper and the bodies.
 //! - [`grpc`] - gRPC status codes both ways: a stored call's `grpc-status` judged as the HTTP
 //!   status it stands for, the gateway's problems as gRPC statuses.
 //! - [`idempotency`] - the core: reserve, wait, decide, execute, settle, for any front; its
 //!   decisions are pure functions with tests of their own (start here).
 //! - [`signature`] - webhook senders' signatures, verified before a delivery claims its key.
 //! - [`quota`] - records stored per client scope, so no client can fill the store for others.
-//! - [`waiting`] - duplicates waiting on one key: a capped room, one store read for all.
+//! - [`duplicates`] - duplicates waiting on one key: a capped room, one store read for all.
 //! - [`gateway`] - the HTTP front on the core, phase by phase.
 //! - [`consumer`] - the broker front on the same core: `[[consumers]]` read a Redis stream and
 //!   deliver each message to a handler once, acknowledging it only once its result is stored.
@@ -38,27 +39,32 @@
 //! - [`admin`] - the admin listener: `/healthz`, `/readyz`, `/metrics`.
 //! - [`metrics`] - the Prometheus metrics and the outcome names they count.
 //! - [`telemetry`] - logging.
+//!
+//! Public: what the binary, the tests and an embedder use ([`cli`], [`config`], [`server`], and
+//! the parts the store contract tests drive: [`store`], [`key`], [`fingerprint`], [`route`]);
+//! every other module is private to the crate.
 
-pub mod admin;
-pub mod body;
+mod admin;
+mod body;
 pub mod cli;
 pub mod config;
-pub mod conn;
-pub mod consumer;
+mod conn;
+mod error;
+mod consumer;
+mod duplicates;
 pub mod fingerprint;
-pub mod gateway;
-pub mod grpc;
-pub mod idempotency;
+mod gateway;
+mod grpc;
+mod idempotency;
 pub mod key;
-pub mod metrics;
-pub mod operator;
-pub mod problem;
-pub mod quota;
+mod metrics;
+mod operator;
+mod problem;
+mod quota;
 pub mod route;
 pub mod server;
-pub mod signature;
+mod signature;
 pub mod store;
-pub mod telemetry;
-pub mod tls;
-pub mod upstream;
-pub mod waiting;
+mod telemetry;
+mod tls;
+mod upstream;

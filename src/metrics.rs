@@ -461,7 +461,7 @@ impl Metrics {
             .inc();
     }
 
-    /// The count of duplicates waiting on keys ([`crate::waiting`] keeps it).
+    /// The count of duplicates waiting on keys ([`crate::duplicates`] keeps it).
     pub fn waiting(&self) -> Gauge {
         self.waiting.clone()
     }

@@ -129,7 +129,8 @@ impl Quotas {
         w.stored += 1;
     }
 
-    /// Scopes counted (for tests).
+    /// Scopes counted.
+    #[cfg(test)]
     pub fn len(&self) -> usize {
         self.windows
             .lock()
@@ -138,6 +139,7 @@ impl Quotas {
             .len()
     }
 
+    #[cfg(test)]
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }

@@ -100,6 +100,8 @@ impl Execute for HandlerCall {
             completed_ms: 0,
         };
         Attempt::Answered {
+            // A gRPC handler's answer is judged by its grpc-status, as on a route.
+            status: crate::grpc::effective_status(&response),
             response,
             output: status,
         }

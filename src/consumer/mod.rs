@@ -458,7 +458,19 @@ impl<S: Source> Consumer<S> {
             headers,
             body: body.clone(),
         };
-        let rules = Rules::new(&config.policy, config.check_fingerprint);
+        let policy = &config.policy;
+        let rules = Rules {
+            check_fingerprint: config.check_fingerprint,
+            lease: policy.lock_timeout,
+            ttl: policy.ttl,
+            wait: policy.wait,
+            max_waiters: policy.max_waiters,
+            // A message has no client to count records for.
+            quota: None,
+            store_server_errors: policy.store_server_errors,
+            on_store_error: policy.on_store_error,
+            on_unknown: policy.on_unknown,
+        };
         let run = self
             .ctx
             .core

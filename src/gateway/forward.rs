@@ -22,7 +22,7 @@ use crate::upstream::{
 };
 
 /// Header on a replay whose body was too large to keep: the body is deliberately empty.
-pub const BODY_OMITTED_HEADER: &str = "idemgate-body-omitted";
+const BODY_OMITTED_HEADER: &str = "idemgate-body-omitted";
 
 #[derive(Clone, Copy)]
 pub(super) struct UpstreamTime(pub(super) Duration);
@@ -120,7 +120,11 @@ impl Execute for Forward {
                 ForwardedBody::Streaming { head, rest } => body::prepend(head, rest),
             },
         );
-        Attempt::Answered { response, output }
+        Attempt::Answered {
+            status: grpc::effective_status(&response),
+            response,
+            output,
+        }
     }
 }
 

@@ -146,10 +146,7 @@ impl Gateway {
             },
             &config.fingerprint_ignore,
         );
-        let rules = Rules {
-            quota,
-            ..Rules::new(&config.policy, config.check_fingerprint)
-        };
+        let rules = rules(config, quota);
         let forward = Forward {
             route: Arc::clone(route),
             parts,
@@ -215,6 +212,22 @@ fn identify(
         window: policy.ttl,
     });
     Ok((scope, quota))
+}
+
+/// What the core applies to a route's operations: its policy, and the caller's quota.
+fn rules(config: &RouteConfig, quota: Option<Quota>) -> Rules {
+    let policy = &config.policy;
+    Rules {
+        check_fingerprint: config.check_fingerprint,
+        lease: policy.lock_timeout,
+        ttl: policy.ttl,
+        wait: policy.wait,
+        max_waiters: policy.max_waiters,
+        quota,
+        store_server_errors: policy.store_server_errors,
+        on_store_error: policy.on_store_error,
+        on_unknown: policy.on_unknown,
+    }
 }
 
 /// Phase `extract_key`: `None` when there is none and none is required.

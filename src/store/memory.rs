@@ -25,7 +25,7 @@ use bytes::Bytes;
 use tokio::time::Instant;
 
 use super::codec;
-use super::wait::Waiters;
+use super::changes::Waiters;
 use super::{
     ms_after, now_ms, Bound, OwnerToken, Record, RecordState, Reservation, Store, StoreError,
     StoreStats, StoredResponse, UnknownReason, Watch,

@@ -24,7 +24,7 @@ pub mod codec;
 pub mod disk;
 pub mod memory;
 pub mod redis;
-pub mod wait;
+pub mod changes;
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -36,7 +36,7 @@ use http::{HeaderName, HeaderValue, StatusCode};
 use crate::config::StoreConfig;
 use crate::fingerprint::Fingerprint;
 use crate::key::StoreKey;
-pub use wait::Subscription;
+pub use changes::Subscription;
 
 /// Proof of ownership of a pending key, random per reservation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -26,7 +26,7 @@ mod tls;
 
 use std::time::Duration;
 
-use crate::body::BoxError;
+use crate::error::BoxError;
 
 pub use limit::{ConnectionLimits, NoConnectionSlot};
 pub use pool::{UpstreamBody, UpstreamPool};

@@ -26,7 +26,8 @@ use super::{UpstreamError, MAX_CONNECT_TIMEOUT};
 
 mod body;
 
-use crate::body::{Body, BoxError};
+use crate::body::Body;
+use crate::error::BoxError;
 use crate::config::UpstreamProtocol;
 pub use body::UpstreamBody;
 

@@ -17,7 +17,7 @@ use tokio::net::TcpStream;
 use tokio_rustls::client::TlsStream;
 use tokio_rustls::TlsConnector;
 
-use crate::body::BoxError;
+use crate::error::BoxError;
 use crate::config::{UpstreamProtocol, UpstreamTls};
 
 /// Why the TLS settings could not be used (at startup).

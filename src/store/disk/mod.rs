@@ -44,7 +44,7 @@ use fjall::{Database, Keyspace, KeyspaceCreateOptions};
 use tokio::sync::{mpsc, oneshot};
 
 use super::codec;
-use super::wait::Waiters;
+use super::changes::Waiters;
 use super::{
     now_ms, OpenError, OwnerToken, Record, Reservation, Store, StoreError, StoreStats,
     StoredResponse, UnknownReason, Watch,

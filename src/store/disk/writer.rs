@@ -16,7 +16,7 @@ use super::{cost, expiry_key, read_error, split, stored_value, Change, Counters,
 use crate::config::{DiskSettings, SyncMode};
 use crate::key::StoreKey;
 use crate::store::codec;
-use crate::store::wait::Waiters;
+use crate::store::changes::Waiters;
 use crate::store::{
     ms_after, now_ms, Bound, OwnerToken, Record, RecordState, Reservation, StoreError,
     StoredResponse,

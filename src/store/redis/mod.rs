@@ -36,7 +36,7 @@ use self::conn::{eval, Connector, HandleConn, RedisConn};
 use self::safety::{Eviction, Safety};
 use self::scripts::Scripts;
 use super::codec;
-use super::wait::Waiters;
+use super::changes::Waiters;
 use super::{
     ms_after, now_ms, OpenError, OwnerToken, Readiness, Record, RecordState, Reservation, Store,
     StoreError, StoreStats, StoredResponse, UnknownReason, Watch,

@@ -11,7 +11,7 @@ use std::time::Duration;
 use futures_util::StreamExt;
 
 use crate::key::StoreKey;
-use crate::store::wait::Waiters;
+use crate::store::changes::Waiters;
 
 /// Subscribes to `channel` and wakes waiters until the task is aborted; `subscribed` says
 /// whether it listens right now.

@@ -123,19 +123,6 @@ impl Rooms {
         })
     }
 
-    /// Keys with a room open (for tests and metrics).
-    pub fn len(&self) -> usize {
-        self.inner
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .rooms
-            .len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
     /// Closes room `id` if it is still the one open under `key`.
     fn close(&self, key: &StoreKey, id: u64) {
         let mut map = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
