@@ -40,8 +40,8 @@ use tokio::time::{Instant, Sleep};
 use tokio_util::sync::CancellationToken;
 
 use crate::body::Body;
-use crate::error::BoxError;
 use crate::config::Deadlines;
+use crate::error::BoxError;
 
 /// The request body handed to the gateway: the client's body, under `body_timeout`.
 pub type ClientBody = Deadlined<Incoming>;
@@ -615,9 +615,9 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_body_that_stops_arriving_fails_after_the_gap() {
         use http_body_util::BodyExt;
-        let (mut tx, rx) = futures_channel_body();
+        let (tx, rx) = fed_body();
         let mut body = Deadlined::new(rx, Duration::from_secs(30));
-        tx.push(Bytes::from_static(b"part"));
+        tx.send(Bytes::from_static(b"part")).unwrap();
         let first = body.frame().await.unwrap().unwrap();
         assert_eq!(first.into_data().unwrap(), Bytes::from_static(b"part"));
         let started = Instant::now();
@@ -626,30 +626,15 @@ mod tests {
         assert_eq!(started.elapsed(), Duration::from_secs(30));
     }
 
-    /// A body fed by hand, which then never ends.
-    fn futures_channel_body() -> (Feed, FeedBody) {
-        let queue = Arc::new(std::sync::Mutex::new(std::collections::VecDeque::new()));
-        (Feed(Arc::clone(&queue)), FeedBody(queue))
-    }
-
-    struct Feed(Arc<std::sync::Mutex<std::collections::VecDeque<Bytes>>>);
-    impl Feed {
-        fn push(&mut self, b: Bytes) {
-            self.0.lock().unwrap().push_back(b);
-        }
-    }
-    struct FeedBody(Arc<std::sync::Mutex<std::collections::VecDeque<Bytes>>>);
-    impl HttpBody for FeedBody {
-        type Data = Bytes;
-        type Error = Infallible;
-        fn poll_frame(
-            self: Pin<&mut Self>,
-            _cx: &mut Context<'_>,
-        ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
-            match self.0.lock().unwrap().pop_front() {
-                Some(b) => Poll::Ready(Some(Ok(Frame::data(b)))),
-                None => Poll::Pending,
-            }
-        }
+    /// A body fed by hand through a channel, which then never ends (its sender stays).
+    fn fed_body() -> (
+        tokio::sync::mpsc::UnboundedSender<Bytes>,
+        impl HttpBody<Data = Bytes, Error = Infallible>,
+    ) {
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Bytes>();
+        let frames = futures_util::stream::poll_fn(move |cx| {
+            rx.poll_recv(cx).map(|b| b.map(|b| Ok(Frame::data(b))))
+        });
+        (tx, http_body_util::StreamBody::new(frames))
     }
 }

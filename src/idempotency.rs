@@ -28,8 +28,9 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 
-use crate::error::BoxError;
 use crate::config::{OnStoreError, OnUnknown};
+use crate::duplicates::{Rooms, Seen};
+use crate::error::BoxError;
 use crate::fingerprint::Fingerprint;
 use crate::key::StoreKey;
 use crate::metrics::Metrics;
@@ -38,7 +39,6 @@ use crate::store::{
     now_ms, OwnerToken, Record, RecordState, Reservation, Store, StoreError, StoreOp,
     StoredResponse, UnknownReason,
 };
-use crate::duplicates::{Rooms, Seen};
 
 /// A waiter whose key keeps being released and re-taken gives up after this many rounds.
 const MAX_RESERVE_ROUNDS: usize = 8;

@@ -561,12 +561,9 @@ fn backoff(attempt: u32, base: Duration, max: Duration, jitter: f64) -> Duration
     doubled.min(max).mul_f64(jitter.clamp(0.5, 1.0))
 }
 
-/// A factor in [0.5, 1.0) from the clock's nanoseconds: enough to spread retries apart.
+/// A random factor in [0.5, 1.0): spreads retries apart.
 fn jitter() -> f64 {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.subsec_nanos());
-    0.5 + f64::from(nanos % 1000) / 2000.0
+    rand::random_range(0.5..1.0)
 }
 
 #[cfg(test)]

@@ -370,7 +370,7 @@ impl Source for RedisStream {
     }
 }
 
-/// `host-pid-nanos`: unique per instance and per start, so that a restarted instance is a new
+/// `host-pid-random`: unique per instance and per start, so that a restarted instance is a new
 /// consumer and what the old one left pending is claimed like any dead consumer's.
 fn instance_name() -> String {
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
@@ -378,10 +378,8 @@ fn instance_name() -> String {
         .map(|h| h.trim().to_string())
         .filter(|h| !h.is_empty())
         .unwrap_or_else(|| "idemgate".to_string());
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.subsec_nanos());
-    format!("{host}-{}-{nanos:08x}", std::process::id())
+    let nonce: u32 = rand::random();
+    format!("{host}-{}-{nonce:08x}", std::process::id())
 }
 
 /// Entries of a stream reply: `[[id, [field, value, ...]], ...]`; deleted entries (a nil

@@ -48,7 +48,6 @@ use crate::upstream::{
 use forward::{upstream_problem, UpstreamTime};
 use tunnel::wants_upgrade;
 
-
 /// A route as the gateway runs it: its config, and its live metric series beside it.
 pub struct Route {
     pub config: RouteConfig,

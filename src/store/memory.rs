@@ -24,8 +24,8 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use tokio::time::Instant;
 
-use super::codec;
 use super::changes::Waiters;
+use super::codec;
 use super::{
     ms_after, now_ms, Bound, OwnerToken, Record, RecordState, Reservation, Store, StoreError,
     StoreStats, StoredResponse, UnknownReason, Watch,

@@ -20,11 +20,11 @@
 //! module implementing [`Store`], one arm in [`open`], and one more run of the contract suite
 //! (`tests/e2e/store_contract.rs`).
 
+pub mod changes;
 pub mod codec;
 pub mod disk;
 pub mod memory;
 pub mod redis;
-pub mod changes;
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};

@@ -27,8 +27,8 @@ use super::{UpstreamError, MAX_CONNECT_TIMEOUT};
 mod body;
 
 use crate::body::Body;
-use crate::error::BoxError;
 use crate::config::UpstreamProtocol;
+use crate::error::BoxError;
 pub use body::UpstreamBody;
 
 /// Idle connections older than this are closed rather than reused, as hyper-util's pool did:

@@ -17,8 +17,8 @@ use tokio::net::TcpStream;
 use tokio_rustls::client::TlsStream;
 use tokio_rustls::TlsConnector;
 
-use crate::error::BoxError;
 use crate::config::{UpstreamProtocol, UpstreamTls};
+use crate::error::BoxError;
 
 /// Why the TLS settings could not be used (at startup).
 #[derive(Debug, thiserror::Error)]

@@ -43,8 +43,8 @@ use bytes::{BufMut, Bytes, BytesMut};
 use fjall::{Database, Keyspace, KeyspaceCreateOptions};
 use tokio::sync::{mpsc, oneshot};
 
-use super::codec;
 use super::changes::Waiters;
+use super::codec;
 use super::{
     now_ms, OpenError, OwnerToken, Record, Reservation, Store, StoreError, StoreStats,
     StoredResponse, UnknownReason, Watch,

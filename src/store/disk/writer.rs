@@ -15,8 +15,8 @@ use std::collections::HashMap;
 use super::{cost, expiry_key, read_error, split, stored_value, Change, Counters, Db, Done, Job};
 use crate::config::{DiskSettings, SyncMode};
 use crate::key::StoreKey;
-use crate::store::codec;
 use crate::store::changes::Waiters;
+use crate::store::codec;
 use crate::store::{
     ms_after, now_ms, Bound, OwnerToken, Record, RecordState, Reservation, StoreError,
     StoredResponse,

@@ -35,8 +35,8 @@ use tokio::task::AbortHandle;
 use self::conn::{eval, Connector, HandleConn, RedisConn};
 use self::safety::{Eviction, Safety};
 use self::scripts::Scripts;
-use super::codec;
 use super::changes::Waiters;
+use super::codec;
 use super::{
     ms_after, now_ms, OpenError, OwnerToken, Readiness, Record, RecordState, Reservation, Store,
     StoreError, StoreStats, StoredResponse, UnknownReason, Watch,

@@ -655,27 +655,22 @@ pub fn keys_cmd(
     cmd.output().unwrap()
 }
 
-/// A scratch directory removed on drop.
+/// A scratch directory (tempfile's), removed on drop.
 pub struct TempDir {
     pub path: std::path::PathBuf,
+    _dir: tempfile::TempDir,
 }
 
 impl TempDir {
     pub fn new(tag: &str) -> TempDir {
-        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-        let path = std::env::temp_dir().join(format!(
-            "idemgate-{tag}-{}-{}",
-            std::process::id(),
-            N.fetch_add(1, std::sync::atomic::Ordering::SeqCst)
-        ));
-        std::fs::create_dir_all(&path).unwrap();
-        TempDir { path }
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.path);
+        let dir = tempfile::Builder::new()
+            .prefix(&format!("idemgate-{tag}-"))
+            .tempdir()
+            .unwrap();
+        TempDir {
+            path: dir.path().to_path_buf(),
+            _dir: dir,
+        }
     }
 }
 
