@@ -1,9 +1,12 @@
 # syntax=docker/dockerfile:1
 #
-# idemgate container image: the gateway at /usr/local/bin/idemgate, plus the demo upstream used by
-# docker-compose.yml at /usr/local/bin/demo_upstream.
+# idemgate container image: the gateway alone, at /usr/local/bin/idemgate, without debug info
+# (the default, last stage). The stage `demo` is another image: the demo upstream that
+# docker-compose.yml runs in front of the gateway (with the gateway's binary beside it, for its
+# health check), never shipped with the gateway.
 #
 #   docker build -t idemgate:latest .
+#   docker build --target demo -t idemgate-demo:latest .
 #   docker run --rm -v "$PWD/proxy.toml:/etc/idemgate/proxy.toml:ro" -p 8080:8080 idemgate:latest
 #
 # The image ships no config: mount one at /etc/idemgate/proxy.toml (or pass other arguments). Its
@@ -30,9 +33,18 @@ COPY examples/ examples/
 RUN --mount=type=cache,target=/usr/local/cargo/registry,sharing=locked \
     --mount=type=cache,target=/src/target,sharing=locked \
     cargo build --release --locked --bin idemgate --example demo_upstream \
- && install -m 0755 target/release/idemgate /usr/local/bin/idemgate \
- && install -m 0755 target/release/examples/demo_upstream /usr/local/bin/demo_upstream
+ && install -s -m 0755 target/release/idemgate /usr/local/bin/idemgate \
+ && install -s -m 0755 target/release/examples/demo_upstream /usr/local/bin/demo_upstream
 
+# The demo upstream (docker-compose.yml's `demo`): a deliberately non-idempotent API.
+FROM debian:bookworm-slim AS demo
+COPY --from=build /usr/local/bin/demo_upstream /usr/local/bin/demo_upstream
+COPY --from=build /usr/local/bin/idemgate /usr/local/bin/idemgate
+USER 10001
+ENTRYPOINT ["/usr/local/bin/demo_upstream"]
+CMD ["0.0.0.0:3000"]
+
+# The gateway: the image that ships.
 FROM debian:bookworm-slim
 RUN apt-get update \
  && apt-get install -y --no-install-recommends ca-certificates \
@@ -43,7 +55,6 @@ RUN apt-get update \
  && mkdir -p /etc/idemgate \
  && install -d -o 10001 -g 10001 -m 0700 /var/lib/idemgate
 COPY --from=build /usr/local/bin/idemgate /usr/local/bin/idemgate
-COPY --from=build /usr/local/bin/demo_upstream /usr/local/bin/demo_upstream
 # 8080: the proxy (`[server] listen`), 9090: /healthz, /readyz, /metrics (`[server] admin`).
 EXPOSE 8080 9090
 USER 10001
