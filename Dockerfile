@@ -48,6 +48,7 @@ CMD ["0.0.0.0:3000"]
 FROM debian:bookworm-slim
 RUN apt-get update \
  && apt-get install -y --no-install-recommends ca-certificates \
+ && apt-get clean \
  && rm -rf /var/lib/apt/lists/* \
  && groupadd --system --gid 10001 idemgate \
  && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent \
