@@ -522,7 +522,7 @@ async fn a_saturated_handler_stops_the_reading_at_concurrency() {
 mod nats {
     use super::*;
     use crate::support::nats::NatsServer;
-    use crate::support::TempDir;
+    use crate::support::{TempDir, TomlConfig};
 
     fn source(nats: &NatsServer) -> String {
         source_with_ack_wait(nats, "1s")
@@ -668,11 +668,9 @@ mod nats {
         let up = Upstream::counting().await;
         let admin = free_addr();
         // orders.> would capture every dead letter and hand it back as a new message.
-        let looping = config(&nats, &dir, &up.url(), admin, "").replace(
-            "dead_letter = \"dead.orders\"",
-            "dead_letter = \"orders.dead\"",
-        );
-        let gw = GatewayProcess::start(&looping);
+        let looping = TomlConfig::parse(&config(&nats, &dir, &up.url(), admin, ""))
+            .set("consumers[0].source.dead_letter", "orders.dead");
+        let gw = GatewayProcess::start(&looping.text());
         gw.wait_log("captures the dead-letter subject");
         let (status, body) = admin_get(admin, "/readyz").await;
         assert_eq!(

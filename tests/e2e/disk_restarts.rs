@@ -258,16 +258,15 @@ async fn concurrent_requests_share_fsyncs_and_metrics_show_it() {
 async fn a_graceful_shutdown_syncs_what_batch_mode_held() {
     let data = TempDir::new("disk-data");
     let up = Upstream::counting().await;
-    let config = disk_config(
+    let config = TomlConfig::parse(&disk_config(
         &up.url(),
         &data.path,
         "127.0.0.1:0",
         "[[routes]]\npath = \"/payments\"\n",
-    )
-    .replace(
-        "backend = \"disk\"\n",
-        "backend = \"disk\"\nsync = \"batch\"\nsync_interval = \"10s\"\n",
-    );
+    ))
+    .set("store.sync", "batch")
+    .set("store.sync_interval", "10s")
+    .text();
     let gw = GatewayProcess::start(&config);
     let first = Http::new(gw.addr).post("/payments", "b", "{}").await;
     assert_eq!(first.status, 201);

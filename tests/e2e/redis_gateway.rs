@@ -45,7 +45,9 @@ async fn two_gateway_processes_on_one_redis_execute_once_and_a_third_replays() {
     let admins: [std::net::SocketAddr; 2] =
         std::array::from_fn(|_| format!("127.0.0.1:{}", free_port(false)).parse().unwrap());
     let with_admin = |admin: std::net::SocketAddr| {
-        config.replacen("[server]\n", &format!("[server]\nadmin = \"{admin}\"\n"), 1)
+        TomlConfig::parse(&config)
+            .set("server.admin", admin.to_string())
+            .text()
     };
     let gw1 = GatewayProcess::start(&with_admin(admins[0]));
     let gw2 = GatewayProcess::start(&with_admin(admins[1]));
@@ -442,16 +444,19 @@ async fn keys_get_finds_records_of_routes_keyed_by_body_fields() {
     assert!(String::from_utf8_lossy(&wrong.stderr).contains("2 part(s)"));
 }
 
-/// The gateway in-process on `redis_url` with an admin listener; `store_extra` goes in `[store]`.
+/// The gateway in-process on `redis_url` with an admin listener; `store_extra` are more `[store]`
+/// settings.
 async fn with_admin(
     upstream: &str,
     redis_url: &str,
-    store_extra: &str,
+    store_extra: &[(&str, bool)],
 ) -> idemgate::server::Running {
-    let text = redis_config(upstream, redis_url, PAYMENTS)
-        .replacen("[server]\n", "[server]\nadmin = \"127.0.0.1:0\"\n", 1)
-        .replacen("[store]\n", &format!("[store]\n{store_extra}"), 1);
-    let config = idemgate::config::Config::parse(&text).unwrap();
+    let mut config = TomlConfig::parse(&redis_config(upstream, redis_url, PAYMENTS))
+        .set("server.admin", "127.0.0.1:0");
+    for (key, value) in store_extra {
+        config = config.set(&format!("store.{key}"), *value);
+    }
+    let config = idemgate::config::Config::parse(&config.text()).unwrap();
     idemgate::server::Running::start(config).await.unwrap()
 }
 
@@ -463,8 +468,8 @@ async fn an_evicting_redis_is_reported() {
         RedisServer::start_with(&["--maxmemory", "100mb", "--maxmemory-policy", "allkeys-lru"]);
     let safe = RedisServer::start_with(&["--appendonly", "yes"]);
     let up = Upstream::counting().await;
-    let risky = with_admin(&up.url(), &evicting.url(), "").await;
-    let fine = with_admin(&up.url(), &safe.url(), "").await;
+    let risky = with_admin(&up.url(), &evicting.url(), &[]).await;
+    let fine = with_admin(&up.url(), &safe.url(), &[]).await;
     let risk = |admin, policy: &'static str| async move {
         scrape(admin)
             .await
@@ -496,7 +501,7 @@ async fn an_evicting_redis_is_reported() {
     );
     // A Redis without persistence forgets every key when it restarts: a warning too.
     let forgetful = RedisServer::start();
-    let gw = with_admin(&up.url(), &forgetful.url(), "").await;
+    let gw = with_admin(&up.url(), &forgetful.url(), &[]).await;
     let admin = gw.admin_addr().unwrap();
     assert!(
         eventually(|| async {
@@ -517,7 +522,7 @@ async fn an_evicting_redis_is_reported() {
 async fn require_noeviction_refuses_an_evicting_redis() {
     let redis = RedisServer::start_with(&["--maxmemory-policy", "volatile-lru"]);
     let up = Upstream::counting().await;
-    let gw = with_admin(&up.url(), &redis.url(), "require_noeviction = true\n").await;
+    let gw = with_admin(&up.url(), &redis.url(), &[("require_noeviction", true)]).await;
     let admin = gw.admin_addr().unwrap();
     assert!(
         eventually(|| async {
@@ -534,7 +539,7 @@ async fn require_noeviction_refuses_an_evicting_redis() {
     assert_eq!(up.executions(), 0);
     // A key stored while Redis was set right still replays.
     redis.cli(&["CONFIG", "SET", "maxmemory-policy", "noeviction"]);
-    let before = with_admin(&up.url(), &redis.url(), "require_noeviction = true\n").await;
+    let before = with_admin(&up.url(), &redis.url(), &[("require_noeviction", true)]).await;
     let http = Http::new(before.addr());
     assert!(
         eventually(|| async { http.post("/payments", "stored", "{}").await.status == 201 }).await
@@ -563,8 +568,10 @@ async fn require_noeviction_is_never_passed_through() {
         &up.url(),
         &redis.url(),
         &format!("[defaults]\non_store_error = \"pass\"\n{PAYMENTS}"),
-    )
-    .replacen("[store]\n", "[store]\nrequire_noeviction = true\n", 1);
+    );
+    let text = TomlConfig::parse(&text)
+        .set("store.require_noeviction", true)
+        .text();
     let gw = idemgate::server::Running::start(idemgate::config::Config::parse(&text).unwrap())
         .await
         .unwrap();

@@ -526,8 +526,9 @@ async fn a_renewed_certificate_is_picked_up_without_a_signal() {
     symlink("..data/cert.pem", dir.path.join("cert.pem")).unwrap();
     symlink("..data/key.pem", dir.path.join("key.pem")).unwrap();
     let up = Upstream::counting().await;
-    let config = listener_config(&dir, &up.url())
-        .replace("workers = 1\n", "workers = 1\ntls_recheck = \"1s\"\n");
+    let config = TomlConfig::parse(&listener_config(&dir, &up.url()))
+        .set("server.tls_recheck", "1s")
+        .text();
     let gw = GatewayProcess::start(&config);
     let before = tls_client(gw.addr, &ca, &[b"http/1.1"]).await;
     assert_eq!(presented(&before), der_of(&cert_a));
@@ -548,11 +549,11 @@ async fn a_silent_client_of_the_tls_listener_is_closed_at_header_timeout() {
     write(&dir, "cert.pem", &cert);
     write(&dir, "key.pem", &key);
     let up = Upstream::counting().await;
-    let gw = GatewayProcess::start(&listener_config(&dir, &up.url()).replacen(
-        "workers = 1\n",
-        "workers = 1\nheader_timeout = \"500ms\"\n",
-        1,
-    ));
+    let gw = GatewayProcess::start(
+        &TomlConfig::parse(&listener_config(&dir, &up.url()))
+            .set("server.header_timeout", "500ms")
+            .text(),
+    );
     // Before connecting: the gateway's clock may start as soon as it accepts.
     let started = std::time::Instant::now();
     let mut silent = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
@@ -604,19 +605,13 @@ async fn client_certificates_are_verified_and_their_subject_scopes_keys() {
         (cert.der().clone(), key.serialize_der())
     };
     let up = Upstream::counting().await;
-    let config = listener_config(&dir, &up.url())
-        .replacen(
-            "workers = 1\n",
-            &format!(
-                "workers = 1\ntls_client_ca = \"{}/clients.pem\"\n",
-                dir.path.display()
-            ),
-            1,
+    let config = TomlConfig::parse(&listener_config(&dir, &up.url()))
+        .set(
+            "server.tls_client_ca",
+            format!("{}/clients.pem", dir.path.display()),
         )
-        .replace(
-            "[[routes]]",
-            "[defaults]\nclient_header = \"X-Client-Cert-Subject\"\n[[routes]]",
-        );
+        .set("defaults.client_header", "X-Client-Cert-Subject")
+        .text();
     let gw = GatewayProcess::start(&config);
     let connect_as = |identity: Option<(CertificateDer<'static>, Vec<u8>)>| {
         let mut roots = rustls::RootCertStore::empty();

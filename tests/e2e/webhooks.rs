@@ -5,6 +5,8 @@ use base64::Engine as _;
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
+use std::str::FromStr;
+
 use crate::support::*;
 
 /// The senders' signing secrets in these tests (Standard Webhooks', GitHub's and Slack's are
@@ -20,36 +22,44 @@ const SLACK_SECRET: &str = "8f742231b10e8888abcd99yyyzzz85a5";
 /// never set environment variables).
 async fn webhook_gateway(up: &Upstream) -> Running {
     let dir = TempDir::new("webhook-secrets");
-    let mut text = std::fs::read_to_string(concat!(
+    let example = std::fs::read_to_string(concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/examples/webhooks.toml"
     ))
-    .unwrap()
-    .replace("listen = \"127.0.0.1:8080\"", "listen = \"127.0.0.1:0\"")
-    .replace(
-        "url = \"http://127.0.0.1:3000\"",
-        &format!("url = \"{}\"", up.url()),
-    );
-    for (var, secret) in [
+    .unwrap();
+    let mut config = TomlConfig::parse(&example)
+        .set("server.listen", "127.0.0.1:0")
+        .set("upstream.url", up.url());
+    let secrets = [
         ("STANDARD_WEBHOOKS_SECRET", STANDARD_SECRET),
         ("GITHUB_WEBHOOK_SECRET", GITHUB_SECRET),
         ("STRIPE_WEBHOOK_SECRET", STRIPE_SECRET),
         ("SHOPIFY_API_SECRET", SHOPIFY_SECRET),
         ("SLACK_SIGNING_SECRET", SLACK_SECRET),
-    ] {
-        let path = dir.path.join(var);
+    ];
+    let routes = toml::Table::from_str(&example).unwrap()["routes"]
+        .as_array()
+        .unwrap()
+        .len();
+    for i in 0..routes {
+        let route = TomlConfig::parse(&config.text());
+        let Some(var) = route.get(&format!("routes[{i}].signature.secret_env")) else {
+            continue;
+        };
+        let (_, secret) = secrets
+            .iter()
+            .find(|(name, _)| *name == var)
+            .unwrap_or_else(|| panic!("a sender without a test secret: {var}"));
+        let path = dir.path.join(&var);
         std::fs::write(&path, format!("{secret}\n")).unwrap();
-        text = text.replace(
-            &format!("secret_env = \"{var}\""),
-            &format!("secret_file = \"{}\"", path.display()),
-        );
+        config = config
+            .remove(&format!("routes[{i}].signature.secret_env"))
+            .set(
+                &format!("routes[{i}].signature.secret_file"),
+                path.display().to_string(),
+            );
     }
-    assert!(
-        !text
-            .lines()
-            .any(|l| !l.trim_start().starts_with('#') && l.contains("secret_env")),
-        "a sender without a test secret"
-    );
+    let text = config.text();
     Running::start(idemgate::config::Config::parse(&text).unwrap())
         .await
         .unwrap()

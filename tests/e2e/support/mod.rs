@@ -112,3 +112,81 @@ impl TempDir {
         }
     }
 }
+
+/// A config's text edited as TOML, not as text: a key is set in its table (made if missing), so
+/// an edit can neither miss its target silently nor land in another table; the gateway then
+/// refuses a misspelt key as it would in a file.
+pub struct TomlConfig(toml::Table);
+
+impl TomlConfig {
+    pub fn parse(text: &str) -> TomlConfig {
+        TomlConfig(
+            text.parse()
+                .unwrap_or_else(|e| panic!("test config is not TOML: {e}\n{text}")),
+        )
+    }
+
+    /// Sets the key at `path`: dotted table names, `name[N]` for an entry of an array of
+    /// tables (`consumers[0].source.dead_letter`).
+    pub fn set(mut self, path: &str, value: impl Into<toml::Value>) -> TomlConfig {
+        let (tables, key) = path.rsplit_once('.').unwrap_or(("", path));
+        self.table_mut(tables, path)
+            .insert(key.to_string(), value.into());
+        self
+    }
+
+    /// The string at `path`, if there is one.
+    pub fn get(&self, path: &str) -> Option<String> {
+        let (tables, key) = path.rsplit_once('.').unwrap_or(("", path));
+        let mut table = &self.0;
+        for part in tables.split('.').filter(|p| !p.is_empty()) {
+            table = match part.split_once('[') {
+                Some((name, index)) => {
+                    let i: usize = index.trim_end_matches(']').parse().unwrap();
+                    table.get(name)?.as_array()?.get(i)?.as_table()?
+                }
+                None => table.get(part)?.as_table()?,
+            };
+        }
+        table.get(key)?.as_str().map(str::to_string)
+    }
+
+    /// Removes the key at `path` (which must be there).
+    pub fn remove(mut self, path: &str) -> TomlConfig {
+        let (tables, key) = path.rsplit_once('.').unwrap_or(("", path));
+        let table = self.table_mut(tables, path);
+        assert!(table.remove(key).is_some(), "{path}: no such key");
+        self
+    }
+
+    pub fn text(&self) -> String {
+        toml::to_string(&self.0).unwrap()
+    }
+
+    /// The table at dotted `tables` (made if missing; `name[N]` must exist).
+    fn table_mut(&mut self, tables: &str, path: &str) -> &mut toml::Table {
+        let mut table = &mut self.0;
+        for part in tables.split('.').filter(|p| !p.is_empty()) {
+            table = match part.split_once('[') {
+                Some((name, index)) => {
+                    let i: usize = index.trim_end_matches(']').parse().unwrap();
+                    match table.get_mut(name) {
+                        Some(toml::Value::Array(items)) => match items.get_mut(i) {
+                            Some(toml::Value::Table(t)) => t,
+                            _ => panic!("{path}: no table {name}[{i}]"),
+                        },
+                        _ => panic!("{path}: no array of tables {name}"),
+                    }
+                }
+                None => match table
+                    .entry(part)
+                    .or_insert_with(|| toml::Value::Table(toml::Table::new()))
+                {
+                    toml::Value::Table(t) => t,
+                    _ => panic!("{path}: {part} is not a table"),
+                },
+            };
+        }
+        table
+    }
+}
