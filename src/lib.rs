@@ -8,7 +8,9 @@
 //! - [`cli`] - the command line (`run`, `check`, `keys`); `main.rs` only calls it.
 //! - [`operator`] - `idemgate keys get|delete`: inspect and release one key.
 //! - [`config`] - `proxy.toml` -> raw ([`config`]'s `raw`) -> validated [`config::Config`]
-//!   (`validate`); plain data, every rejection names field and value.
+//!   (`validate`, a file per section); plain data, every rejection names field and value.
+//!   A new config key: a field in `raw.rs`, its check in its section under `validate/`, a
+//!   rejection test in `tests.rs`, a row in docs/configuration.md.
 //! - [`route`] - which route a request belongs to (pure matching, overlap detection).
 //! - [`key`] - the `Idempotency-Key` header, client scoping, the hashed store key.
 //! - [`fingerprint`] - "same request?": SHA-256 over method, path, query and canonical body.
@@ -36,7 +38,8 @@
 //! - [`tls`] - TLS on the traffic listener, its certificate reloaded on SIGHUP and when its
 //!   files change.
 //! - [`server`] - the acceptor, worker threads (one runtime and one context each), shutdown.
-//! - [`admin`] - the admin listener: `/healthz`, `/readyz`, `/metrics`.
+//! - [`admin`] - the admin listener: `/healthz`, `/readyz`, `/metrics`. A new endpoint is one
+//!   more arm of its path `match`.
 //! - [`metrics`] - the Prometheus metrics and the outcome names they count.
 //! - [`telemetry`] - logging.
 //!
