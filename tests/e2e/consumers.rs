@@ -55,6 +55,29 @@ key = {{ json = "/messageId" }}
     )
 }
 
+/// Two gateway processes sharing their records through `redis`, each reading `source` 32
+/// messages at a time; their admin listeners are `a` and `b`.
+fn two_instances(
+    redis: &RedisServer,
+    source: &str,
+    handler: &str,
+    (a, b): (SocketAddr, SocketAddr),
+) -> [GatewayProcess; 2] {
+    let on_redis = |admin| {
+        gateway_config(
+            &redis_store(redis),
+            source,
+            handler,
+            admin,
+            "concurrency = 32",
+        )
+    };
+    [
+        GatewayProcess::start(&on_redis(a)),
+        GatewayProcess::start(&on_redis(b)),
+    ]
+}
+
 fn redis_store(redis: &RedisServer) -> String {
     format!("backend = \"redis\"\nurl = \"{}\"", redis.url())
 }
@@ -347,17 +370,7 @@ async fn two_instances_in_one_group_apply_a_thousand_messages_with_duplicates_ex
     // a claimed entry count as one more duplicate): this test is about sharing, not claiming.
     let source =
         format!("{{ redis_stream = \"{STREAM}\", group = \"{GROUP}\", claim_idle = \"60s\" }}");
-    let on_redis = |admin| {
-        gateway_config(
-            &redis_store(&redis),
-            &source,
-            &up.url(),
-            admin,
-            "concurrency = 32",
-        )
-    };
-    let _one = GatewayProcess::start(&on_redis(a));
-    let _two = GatewayProcess::start(&on_redis(b));
+    let _both = two_instances(&redis, &source, &up.url(), (a, b));
     // 1,000 entries: 800 messages, every fourth one published a second time.
     let mut script = String::new();
     let mut ids = BTreeSet::new();
@@ -701,17 +714,7 @@ mod nats {
         // No redelivery while an instance works (a stalled machine would make one count as one
         // more duplicate): this test is about sharing, not redelivery.
         let source = source_with_ack_wait(&nats, "60s");
-        let on_redis = |admin| {
-            gateway_config(
-                &redis_store(&redis),
-                &source,
-                &up.url(),
-                admin,
-                "concurrency = 32",
-            )
-        };
-        let _one = GatewayProcess::start(&on_redis(a));
-        let _two = GatewayProcess::start(&on_redis(b));
+        let _both = super::two_instances(&redis, &source, &up.url(), (a, b));
         let js = nats.jetstream().await;
         let mut ids = BTreeSet::new();
         let mut acks = Vec::new();
