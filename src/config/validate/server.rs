@@ -5,7 +5,9 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use super::{parse_duration, parse_size, pem_file, pem_pair, shown, whole_number, Pem};
+use super::{
+    duration_or, parse_duration, parse_size, pem_file, pem_pair, shown, whole_number, Pem,
+};
 use crate::config::raw::RawServer;
 use crate::config::{ConfigError, Deadlines, ServerConfig};
 
@@ -33,7 +35,11 @@ pub(super) fn validate_server(raw: Option<RawServer>) -> Result<ServerConfig, Co
         .as_deref()
         .map(|a| socket_addr("server.admin", a))
         .transpose()?;
-    let shutdown_grace = parse_duration_or("server.shutdown_grace", &raw.shutdown_grace, 30)?;
+    let shutdown_grace = duration_or(
+        "server.shutdown_grace",
+        raw.shutdown_grace.as_deref(),
+        Duration::from_secs(30),
+    )?;
     if shutdown_grace > Duration::from_secs(3600) {
         return Err(ConfigError::invalid(
             "server.shutdown_grace",
@@ -85,14 +91,6 @@ fn socket_addr(field: &str, raw: &str) -> Result<SocketAddr, ConfigError> {
             "an IP address and port such as \"127.0.0.1:8080\" or \"[::]:8080\"",
         )
     })
-}
-
-fn parse_duration_or(
-    field: &str,
-    raw: &Option<String>,
-    default_secs: u64,
-) -> Result<Duration, ConfigError> {
-    super::duration_or(field, raw.as_deref(), Duration::from_secs(default_secs))
 }
 
 fn max_buffered(raw: &RawServer) -> Result<usize, ConfigError> {
