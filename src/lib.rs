@@ -9,8 +9,9 @@
 //! - [`operator`] - `idemgate keys get|delete`: inspect and release one key.
 //! - [`config`] - `proxy.toml` -> raw ([`config`]'s `raw`) -> validated [`config::Config`]
 //!   (`validate`, a file per section); plain data, every rejection names field and value.
-//!   A new config key: a field in `raw.rs`, its check in its section under `validate/`, a
-//!   rejection test in `tests.rs`, a row in docs/configuration.md.
+//!   A new config key: a typed field in `raw.rs` (a duration, size or choice through its
+//!   `deserialize_with`, which names what is allowed), its ranges and cross-field rules in its
+//!   section under `validate/`, a rejection test in `tests.rs`, a row in docs/configuration.md.
 //! - [`route`] - which route a request belongs to (pure matching, overlap detection).
 //! - [`key`] - the `Idempotency-Key` header, client scoping, the hashed store key.
 //! - [`fingerprint`] - "same request?": SHA-256 over method, path, query and canonical body.

@@ -280,7 +280,8 @@ impl std::fmt::Debug for RedisTarget {
 }
 
 /// What an idempotent route does when the store cannot be used.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum OnStoreError {
     /// 503 problem with `Retry-After`: nothing is forwarded without idempotency (fail closed).
     Reject,
@@ -289,7 +290,8 @@ pub enum OnStoreError {
 }
 
 /// What happens to a key whose request reached the upstream without a complete answer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum OnUnknown {
     /// Keep the key as `unknown`: retries get `outcome-unknown` and never execute (the default).
     Reject,
@@ -328,7 +330,8 @@ pub struct UpstreamUrl {
 }
 
 /// The HTTP version spoken to an upstream (`[upstream] protocol`, a route's `protocol`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum UpstreamProtocol {
     /// Over TLS, whichever of HTTP/2 and HTTP/1.1 the upstream picks (ALPN); HTTP/1.1 in
     /// cleartext, where nothing can be negotiated.
@@ -341,19 +344,6 @@ pub enum UpstreamProtocol {
 }
 
 impl UpstreamProtocol {
-    pub fn parse(field: &str, raw: &str) -> Result<Self, ConfigError> {
-        match raw {
-            "auto" => Ok(UpstreamProtocol::Auto),
-            "http1" => Ok(UpstreamProtocol::Http1),
-            "http2" => Ok(UpstreamProtocol::Http2),
-            _ => Err(ConfigError::invalid(
-                field,
-                raw,
-                "\"auto\" (HTTP/2 or HTTP/1.1 by ALPN over TLS, HTTP/1.1 in cleartext), \"http1\" or \"http2\" (prior knowledge in cleartext)",
-            )),
-        }
-    }
-
     pub fn as_str(self) -> &'static str {
         match self {
             UpstreamProtocol::Auto => "auto",
@@ -596,9 +586,7 @@ impl Config {
 
     /// Parses and validates config text.
     pub fn parse(text: &str) -> Result<Config, ConfigError> {
-        let raw: raw::RawConfig =
-            toml::from_str(text).map_err(|e| validate::syntax_error(text, &e))?;
-        raw.validate()
+        raw::parse(text)?.validate()
     }
 }
 

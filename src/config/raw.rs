@@ -1,7 +1,18 @@
 //! The config file as written: serde structs that refuse unknown keys, every field optional,
-//! nothing checked yet. [`super::validate`] turns them into a [`super::Config`].
+//! each value already of its type (durations, sizes, choices), nothing else checked yet.
+//! [`super::validate`] turns them into a [`super::Config`]: ranges, defaults and the rules
+//! between fields.
+//!
+//! A value of the wrong kind (`ttl = "soon"`, `sync = "fsync"`) is a [`ConfigError::Invalid`]
+//! naming the field, the value and what is allowed; an unknown or mistyped key is a
+//! [`ConfigError::Syntax`] with its line and column.
 
-use serde::Deserialize;
+use std::time::Duration;
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Deserializer};
+
+use super::{ConfigError, OnStoreError, OnUnknown, UpstreamProtocol};
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -25,24 +36,34 @@ pub(super) struct RawConsumer {
     pub(super) name: Option<String>,
     pub(super) source: Option<RawSource>,
     pub(super) handler: Option<String>,
-    pub(super) protocol: Option<String>,
+    #[serde(default, deserialize_with = "typed")]
+    pub(super) protocol: Option<UpstreamProtocol>,
     pub(super) key: Option<RawMessageKey>,
     pub(super) check_fingerprint: Option<bool>,
     pub(super) body_field: Option<String>,
     pub(super) content_type: Option<String>,
     pub(super) concurrency: Option<i64>,
     pub(super) max_attempts: Option<i64>,
-    pub(super) backoff: Option<String>,
-    pub(super) max_backoff: Option<String>,
+    #[serde(default, deserialize_with = "duration")]
+    pub(super) backoff: Option<Duration>,
+    #[serde(default, deserialize_with = "duration")]
+    pub(super) max_backoff: Option<Duration>,
     // The policy keys that mean something for a message (the rest are about HTTP clients).
-    pub(super) ttl: Option<String>,
-    pub(super) lock_timeout: Option<String>,
-    pub(super) wait: Option<String>,
-    pub(super) max_body: Option<RawSize>,
-    pub(super) max_stored_response: Option<RawSize>,
-    pub(super) upstream_timeout: Option<String>,
+    #[serde(default, deserialize_with = "duration")]
+    pub(super) ttl: Option<Duration>,
+    #[serde(default, deserialize_with = "duration")]
+    pub(super) lock_timeout: Option<Duration>,
+    #[serde(default, deserialize_with = "duration")]
+    pub(super) wait: Option<Duration>,
+    #[serde(default, deserialize_with = "size")]
+    pub(super) max_body: Option<Size>,
+    #[serde(default, deserialize_with = "size")]
+    pub(super) max_stored_response: Option<Size>,
+    #[serde(default, deserialize_with = "duration")]
+    pub(super) upstream_timeout: Option<Duration>,
     pub(super) store_server_errors: Option<bool>,
-    pub(super) on_unknown: Option<String>,
+    #[serde(default, deserialize_with = "typed")]
+    pub(super) on_unknown: Option<OnUnknown>,
 }
 
 /// `source = { redis_stream = "orders", group = "idemgate" }`.
@@ -53,11 +74,13 @@ pub(super) struct RawSource {
     pub(super) group: Option<String>,
     pub(super) url: Option<String>,
     pub(super) dead_letter: Option<String>,
-    pub(super) claim_idle: Option<String>,
+    #[serde(default, deserialize_with = "duration")]
+    pub(super) claim_idle: Option<Duration>,
     pub(super) nats_stream: Option<String>,
     pub(super) subject: Option<String>,
     pub(super) durable: Option<String>,
-    pub(super) ack_wait: Option<String>,
+    #[serde(default, deserialize_with = "duration")]
+    pub(super) ack_wait: Option<Duration>,
 }
 
 /// A consumer's `key`: JSON pointers into the body and/or fields of the entry.
@@ -71,21 +94,30 @@ pub(super) struct RawMessageKey {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct RawServer {
-    pub(super) listen: Option<String>,
-    pub(super) admin: Option<String>,
-    pub(super) shutdown_grace: Option<String>,
+    #[serde(default, deserialize_with = "typed")]
+    pub(super) listen: Option<std::net::SocketAddr>,
+    #[serde(default, deserialize_with = "typed")]
+    pub(super) admin: Option<std::net::SocketAddr>,
+    #[serde(default, deserialize_with = "duration")]
+    pub(super) shutdown_grace: Option<Duration>,
     pub(super) max_connections: Option<i64>,
     pub(super) workers: Option<i64>,
-    pub(super) header_timeout: Option<String>,
-    pub(super) body_timeout: Option<String>,
-    pub(super) idle_timeout: Option<String>,
-    pub(super) send_timeout: Option<String>,
+    #[serde(default, deserialize_with = "duration")]
+    pub(super) header_timeout: Option<Duration>,
+    #[serde(default, deserialize_with = "duration")]
+    pub(super) body_timeout: Option<Duration>,
+    #[serde(default, deserialize_with = "duration")]
+    pub(super) idle_timeout: Option<Duration>,
+    #[serde(default, deserialize_with = "duration")]
+    pub(super) send_timeout: Option<Duration>,
     pub(super) max_streams: Option<i64>,
-    pub(super) max_buffered: Option<RawSize>,
+    #[serde(default, deserialize_with = "size")]
+    pub(super) max_buffered: Option<Size>,
     pub(super) tls_cert: Option<String>,
     pub(super) tls_key: Option<String>,
     pub(super) tls_client_ca: Option<String>,
-    pub(super) tls_recheck: Option<String>,
+    #[serde(default, deserialize_with = "duration")]
+    pub(super) tls_recheck: Option<Duration>,
     pub(super) trusted_proxies: Option<Vec<String>>,
     pub(super) case_sensitive_routes: Option<bool>,
 }
@@ -93,28 +125,35 @@ pub(super) struct RawServer {
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct RawStore {
-    pub(super) backend: Option<String>,
+    #[serde(default, deserialize_with = "typed")]
+    pub(super) backend: Option<Backend>,
     pub(super) max_keys: Option<i64>,
-    pub(super) max_bytes: Option<RawSize>,
+    #[serde(default, deserialize_with = "size")]
+    pub(super) max_bytes: Option<Size>,
     pub(super) url: Option<String>,
     pub(super) cluster: Option<Vec<String>>,
     pub(super) key_prefix: Option<String>,
-    pub(super) command_timeout: Option<String>,
+    #[serde(default, deserialize_with = "duration")]
+    pub(super) command_timeout: Option<Duration>,
     pub(super) tls_ca_file: Option<String>,
     pub(super) require_noeviction: Option<bool>,
     pub(super) tls_client_cert: Option<String>,
     pub(super) tls_client_key: Option<String>,
     pub(super) path: Option<String>,
-    pub(super) sync: Option<String>,
-    pub(super) sync_interval: Option<String>,
-    pub(super) max_disk: Option<RawSize>,
+    #[serde(default, deserialize_with = "typed")]
+    pub(super) sync: Option<Sync>,
+    #[serde(default, deserialize_with = "duration")]
+    pub(super) sync_interval: Option<Duration>,
+    #[serde(default, deserialize_with = "size")]
+    pub(super) max_disk: Option<Size>,
 }
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct RawUpstream {
     pub(super) url: Option<String>,
-    pub(super) protocol: Option<String>,
+    #[serde(default, deserialize_with = "typed")]
+    pub(super) protocol: Option<UpstreamProtocol>,
     pub(super) max_connections: Option<i64>,
     pub(super) tls_ca_file: Option<String>,
     pub(super) tls_client_cert: Option<String>,
@@ -122,22 +161,17 @@ pub(super) struct RawUpstream {
     pub(super) tls_server_name: Option<String>,
 }
 
-/// A size written as a byte count (`1048576`) or with a unit (`"1MiB"`).
-#[derive(Debug, Clone, Deserialize)]
-#[serde(untagged)]
-pub(super) enum RawSize {
-    Bytes(i64),
-    Text(String),
-}
-
 #[derive(Debug, Default, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct RawPolicy {
     pub(super) key_header: Option<String>,
     pub(super) require_key: Option<bool>,
-    pub(super) ttl: Option<String>,
-    pub(super) lock_timeout: Option<String>,
-    pub(super) wait: Option<String>,
+    #[serde(default, deserialize_with = "duration")]
+    pub(super) ttl: Option<Duration>,
+    #[serde(default, deserialize_with = "duration")]
+    pub(super) lock_timeout: Option<Duration>,
+    #[serde(default, deserialize_with = "duration")]
+    pub(super) wait: Option<Duration>,
     pub(super) max_waiters: Option<i64>,
     pub(super) mismatch_status: Option<i64>,
     pub(super) replay_header: Option<String>,
@@ -145,12 +179,17 @@ pub(super) struct RawPolicy {
     pub(super) require_client: Option<bool>,
     pub(super) max_keys_per_client: Option<i64>,
     pub(super) max_keys_anonymous: Option<i64>,
-    pub(super) max_body: Option<RawSize>,
-    pub(super) max_stored_response: Option<RawSize>,
-    pub(super) upstream_timeout: Option<String>,
+    #[serde(default, deserialize_with = "size")]
+    pub(super) max_body: Option<Size>,
+    #[serde(default, deserialize_with = "size")]
+    pub(super) max_stored_response: Option<Size>,
+    #[serde(default, deserialize_with = "duration")]
+    pub(super) upstream_timeout: Option<Duration>,
     pub(super) store_server_errors: Option<bool>,
-    pub(super) on_store_error: Option<String>,
-    pub(super) on_unknown: Option<String>,
+    #[serde(default, deserialize_with = "typed")]
+    pub(super) on_store_error: Option<OnStoreError>,
+    #[serde(default, deserialize_with = "typed")]
+    pub(super) on_unknown: Option<OnUnknown>,
 }
 
 /// The route-only keys of a `[[routes]]` table; the rest of the table is a [`RawPolicy`].
@@ -161,7 +200,8 @@ pub(super) struct RawRouteOwn {
     pub(super) path: Option<String>,
     pub(super) methods: Option<Vec<String>>,
     pub(super) upstream: Option<String>,
-    pub(super) protocol: Option<String>,
+    #[serde(default, deserialize_with = "typed")]
+    pub(super) protocol: Option<UpstreamProtocol>,
     #[serde(default)]
     pub(super) fingerprint_ignore: Vec<String>,
     pub(super) key: Option<RawKey>,
@@ -173,13 +213,16 @@ pub(super) struct RawRouteOwn {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct RawSignature {
-    pub(super) scheme: Option<String>,
+    #[serde(default, deserialize_with = "typed")]
+    pub(super) scheme: Option<Scheme>,
     pub(super) secret_env: Option<OneOrMany>,
     pub(super) secret_file: Option<OneOrMany>,
-    pub(super) tolerance: Option<String>,
+    #[serde(default, deserialize_with = "duration")]
+    pub(super) tolerance: Option<Duration>,
     /// `hmac-sha256` only.
     pub(super) header: Option<String>,
-    pub(super) encoding: Option<String>,
+    #[serde(default, deserialize_with = "typed")]
+    pub(super) encoding: Option<Encoding>,
     pub(super) prefix: Option<String>,
 }
 
@@ -218,3 +261,205 @@ pub(super) const ROUTE_OWN_KEYS: &[&str] = &[
     "check_fingerprint",
     "signature",
 ];
+
+/// `store.backend`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub(super) enum Backend {
+    Disk,
+    Memory,
+    Redis,
+}
+
+/// `store.sync`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub(super) enum Sync {
+    Always,
+    Batch,
+}
+
+/// A signature's `scheme`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub(super) enum Scheme {
+    StandardWebhooks,
+    Github,
+    Stripe,
+    Shopify,
+    Slack,
+    HmacSha256,
+}
+
+/// An `hmac-sha256` signature's `encoding`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub(super) enum Encoding {
+    Hex,
+    Base64,
+}
+
+/// What a rejected value of a kind is told is allowed instead.
+pub(super) trait Allowed {
+    const ALLOWED: &'static str;
+}
+
+impl Allowed for Backend {
+    const ALLOWED: &'static str = "\"disk\" (embedded and durable, one instance), \"memory\" (embedded, lost on restart) or \"redis\" (shared by several instances)";
+}
+
+impl Allowed for Sync {
+    const ALLOWED: &'static str = "\"always\" (a result is on disk before its client gets it) or \"batch\" (within sync_interval after)";
+}
+
+impl Allowed for Scheme {
+    const ALLOWED: &'static str =
+        "\"standard-webhooks\", \"github\", \"stripe\", \"shopify\", \"slack\" or \"hmac-sha256\"";
+}
+
+impl Allowed for Encoding {
+    const ALLOWED: &'static str = "\"hex\" (the default) or \"base64\"";
+}
+
+impl Allowed for UpstreamProtocol {
+    const ALLOWED: &'static str = "\"auto\" (HTTP/2 or HTTP/1.1 by ALPN over TLS, HTTP/1.1 in cleartext), \"http1\" or \"http2\" (prior knowledge in cleartext)";
+}
+
+impl Allowed for OnStoreError {
+    const ALLOWED: &'static str =
+        "\"reject\" (503, fail closed; the default) or \"pass\" (forward without idempotency)";
+}
+
+impl Allowed for OnUnknown {
+    const ALLOWED: &'static str = "\"reject\" (never re-execute an unknown outcome; the default) or \"retry\" (only for upstreams that are safe to run twice)";
+}
+
+impl Allowed for std::net::SocketAddr {
+    const ALLOWED: &'static str =
+        "an IP address and port such as \"127.0.0.1:8080\" or \"[::]:8080\"";
+}
+
+const DURATION: &str = "a duration such as \"250ms\", \"30s\", \"5m\" or \"24h\"";
+pub(super) const SIZE: &str = "a size such as \"512KiB\", \"1MiB\" or a byte count";
+
+/// Opens every message of ours in serde's string-only error channel, so that [`parse`] can
+/// tell a value outside what is allowed from a structural error.
+const REJECTED: &str = "\u{1}";
+
+fn rejected<E: serde::de::Error>(allowed: &str) -> E {
+    E::custom(format_args!("{REJECTED}{allowed}"))
+}
+
+/// A value of kind `T`, or a rejection saying what `T` allows.
+fn typed<'de, D: Deserializer<'de>, T: Deserialize<'de> + Allowed>(
+    d: D,
+) -> Result<Option<T>, D::Error> {
+    Option::<T>::deserialize(d).map_err(|_| rejected(T::ALLOWED))
+}
+
+/// `"250ms"`, `"30s"`, `"24h"`, `"1h 30m"` (humantime's syntax).
+fn duration<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+    humantime_serde::option::deserialize(d).map_err(|_| rejected(DURATION))
+}
+
+/// A size, and how it was written (what a message about its range shows).
+#[derive(Debug, Clone)]
+pub(super) struct Size {
+    pub(super) bytes: u64,
+    pub(super) written: String,
+}
+
+/// A byte count (`1048576`) or a size with a unit (`"1MiB"`).
+fn size<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Size>, D::Error> {
+    let Some(value) = Option::<toml::Value>::deserialize(d)? else {
+        return Ok(None);
+    };
+    let written = match &value {
+        toml::Value::String(s) => s.clone(),
+        other => other.to_string(),
+    };
+    let bytes = bytesize::ByteSize::deserialize(value).map_err(|_| rejected(SIZE))?;
+    Ok(Some(Size {
+        bytes: bytes.as_u64(),
+        written,
+    }))
+}
+
+/// The whole file.
+pub(super) fn parse(text: &str) -> Result<RawConfig, ConfigError> {
+    serde_path_to_error::deserialize(toml::Deserializer::new(text)).map_err(|e| {
+        let field = e.path().to_string();
+        let e = e.into_inner();
+        match e.message().strip_prefix(REJECTED) {
+            // A rejection means the text parsed: its value can be looked up.
+            Some(allowed) => {
+                let root = text.parse::<toml::Table>().map(toml::Value::Table).ok();
+                let value = root.as_ref().and_then(|root| value_at(root, &field));
+                rejection(field, value, allowed)
+            }
+            None => syntax_error(text, &e),
+        }
+    })
+}
+
+/// A part of a table that serde could not take in one pass (a route's own keys, and its
+/// policy); `at` names the table in errors.
+pub(super) fn from_table<T: DeserializeOwned>(
+    at: &str,
+    table: toml::Table,
+) -> Result<T, ConfigError> {
+    let root = toml::Value::Table(table);
+    serde_path_to_error::deserialize(root.clone()).map_err(|e| {
+        let path = e.path().to_string();
+        let e = e.into_inner();
+        match e.message().strip_prefix(REJECTED) {
+            Some(allowed) => rejection(format!("{at}.{path}"), value_at(&root, &path), allowed),
+            None => ConfigError::Syntax(format!("{at}: {}", e.message().trim_end())),
+        }
+    })
+}
+
+/// `field`, the value found there, and what is allowed.
+fn rejection(field: String, value: Option<&toml::Value>, allowed: &str) -> ConfigError {
+    let value = value
+        .map(|v| match v {
+            toml::Value::String(s) => s.clone(),
+            other => other.to_string(),
+        })
+        .unwrap_or_default();
+    ConfigError::Invalid {
+        field,
+        value,
+        allowed: allowed.to_string(),
+    }
+}
+
+/// The value at `routes[0].signature.scheme` in `root` (a path as serde_path_to_error writes it).
+fn value_at<'a>(root: &'a toml::Value, path: &str) -> Option<&'a toml::Value> {
+    path.split('.').try_fold(root, |v, part| {
+        let (key, index) = match part.split_once('[') {
+            Some((key, rest)) => (key, rest.strip_suffix(']')?.parse::<usize>().ok()),
+            None => (part, None),
+        };
+        let v = v.get(key)?;
+        match index {
+            Some(i) => v.get(i),
+            None => Some(v),
+        }
+    })
+}
+
+/// The parser's message and where, without the quoted source line: that line may hold a
+/// password (`url = "redis://:secret@..."`), and these errors are printed and logged.
+fn syntax_error(text: &str, e: &toml::de::Error) -> ConfigError {
+    let at = e
+        .span()
+        .map(|span| {
+            let before = &text[..span.start.min(text.len())];
+            let line = before.matches('\n').count() + 1;
+            let column = before.len() - before.rfind('\n').map_or(0, |i| i + 1) + 1;
+            format!(" (line {line}, column {column})")
+        })
+        .unwrap_or_default();
+    ConfigError::Syntax(format!("{}{at}", e.message().trim_end()))
+}

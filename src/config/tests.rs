@@ -1035,3 +1035,40 @@ fn pem_files_must_parse() {
     assert_eq!(allowed, "a readable PEM file (entity not found)");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A value of the wrong kind is refused where serde reads it, however deep: the message still
+/// names the whole path, the value as written and what is allowed.
+#[test]
+fn a_value_of_the_wrong_kind_is_named_by_its_path() {
+    let redis = "\n[store]\nbackend = \"redis\"\nurl = \"redis://127.0.0.1:1\"\n";
+    let nested = ORDERS.replace(
+        r#"{ redis_stream = "orders" }"#,
+        r#"{ redis_stream = "orders", claim_idle = "later" }"#,
+    );
+    assert_ne!(nested, ORDERS);
+    match consumer(redis, &nested) {
+        Err(ConfigError::Invalid {
+            field,
+            value,
+            allowed,
+        }) => {
+            assert_eq!(field, "consumers[0].source.claim_idle");
+            assert_eq!(value, "later");
+            assert!(allowed.contains("\"30s\""), "{allowed}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        invalid_field(with("on_unknown = \"maybe\"")),
+        ("routes[0].on_unknown".into(), "maybe".into())
+    );
+    assert_eq!(
+        invalid_field(with("max_stored_response = true")),
+        ("routes[0].max_stored_response".into(), "true".into())
+    );
+    // A mistyped key that is not one of those kinds stays a syntax error, naming its table.
+    match with("require_key = \"yes\"") {
+        Err(ConfigError::Syntax(msg)) => assert!(msg.contains("routes[0]"), "{msg}"),
+        other => panic!("{other:?}"),
+    }
+}

@@ -162,29 +162,35 @@ impl HttpsUpstream {
     }
 }
 
-/// Writes `files` into a fresh directory and starts the binary with `upstream_section` (the
-/// whole `[upstream]` table, paths relative to that directory as `{dir}`).
-fn gateway(dir: &TempDir, upstream_section: &str) -> GatewayProcess {
-    let section = upstream_section.replace("{dir}", &dir.path.display().to_string());
-    GatewayProcess::start(&format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\nworkers = 1\n{section}\n[store]\nbackend = \"memory\"\n{PAYMENTS}"
-    ))
-}
-
 fn write(dir: &TempDir, name: &str, text: &str) {
     std::fs::write(dir.path.join(name), text).unwrap();
 }
 
 /// The binary in front of `https://{host}:{port}`, trusting only `ca` (written to
-/// `{dir}/ca.pem`); `extra` goes in `[upstream]` too.
-fn trusting(dir: &TempDir, ca: &Ca, host: &str, port: u16, extra: &str) -> GatewayProcess {
+/// `ca.pem` in `dir`); `extra` are more `[upstream]` settings, a file name in `dir` for each
+/// `tls_*_file`, `tls_client_cert` and `tls_client_key`.
+fn trusting(
+    dir: &TempDir,
+    ca: &Ca,
+    host: &str,
+    port: u16,
+    extra: &[(&str, &str)],
+) -> GatewayProcess {
     write(dir, "ca.pem", &ca.cert.pem());
-    gateway(
-        dir,
-        &format!(
-            "[upstream]\nurl = \"https://{host}:{port}\"\ntls_ca_file = \"{{dir}}/ca.pem\"\n{extra}"
-        ),
-    )
+    let in_dir = |name: &str| dir.path.join(name).display().to_string();
+    let mut config = TomlConfig::parse(&format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\nworkers = 1\n[store]\nbackend = \"memory\"\n{PAYMENTS}"
+    ))
+    .set("upstream.url", format!("https://{host}:{port}"))
+    .set("upstream.tls_ca_file", in_dir("ca.pem"));
+    for (key, value) in extra {
+        let value = match *key {
+            "tls_client_cert" | "tls_client_key" => in_dir(value),
+            _ => value.to_string(),
+        };
+        config = config.set(&format!("upstream.{key}"), value);
+    }
+    GatewayProcess::start(&config.text())
 }
 
 /// Through an HTTPS upstream: executed once, replayed, and one TLS handshake for many requests
@@ -195,7 +201,7 @@ async fn an_https_upstream_is_verified_pooled_and_idempotent() {
     let (cert, key) = ca.leaf(&["localhost"], false);
     let up = HttpsUpstream::start(&cert, &key, None).await;
     let dir = TempDir::new("tls-ok");
-    let gw = trusting(&dir, &ca, "localhost", up.addr.port(), "");
+    let gw = trusting(&dir, &ca, "localhost", up.addr.port(), &[]);
     let http = Http::new(gw.addr);
     let first = http.post("/payments", "tls-1", "{}").await;
     assert_eq!(first.status, 201, "{first:?}");
@@ -228,7 +234,7 @@ async fn an_upstream_offering_h2_is_spoken_to_in_http2_unless_told_otherwise() {
     let (cert, key) = ca.leaf(&["localhost"], false);
     let up = HttpsUpstream::start_offering(&cert, &key, None, &[b"h2", b"http/1.1"]).await;
     let dir = TempDir::new("tls-h2");
-    let gw = trusting(&dir, &ca, "localhost", up.addr.port(), "");
+    let gw = trusting(&dir, &ca, "localhost", up.addr.port(), &[]);
     let http = Http::new(gw.addr);
     assert_eq!(http.post("/payments", "h2-0", "{}").await.status, 201);
     assert!(http.post("/payments", "h2-0", "{}").await.is_replay());
@@ -265,7 +271,7 @@ async fn an_upstream_offering_h2_is_spoken_to_in_http2_unless_told_otherwise() {
         &ca,
         "localhost",
         up.addr.port(),
-        "protocol = \"http1\"",
+        &[("protocol", "http1")],
     );
     let http = Http::new(gw.addr);
     assert_eq!(http.post("/payments", "h1-1", "{}").await.status, 201);
@@ -297,7 +303,7 @@ async fn a_wrong_ca_an_expired_certificate_or_another_name_fail_closed() {
     for (what, (cert, key), said) in cases {
         let up = HttpsUpstream::start(&cert, &key, None).await;
         let dir = TempDir::new("tls-bad");
-        let gw = trusting(&dir, &ca, "localhost", up.addr.port(), "");
+        let gw = trusting(&dir, &ca, "localhost", up.addr.port(), &[]);
         let got = Http::new(gw.addr).post("/payments", "k", "{}").await;
         assert_eq!(got.status, 502, "{what}: {got:?}");
         assert_eq!(got.problem_type(), "upstream-unreachable", "{what}");
@@ -322,7 +328,7 @@ async fn tls_server_name_names_the_certificate_of_an_upstream_reached_by_address
         &ca,
         "127.0.0.1",
         up.addr.port(),
-        "tls_server_name = \"payments.internal\"",
+        &[("tls_server_name", "payments.internal")],
     );
     assert_eq!(
         Http::new(gw.addr).post("/payments", "k", "{}").await.status,
@@ -346,7 +352,10 @@ async fn mutual_tls_to_the_upstream() {
         &ca,
         "localhost",
         up.addr.port(),
-        "tls_client_cert = \"{dir}/client.pem\"\ntls_client_key = \"{dir}/client.key\"",
+        &[
+            ("tls_client_cert", "client.pem"),
+            ("tls_client_key", "client.key"),
+        ],
     );
     assert_eq!(
         Http::new(with_cert.addr)
@@ -356,7 +365,7 @@ async fn mutual_tls_to_the_upstream() {
             .status,
         201
     );
-    let without = trusting(&dir, &ca, "localhost", up.addr.port(), "");
+    let without = trusting(&dir, &ca, "localhost", up.addr.port(), &[]);
     let refused = Http::new(without.addr)
         .request("GET", "/status")
         .send()

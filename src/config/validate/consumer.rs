@@ -4,11 +4,11 @@
 use std::time::Duration;
 
 use super::route::{validate_key_source, KeyParts};
-use super::{duration_or, entry_name, parse_duration, shown, validate_redis_url};
+use super::{entry_name, shown, validate_redis_url};
 use crate::config::raw::{RawConsumer, RawPolicy, RawSource};
 use crate::config::{
     redact_url, ConfigError, ConsumerConfig, NatsSource, OnStoreError, Policy, RedisSettings,
-    RedisTarget, SourceConfig, StoreConfig, UpstreamProtocol, UpstreamUrl,
+    RedisTarget, SourceConfig, StoreConfig, UpstreamUrl,
 };
 
 /// A message's key: fields of the entry and JSON pointers into its body.
@@ -57,13 +57,10 @@ fn stream_name(at: &dyn Fn(&str) -> String, field: &str, v: String) -> Result<St
 fn hold_time(
     at: &dyn Fn(&str) -> String,
     field: &str,
-    v: &Option<String>,
+    v: Option<Duration>,
     default: Duration,
 ) -> Result<Duration, ConfigError> {
-    let d = match v {
-        Some(s) => parse_duration(&at(field), s)?,
-        None => default,
-    };
+    let d = v.unwrap_or(default);
     if d < Duration::from_millis(100) {
         return Err(ConfigError::invalid(
             at(field),
@@ -151,7 +148,7 @@ fn redis_source(
     let claim_idle = hold_time(
         at,
         "source.claim_idle",
-        &source.claim_idle,
+        source.claim_idle,
         Duration::from_secs(60),
     )?;
     Ok(SourceConfig::RedisStream {
@@ -213,7 +210,7 @@ fn nats_source(
     let ack_wait = hold_time(
         at,
         "source.ack_wait",
-        &source.ack_wait,
+        source.ack_wait,
         Duration::from_secs(30),
     )?;
     Ok(SourceConfig::NatsStream(NatsSource {
@@ -241,8 +238,8 @@ pub(super) fn validate_consumer(
         field: at("handler"),
     })?;
     let mut handler = UpstreamUrl::parse(&at("handler"), &handler)?;
-    if let Some(p) = &raw.protocol {
-        handler.protocol = UpstreamProtocol::parse(&at("protocol"), p)?;
+    if let Some(p) = raw.protocol {
+        handler.protocol = p;
     }
     let key = raw
         .key
@@ -273,7 +270,7 @@ pub(super) fn validate_consumer(
     let retries = retries(
         &at,
         (raw.concurrency, raw.max_attempts),
-        (raw.backoff.as_deref(), raw.max_backoff.as_deref()),
+        (raw.backoff, raw.max_backoff),
     )?;
     let policy_raw = RawPolicy {
         ttl: raw.ttl,
@@ -319,7 +316,7 @@ struct Retries {
 fn retries(
     at: &dyn Fn(&str) -> String,
     (concurrency, max_attempts): (Option<i64>, Option<i64>),
-    (backoff, max_backoff): (Option<&str>, Option<&str>),
+    (backoff, max_backoff): (Option<Duration>, Option<Duration>),
 ) -> Result<Retries, ConfigError> {
     let int = |field: &str, v: Option<i64>, default: i64, max: i64| -> Result<i64, ConfigError> {
         match v {
@@ -334,8 +331,8 @@ fn retries(
     };
     let concurrency = int("concurrency", concurrency, 16, MAX_CONCURRENCY)?;
     let max_attempts = int("max_attempts", max_attempts, 5, MAX_ATTEMPTS)?;
-    let backoff = duration_or(&at("backoff"), backoff, Duration::from_secs(1))?;
-    let max_backoff = duration_or(&at("max_backoff"), max_backoff, Duration::from_secs(60))?;
+    let backoff = backoff.unwrap_or(Duration::from_secs(1));
+    let max_backoff = max_backoff.unwrap_or(Duration::from_secs(60));
     if max_backoff < backoff {
         return Err(ConfigError::invalid(
             at("max_backoff"),

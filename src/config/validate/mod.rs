@@ -17,10 +17,10 @@ use http::HeaderName;
 use rustls::pki_types::pem::{self, PemObject};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 
-use super::raw::{RawConfig, RawSize, RawUpstream};
+use super::raw::{RawConfig, RawUpstream, Size, SIZE};
 use super::{
     redact_url, Config, ConfigError, ConsumerConfig, Policy, RouteConfig, ServerConfig,
-    UpstreamProtocol, UpstreamTls, UpstreamUrl, CLIENT_SUBJECT_HEADER,
+    UpstreamTls, UpstreamUrl, CLIENT_SUBJECT_HEADER,
 };
 
 /// Connections to each upstream when `upstream.max_connections` is not set.
@@ -80,8 +80,8 @@ fn validate_upstream(raw: &RawUpstream) -> Result<(UpstreamUrl, usize), ConfigEr
         field: "upstream.url".into(),
     })?;
     let mut upstream = UpstreamUrl::parse("upstream.url", url)?;
-    if let Some(p) = &raw.protocol {
-        upstream.protocol = UpstreamProtocol::parse("upstream.protocol", p)?;
+    if let Some(p) = raw.protocol {
+        upstream.protocol = p;
     }
     let max_connections = match raw.max_connections {
         None => DEFAULT_UPSTREAM_CONNECTIONS,
@@ -207,21 +207,6 @@ fn validate_upstream_tls(raw: RawUpstream) -> Result<UpstreamTls, ConfigError> {
     })
 }
 
-/// The parser's message and where, without the quoted source line: that line may hold a
-/// password (`url = "redis://:secret@..."`), and these errors are printed and logged.
-pub(super) fn syntax_error(text: &str, e: &toml::de::Error) -> ConfigError {
-    let at = e
-        .span()
-        .map(|span| {
-            let before = &text[..span.start.min(text.len())];
-            let line = before.matches('\n').count() + 1;
-            let column = before.len() - before.rfind('\n').map_or(0, |i| i + 1) + 1;
-            format!(" (line {line}, column {column})")
-        })
-        .unwrap_or_default();
-    ConfigError::Syntax(format!("{}{at}", e.message().trim_end()))
-}
-
 /// What a PEM file must hold.
 #[derive(Clone, Copy)]
 enum Pem {
@@ -314,48 +299,21 @@ fn parse_header_name(field: &str, raw: &str) -> Result<HeaderName, ConfigError> 
     })
 }
 
-/// Parses "250ms", "30s", "24h", "1h 30m".
-fn parse_duration(field: &str, raw: &str) -> Result<Duration, ConfigError> {
-    humantime::parse_duration(raw).map_err(|_| {
-        ConfigError::invalid(
-            field,
-            raw,
-            "a duration such as \"250ms\", \"30s\", \"5m\" or \"24h\"",
-        )
-    })
-}
-
-/// `raw` if set, else `default`.
-fn duration_or(field: &str, raw: Option<&str>, default: Duration) -> Result<Duration, ConfigError> {
-    raw.map_or(Ok(default), |s| parse_duration(field, s))
-}
-
 /// A duration as the messages show it.
 fn shown(d: Duration) -> String {
     humantime::format_duration(d).to_string()
 }
 
-fn parse_size(field: &str, raw: &RawSize, max: u64) -> Result<u64, ConfigError> {
-    let allowed =
-        || format!("a size such as \"512KiB\", \"1MiB\" or a byte count, at most {max} bytes");
-    let bytes = match raw {
-        RawSize::Bytes(n) => {
-            u64::try_from(*n).map_err(|_| ConfigError::invalid(field, n.to_string(), allowed()))?
-        }
-        RawSize::Text(s) => s
-            .trim()
-            .parse::<bytesize::ByteSize>()
-            .map_err(|_| ConfigError::invalid(field, s, allowed()))?
-            .as_u64(),
-    };
-    if bytes > max {
-        let shown = match raw {
-            RawSize::Bytes(n) => n.to_string(),
-            RawSize::Text(s) => s.clone(),
-        };
-        return Err(ConfigError::invalid(field, shown, allowed()));
+/// A size of at most `max` bytes.
+fn size_at_most(field: &str, size: Size, max: u64) -> Result<u64, ConfigError> {
+    if size.bytes > max {
+        return Err(ConfigError::invalid(
+            field,
+            size.written,
+            format!("{SIZE}, at most {max} bytes"),
+        ));
     }
-    Ok(bytes)
+    Ok(size.bytes)
 }
 
 /// A whole number in `range`, or `default` when unset.

@@ -6,9 +6,9 @@ use std::time::Duration;
 
 use http::StatusCode;
 
-use super::{parse_duration, parse_header_name, parse_size, shown};
+use super::{parse_header_name, shown, size_at_most};
 use crate::config::raw::{OneOrMany, RawPolicy};
-use crate::config::{ConfigError, OnStoreError, OnUnknown, Policy};
+use crate::config::{ConfigError, Policy};
 
 /// Largest accepted `max_body` / `max_stored_response`: both are buffered in memory per request.
 const MAX_BUFFER_LIMIT: u64 = 1 << 30;
@@ -90,15 +90,9 @@ fn apply_timing(
     p: &mut Policy,
     raw: &RawPolicy,
 ) -> Result<(), ConfigError> {
-    if let Some(s) = &raw.ttl {
-        p.ttl = parse_duration(&f("ttl"), s)?;
-    }
-    if let Some(s) = &raw.lock_timeout {
-        p.lock_timeout = parse_duration(&f("lock_timeout"), s)?;
-    }
-    if let Some(s) = &raw.wait {
-        p.wait = parse_duration(&f("wait"), s)?;
-    }
+    p.ttl = raw.ttl.unwrap_or(p.ttl);
+    p.lock_timeout = raw.lock_timeout.unwrap_or(p.lock_timeout);
+    p.wait = raw.wait.unwrap_or(p.wait);
     if let Some(n) = raw.max_waiters {
         p.max_waiters = match usize::try_from(n) {
             Ok(n @ 1..=10_000) => n,
@@ -142,46 +136,17 @@ fn apply_limits(
             })?;
         }
     }
-    if let Some(s) = &raw.max_body {
-        p.max_body = parse_size(&f("max_body"), s, MAX_BUFFER_LIMIT)? as usize;
+    if let Some(n) = raw.max_body.clone() {
+        p.max_body = size_at_most(&f("max_body"), n, MAX_BUFFER_LIMIT)? as usize;
     }
-    if let Some(s) = &raw.max_stored_response {
+    if let Some(n) = raw.max_stored_response.clone() {
         p.max_stored_response =
-            parse_size(&f("max_stored_response"), s, MAX_BUFFER_LIMIT)? as usize;
+            size_at_most(&f("max_stored_response"), n, MAX_BUFFER_LIMIT)? as usize;
     }
-    if let Some(s) = &raw.upstream_timeout {
-        p.upstream_timeout = parse_duration(&f("upstream_timeout"), s)?;
-    }
-    if let Some(b) = raw.store_server_errors {
-        p.store_server_errors = b;
-    }
-    if let Some(s) = &raw.on_store_error {
-        p.on_store_error = match s.as_str() {
-            "reject" => OnStoreError::Reject,
-            "pass" => OnStoreError::Pass,
-            _ => {
-                return Err(ConfigError::invalid(
-                    f("on_store_error"),
-                    s,
-                    "\"reject\" (503, fail closed; the default) or \"pass\" (forward without idempotency)",
-                ))
-            }
-        };
-    }
-    if let Some(s) = &raw.on_unknown {
-        p.on_unknown = match s.as_str() {
-            "reject" => OnUnknown::Reject,
-            "retry" => OnUnknown::Retry,
-            _ => {
-                return Err(ConfigError::invalid(
-                    f("on_unknown"),
-                    s,
-                    "\"reject\" (never re-execute an unknown outcome; the default) or \"retry\" (only for upstreams that are safe to run twice)",
-                ))
-            }
-        };
-    }
-
+    p.upstream_timeout = raw.upstream_timeout.unwrap_or(p.upstream_timeout);
+    p.store_server_errors = raw.store_server_errors.unwrap_or(p.store_server_errors);
+    p.on_store_error = raw.on_store_error.unwrap_or(p.on_store_error);
+    p.on_unknown = raw.on_unknown.unwrap_or(p.on_unknown);
     Ok(())
 }
 

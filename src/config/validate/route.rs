@@ -7,8 +7,8 @@ use http::Method;
 
 use super::signature::validate_signature;
 use super::{entry_name, parse_header_name, shown};
-use crate::config::raw::{OneOrMany, RawPolicy, RawRouteOwn, ROUTE_OWN_KEYS};
-use crate::config::{ConfigError, Policy, RouteConfig, UpstreamProtocol, UpstreamUrl};
+use crate::config::raw::{from_table, OneOrMany, RawPolicy, RawRouteOwn, ROUTE_OWN_KEYS};
+use crate::config::{ConfigError, Policy, RouteConfig, UpstreamUrl};
 use crate::fingerprint::IgnoredFields;
 use crate::key::KeySource;
 use crate::route::{PatternError, RoutePattern};
@@ -26,12 +26,8 @@ pub(super) fn validate_route(
             own.insert((*k).to_string(), v);
         }
     }
-    let own: RawRouteOwn = toml::Value::Table(own)
-        .try_into()
-        .map_err(|e: toml::de::Error| ConfigError::Syntax(format!("routes[{index}]: {e}")))?;
-    let policy_raw: RawPolicy = toml::Value::Table(table)
-        .try_into()
-        .map_err(|e: toml::de::Error| ConfigError::Syntax(format!("routes[{index}]: {e}")))?;
+    let own: RawRouteOwn = from_table(&format!("routes[{index}]"), own)?;
+    let policy_raw: RawPolicy = from_table(&format!("routes[{index}]"), table)?;
 
     let path = own
         .path
@@ -46,8 +42,8 @@ pub(super) fn validate_route(
             ..UpstreamUrl::parse(&at("upstream"), &u)?
         },
     };
-    if let Some(p) = &own.protocol {
-        upstream.protocol = UpstreamProtocol::parse(&at("protocol"), p)?;
+    if let Some(p) = own.protocol {
+        upstream.protocol = p;
     }
     for p in &own.fingerprint_ignore {
         if !p.starts_with('/') {

@@ -1,13 +1,10 @@
 //! `[server]`: the listener, its limits, deadlines and TLS, and whose forwarding headers to
 //! believe.
 
-use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use super::{
-    duration_or, parse_duration, parse_size, pem_file, pem_pair, shown, whole_number, Pem,
-};
+use super::{pem_file, pem_pair, shown, size_at_most, whole_number, Pem};
 use crate::config::raw::RawServer;
 use crate::config::{ConfigError, Deadlines, ServerConfig};
 
@@ -26,20 +23,10 @@ pub(super) fn validate_server(raw: Option<RawServer>) -> Result<ServerConfig, Co
     let raw = raw.ok_or_else(|| ConfigError::Missing {
         field: "server.listen".into(),
     })?;
-    let listen_raw = raw.listen.clone().ok_or_else(|| ConfigError::Missing {
+    let listen = raw.listen.ok_or_else(|| ConfigError::Missing {
         field: "server.listen".into(),
     })?;
-    let listen = socket_addr("server.listen", &listen_raw)?;
-    let admin = raw
-        .admin
-        .as_deref()
-        .map(|a| socket_addr("server.admin", a))
-        .transpose()?;
-    let shutdown_grace = duration_or(
-        "server.shutdown_grace",
-        raw.shutdown_grace.as_deref(),
-        Duration::from_secs(30),
-    )?;
+    let shutdown_grace = raw.shutdown_grace.unwrap_or(Duration::from_secs(30));
     if shutdown_grace > Duration::from_secs(3600) {
         return Err(ConfigError::invalid(
             "server.shutdown_grace",
@@ -68,7 +55,7 @@ pub(super) fn validate_server(raw: Option<RawServer>) -> Result<ServerConfig, Co
     let trusted_proxies = trusted_proxies(raw.trusted_proxies.unwrap_or_default())?;
     Ok(ServerConfig {
         listen,
-        admin,
+        admin: raw.admin,
         shutdown_grace,
         max_connections,
         workers,
@@ -83,20 +70,10 @@ pub(super) fn validate_server(raw: Option<RawServer>) -> Result<ServerConfig, Co
     })
 }
 
-fn socket_addr(field: &str, raw: &str) -> Result<SocketAddr, ConfigError> {
-    raw.parse().map_err(|_| {
-        ConfigError::invalid(
-            field,
-            raw,
-            "an IP address and port such as \"127.0.0.1:8080\" or \"[::]:8080\"",
-        )
-    })
-}
-
 fn max_buffered(raw: &RawServer) -> Result<usize, ConfigError> {
-    let max_buffered = match &raw.max_buffered {
+    let max_buffered = match raw.max_buffered.clone() {
         None => DEFAULT_MAX_BUFFERED,
-        Some(s) => parse_size("server.max_buffered", s, MAX_BUFFERED)? as usize,
+        Some(n) => size_at_most("server.max_buffered", n, MAX_BUFFERED)? as usize,
     };
     if max_buffered < MIN_BUFFERED {
         return Err(ConfigError::invalid(
@@ -111,29 +88,18 @@ fn max_buffered(raw: &RawServer) -> Result<usize, ConfigError> {
 /// Every phase of a connection has a deadline, each from 100ms to 1h.
 fn deadlines(raw: &RawServer) -> Result<Deadlines, ConfigError> {
     let defaults = Deadlines::default();
-    let timeout = |field: &str, raw: &Option<String>, default: Duration| match raw {
+    let timeout = |field: &str, raw: Option<Duration>, default: Duration| match raw {
         None => Ok(default),
-        Some(s) => {
-            let d = parse_duration(field, s)?;
-            if d < Duration::from_millis(100) || d > Duration::from_secs(3600) {
-                return Err(ConfigError::invalid(
-                    field,
-                    s,
-                    "a duration from \"100ms\" to \"1h\"",
-                ));
-            }
-            Ok(d)
-        }
+        Some(d) if d < Duration::from_millis(100) || d > Duration::from_secs(3600) => Err(
+            ConfigError::invalid(field, shown(d), "a duration from \"100ms\" to \"1h\""),
+        ),
+        Some(d) => Ok(d),
     };
     Ok(Deadlines {
-        header: timeout(
-            "server.header_timeout",
-            &raw.header_timeout,
-            defaults.header,
-        )?,
-        body: timeout("server.body_timeout", &raw.body_timeout, defaults.body)?,
-        idle: timeout("server.idle_timeout", &raw.idle_timeout, defaults.idle)?,
-        send: timeout("server.send_timeout", &raw.send_timeout, defaults.send)?,
+        header: timeout("server.header_timeout", raw.header_timeout, defaults.header)?,
+        body: timeout("server.body_timeout", raw.body_timeout, defaults.body)?,
+        idle: timeout("server.idle_timeout", raw.idle_timeout, defaults.idle)?,
+        send: timeout("server.send_timeout", raw.send_timeout, defaults.send)?,
     })
 }
 
@@ -166,7 +132,7 @@ fn listener_tls(raw: &RawServer) -> Result<ListenerTls, ConfigError> {
             Pem::Certificate,
         )?),
     };
-    let tls_recheck = match raw.tls_recheck.as_deref() {
+    let tls_recheck = match raw.tls_recheck {
         None => Some(DEFAULT_TLS_RECHECK),
         Some(_) if tls.is_none() => {
             return Err(ConfigError::invalid(
@@ -175,12 +141,12 @@ fn listener_tls(raw: &RawServer) -> Result<ListenerTls, ConfigError> {
                 "only with server.tls_cert and tls_key",
             ))
         }
-        Some(raw) => match parse_duration("server.tls_recheck", raw)? {
+        Some(d) => match d {
             d if d.is_zero() => None,
             d if d < Duration::from_secs(1) => {
                 return Err(ConfigError::invalid(
                     "server.tls_recheck",
-                    raw,
+                    shown(d),
                     "at least 1s, or 0 to read the files again only on SIGHUP",
                 ))
             }

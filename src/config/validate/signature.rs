@@ -3,8 +3,8 @@
 
 use std::time::Duration;
 
-use super::{parse_duration, parse_header_name};
-use crate::config::raw::{OneOrMany, RawSignature};
+use super::{parse_header_name, shown};
+use crate::config::raw::{Encoding, OneOrMany, RawSignature, Scheme};
 use crate::config::{ConfigError, Secret, SignatureConfig, SignatureScheme};
 
 /// At most this many secrets per route: each one is an HMAC over the whole body per delivery.
@@ -16,7 +16,7 @@ pub(super) fn validate_signature(
 ) -> Result<SignatureConfig, ConfigError> {
     let f = |name: &str| format!("{field}.{name}");
     let scheme = scheme(&f, &raw)?;
-    let tolerance = tolerance(&f, raw.tolerance.as_deref(), &scheme)?;
+    let tolerance = tolerance(&f, raw.tolerance, &scheme)?;
     let found = read_secrets(&f, raw.secret_env, raw.secret_file)?;
     if found.is_empty() {
         return Err(ConfigError::Missing {
@@ -42,34 +42,15 @@ pub(super) fn validate_signature(
 }
 
 fn scheme(f: &dyn Fn(&str) -> String, raw: &RawSignature) -> Result<SignatureScheme, ConfigError> {
-    let schemes =
-        "\"standard-webhooks\", \"github\", \"stripe\", \"shopify\", \"slack\" or \"hmac-sha256\"";
-    let name = raw
-        .scheme
-        .as_deref()
-        .ok_or_else(|| ConfigError::Missing { field: f("scheme") })?;
-    if name == "hmac-sha256" {
-        let header = raw
-            .header
-            .as_deref()
-            .ok_or_else(|| ConfigError::Missing { field: f("header") })?;
-        let base64 = match raw.encoding.as_deref() {
-            None | Some("hex") => false,
-            Some("base64") => true,
-            Some(other) => {
-                return Err(ConfigError::invalid(
-                    f("encoding"),
-                    other,
-                    "\"hex\" (the default) or \"base64\"",
-                ))
-            }
-        };
-        return Ok(SignatureScheme::Hmac {
-            header: parse_header_name(&f("header"), header)?,
-            base64,
-            prefix: raw.prefix.clone().unwrap_or_default(),
-        });
-    }
+    let named = match raw.scheme {
+        None => return Err(ConfigError::Missing { field: f("scheme") }),
+        Some(Scheme::HmacSha256) => return hmac(f, raw),
+        Some(Scheme::StandardWebhooks) => SignatureScheme::StandardWebhooks,
+        Some(Scheme::Github) => SignatureScheme::Github,
+        Some(Scheme::Stripe) => SignatureScheme::Stripe,
+        Some(Scheme::Shopify) => SignatureScheme::Shopify,
+        Some(Scheme::Slack) => SignatureScheme::Slack,
+    };
     for (key, set) in [
         ("header", raw.header.is_some()),
         ("encoding", raw.encoding.is_some()),
@@ -83,20 +64,26 @@ fn scheme(f: &dyn Fn(&str) -> String, raw: &RawSignature) -> Result<SignatureSch
             ));
         }
     }
-    match name {
-        "standard-webhooks" => Ok(SignatureScheme::StandardWebhooks),
-        "github" => Ok(SignatureScheme::Github),
-        "stripe" => Ok(SignatureScheme::Stripe),
-        "shopify" => Ok(SignatureScheme::Shopify),
-        "slack" => Ok(SignatureScheme::Slack),
-        other => Err(ConfigError::invalid(f("scheme"), other, schemes)),
-    }
+    Ok(named)
+}
+
+/// `hmac-sha256`: the only scheme whose header and encoding the config names.
+fn hmac(f: &dyn Fn(&str) -> String, raw: &RawSignature) -> Result<SignatureScheme, ConfigError> {
+    let header = raw
+        .header
+        .as_deref()
+        .ok_or_else(|| ConfigError::Missing { field: f("header") })?;
+    Ok(SignatureScheme::Hmac {
+        header: parse_header_name(&f("header"), header)?,
+        base64: raw.encoding == Some(Encoding::Base64),
+        prefix: raw.prefix.clone().unwrap_or_default(),
+    })
 }
 
 /// How far a delivery's timestamp may be from now, for the schemes that sign one.
 fn tolerance(
     f: &dyn Fn(&str) -> String,
-    raw: Option<&str>,
+    raw: Option<Duration>,
     scheme: &SignatureScheme,
 ) -> Result<Duration, ConfigError> {
     match raw {
@@ -109,12 +96,11 @@ fn tolerance(
                 scheme.name()
             ),
         )),
-        Some(s) => {
-            let d = parse_duration(&f("tolerance"), s)?;
+        Some(d) => {
             if d < Duration::from_secs(1) || d > Duration::from_secs(3600) {
                 return Err(ConfigError::invalid(
                     f("tolerance"),
-                    s,
+                    shown(d),
                     "from \"1s\" to \"1h\" (the senders' libraries use 5 minutes)",
                 ));
             }

@@ -3,38 +3,30 @@
 
 use std::time::Duration;
 
-use super::{
-    duration_or, parse_size, pem_file, pem_pair, shown, validate_redis_url, whole_number, Pem,
-};
-use crate::config::raw::RawStore;
+use super::{pem_file, pem_pair, shown, size_at_most, validate_redis_url, whole_number, Pem};
+use crate::config::raw::{Backend, RawStore, Sync};
 use crate::config::{ConfigError, DiskSettings, RedisSettings, RedisTarget, StoreConfig, SyncMode};
 
 /// Largest accepted `max_disk` (1 PiB): counts stay far from overflowing.
 const MAX_DISK: u64 = 1 << 50;
 
 pub(super) fn validate_store(raw: RawStore) -> Result<StoreConfig, ConfigError> {
-    let backend = raw.backend.clone().unwrap_or_else(|| "memory".into());
-    match backend.as_str() {
-        "disk" => {
+    match raw.backend.unwrap_or(Backend::Memory) {
+        Backend::Disk => {
             not_redis(&raw)?;
             not_memory(&raw)?;
             disk(raw).map(StoreConfig::Disk)
         }
-        "memory" => {
+        Backend::Memory => {
             not_disk(&raw)?;
             not_redis(&raw)?;
             memory(raw)
         }
-        "redis" => {
+        Backend::Redis => {
             not_disk(&raw)?;
             not_memory(&raw)?;
             redis(raw).map(StoreConfig::Redis)
         }
-        other => Err(ConfigError::invalid(
-            "store.backend",
-            other,
-            "\"disk\" (embedded and durable, one instance), \"memory\" (embedded, lost on restart) or \"redis\" (shared by several instances)",
-        )),
     }
 }
 
@@ -93,11 +85,7 @@ fn disk(raw: RawStore) -> Result<DiskSettings, ConfigError> {
                 })
             }
         };
-    let interval = duration_or(
-        "store.sync_interval",
-        raw.sync_interval.as_deref(),
-        Duration::from_millis(100),
-    )?;
+    let interval = raw.sync_interval.unwrap_or(Duration::from_millis(100));
     if interval.is_zero() || interval > Duration::from_secs(10) {
         return Err(ConfigError::invalid(
             "store.sync_interval",
@@ -105,8 +93,8 @@ fn disk(raw: RawStore) -> Result<DiskSettings, ConfigError> {
             "more than 0s and at most 10s",
         ));
     }
-    let sync = match raw.sync.as_deref() {
-        None | Some("always") => {
+    let sync = match raw.sync.unwrap_or(Sync::Always) {
+        Sync::Always => {
             if raw.sync_interval.is_some() {
                 return Err(ConfigError::invalid(
                     "store.sync_interval",
@@ -116,18 +104,11 @@ fn disk(raw: RawStore) -> Result<DiskSettings, ConfigError> {
             }
             SyncMode::Always
         }
-        Some("batch") => SyncMode::Batch { interval },
-        Some(other) => {
-            return Err(ConfigError::invalid(
-                "store.sync",
-                other,
-                "\"always\" (a result is on disk before its client gets it) or \"batch\" (within sync_interval after)",
-            ))
-        }
+        Sync::Batch => SyncMode::Batch { interval },
     };
     let max_disk = match raw.max_disk {
         None => 1 << 30,
-        Some(s) => parse_size("store.max_disk", &s, MAX_DISK)?,
+        Some(n) => size_at_most("store.max_disk", n, MAX_DISK)?,
     };
     if max_disk < 1 << 20 {
         return Err(ConfigError::invalid(
@@ -147,7 +128,7 @@ fn memory(raw: RawStore) -> Result<StoreConfig, ConfigError> {
     let max_keys = whole_number("store.max_keys", raw.max_keys, 1_000_000, 1..=100_000_000)?;
     let max_bytes = match raw.max_bytes {
         None => 256 << 20,
-        Some(s) => parse_size("store.max_bytes", &s, u64::MAX)?,
+        Some(n) => n.bytes,
     };
     Ok(StoreConfig::Memory {
         max_keys: max_keys as usize,
@@ -165,11 +146,7 @@ fn redis(raw: RawStore) -> Result<RedisSettings, ConfigError> {
             "up to 64 characters without \"{\" or \"}\" (the gateway adds its own hash tag)",
         ));
     }
-    let command_timeout = duration_or(
-        "store.command_timeout",
-        raw.command_timeout.as_deref(),
-        Duration::from_millis(500),
-    )?;
+    let command_timeout = raw.command_timeout.unwrap_or(Duration::from_millis(500));
     if command_timeout.is_zero() || command_timeout > Duration::from_secs(60) {
         return Err(ConfigError::invalid(
             "store.command_timeout",
