@@ -12,6 +12,8 @@
 //! - `idemgate_connections_closed_total{reason}`: client connections closed by a deadline
 //!   (`header_timeout`, `idle_timeout`, `send_timeout`).
 //! - `idemgate_records_purged_total`: expired records removed by an embedded store.
+//! - `idemgate_store_replica_acks_missed_total{op}`: Redis writes acknowledged by fewer
+//!   replicas than `store.min_replicas` ([`crate::store::redis`]).
 //! - `idemgate_store_syncs_total`: durable commits (fsyncs) of the disk store; divided by the
 //!   requests, the fsyncs per request (below 1 under concurrent load: group commit).
 //! - `idemgate_consumer_messages_total{consumer, outcome}`, `idemgate_consumer_handler_duration_seconds{consumer}`,
@@ -235,6 +237,7 @@ pub struct Metrics {
     records_purged: Counter,
     store_syncs: Counter,
     eviction_risk: Family<PolicyLabel, Gauge>,
+    replica_acks_missed: Family<OpLabel, Counter>,
     consumer_messages: Family<ConsumerLabels, Counter>,
     consumer_handler: HistogramFamily<ConsumerLabel>,
     consumer_pending: Family<ConsumerLabel, Gauge>,
@@ -322,6 +325,11 @@ impl Metrics {
             "Durable commits (fsyncs) of the disk store",
         );
         let eviction_risk: Family<PolicyLabel, Gauge> = registered(r, "store_eviction_risk", "1 while Redis's maxmemory-policy (the label) can evict live records, 0 under noeviction; absent until read, and where it cannot be");
+        let replica_acks_missed: Family<OpLabel, Counter> = registered(
+            r,
+            "store_replica_acks_missed",
+            "Redis writes acknowledged by fewer replicas than store.min_replicas within replica_timeout, by store call; absent until the first",
+        );
         let consumer_messages: Family<ConsumerLabels, Counter> = registered(r, "consumer_messages", "Broker messages by consumer and outcome (delivered, deduplicated, retried, dead_lettered)");
         let consumer_handler: HistogramFamily<ConsumerLabel> = histograms(
             r,
@@ -352,6 +360,7 @@ impl Metrics {
             signatures,
             records_purged,
             store_syncs,
+            replica_acks_missed,
             unrouted: RouteMetrics::new(""),
             store_ops: Default::default(),
         }
@@ -489,6 +498,14 @@ impl Metrics {
         self.store_syncs
             .inner()
             .store(stats.syncs, Ordering::Relaxed);
+        for (op, missed) in StoreOp::ALL.iter().zip(stats.replica_acks_missed) {
+            if missed > 0 {
+                self.replica_acks_missed
+                    .get_or_create(&OpLabel { op: op.as_str() })
+                    .inner()
+                    .store(missed, Ordering::Relaxed);
+            }
+        }
         // One series, for the policy read last; none while it is not known.
         self.eviction_risk.clear();
         if let Some(policy) = stats.eviction_policy {

@@ -88,8 +88,12 @@ fn store(store: &StoreConfig) -> String {
                         .join(", ")
                 ),
             };
+            let replicas = match r.replicas {
+                None => String::new(),
+                Some(acks) => format!(", min_replicas {} within {}", acks.min, shown(acks.timeout)),
+            };
             format!(
-                "store redis {target} (key_prefix {:?}, command_timeout {})",
+                "store redis {target} (key_prefix {:?}, command_timeout {}{replicas})",
                 r.key_prefix,
                 shown(r.command_timeout)
             )

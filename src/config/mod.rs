@@ -256,6 +256,16 @@ pub struct RedisSettings {
     pub require_noeviction: bool,
     /// PEM certificate and key presented to a Redis that verifies its clients (mTLS).
     pub tls_client: Option<(std::path::PathBuf, std::path::PathBuf)>,
+    /// `store.min_replicas` above 0: writes acknowledged by replicas before they are acted on.
+    pub replicas: Option<ReplicaAcks>,
+}
+
+/// `store.min_replicas` and `replica_timeout`: how many replicas must hold a write (Redis's
+/// `WAIT`) before the gateway acts on it, and how long it waits for them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReplicaAcks {
+    pub min: u32,
+    pub timeout: Duration,
 }
 
 #[derive(Clone, PartialEq, Eq)]

@@ -139,6 +139,9 @@ pub(super) struct RawStore {
     pub(super) require_noeviction: Option<bool>,
     pub(super) tls_client_cert: Option<String>,
     pub(super) tls_client_key: Option<String>,
+    pub(super) min_replicas: Option<i64>,
+    #[serde(default, deserialize_with = "duration")]
+    pub(super) replica_timeout: Option<Duration>,
     pub(super) path: Option<String>,
     #[serde(default, deserialize_with = "typed")]
     pub(super) sync: Option<Sync>,

@@ -345,6 +345,7 @@ fn redis_store_settings() {
             tls_ca_file: None,
             require_noeviction: false,
             tls_client: None,
+            replicas: None,
         })
     );
     // What `idemgate check` prints is tested in cli::describe.
@@ -1071,4 +1072,55 @@ fn a_value_of_the_wrong_kind_is_named_by_its_path() {
         Err(ConfigError::Syntax(msg)) => assert!(msg.contains("routes[0]"), "{msg}"),
         other => panic!("{other:?}"),
     }
+}
+
+#[test]
+fn min_replicas_asks_for_acknowledgements_within_replica_timeout() {
+    let redis = "backend = \"redis\"\nurl = \"redis://127.0.0.1:1\"\n";
+    let acks = |extra: &str| match store(&format!("{redis}{extra}")).map(|c| c.store) {
+        Ok(StoreConfig::Redis(r)) => Ok(r.replicas),
+        Ok(other) => panic!("{other:?}"),
+        Err(e) => Err(e),
+    };
+    assert_eq!(acks(""), Ok(None));
+    assert_eq!(acks("min_replicas = 0"), Ok(None));
+    assert_eq!(
+        acks("min_replicas = 1"),
+        Ok(Some(ReplicaAcks {
+            min: 1,
+            timeout: Duration::from_secs(1)
+        }))
+    );
+    assert_eq!(
+        acks("min_replicas = 2\nreplica_timeout = \"250ms\""),
+        Ok(Some(ReplicaAcks {
+            min: 2,
+            timeout: Duration::from_millis(250)
+        }))
+    );
+    for (extra, field) in [
+        ("min_replicas = -1", "store.min_replicas"),
+        ("min_replicas = 17", "store.min_replicas"),
+        ("replica_timeout = \"1s\"", "store.replica_timeout"),
+        (
+            "min_replicas = 1\nreplica_timeout = \"5ms\"",
+            "store.replica_timeout",
+        ),
+        (
+            "min_replicas = 1\nreplica_timeout = \"2m\"",
+            "store.replica_timeout",
+        ),
+        (
+            "min_replicas = 1\nreplica_timeout = \"soon\"",
+            "store.replica_timeout",
+        ),
+    ] {
+        let refused = invalid_field(store(&format!("{redis}{extra}")));
+        assert_eq!(refused.0, field, "{extra}");
+    }
+    // A Redis setting, refused with another backend.
+    assert_eq!(
+        invalid_field(store("backend = \"memory\"\nmin_replicas = 1")).0,
+        "store.min_replicas"
+    );
 }

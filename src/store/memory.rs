@@ -523,7 +523,7 @@ impl Store for MemoryStore {
         StoreStats {
             purged: self.shared.counts.purged.load(Ordering::Relaxed),
             syncs: 0,
-            eviction_policy: None,
+            ..StoreStats::default()
         }
     }
 

@@ -266,6 +266,19 @@ impl StoreOp {
     /// For handles indexed by `op as usize` (`Ping` stays the last variant).
     pub const COUNT: usize = StoreOp::Ping as usize + 1;
 
+    /// Every operation, in `op as usize` order.
+    pub const ALL: [StoreOp; StoreOp::COUNT] = [
+        StoreOp::Reserve,
+        StoreOp::Get,
+        StoreOp::Complete,
+        StoreOp::MarkUnknown,
+        StoreOp::Release,
+        StoreOp::Renew,
+        StoreOp::TakeOver,
+        StoreOp::Delete,
+        StoreOp::Ping,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             StoreOp::Reserve => "reserve",
@@ -291,6 +304,9 @@ pub struct StoreStats {
     /// The store's own eviction policy (Redis's `maxmemory-policy`); `None` where there is
     /// none, or it is not known (not read yet, or `CONFIG` disabled).
     pub eviction_policy: Option<String>,
+    /// Writes acknowledged by fewer replicas than `store.min_replicas`, by operation
+    /// (`StoreOp as usize`); zeros where nothing is replicated or nothing is asked.
+    pub replica_acks_missed: [u64; StoreOp::COUNT],
 }
 
 /// What a store's own configuration means for readiness.

@@ -501,6 +501,7 @@ fn settings(target: RedisTarget) -> RedisSettings {
         tls_ca_file: None,
         require_noeviction: false,
         tls_client: None,
+        replicas: None,
     }
 }
 
@@ -515,6 +516,29 @@ mod redis_single {
                 let store = redis_store(settings(RedisTarget::Single(server.url()))).await;
                 super::$name(store).await;
                 drop(server);
+            }
+        )*};
+    }
+    all_checks!(each);
+}
+
+/// A primary with a replica, every write acknowledged by it (`store.min_replicas = 1`): the
+/// contract holds through the pipelines that wait for the replica.
+mod redis_replicated {
+    use super::*;
+    use crate::support::redis::replica_of;
+    use idemgate::config::ReplicaAcks;
+    macro_rules! each {
+        ($($name:ident),* $(,)?) => {$(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                let primary = RedisServer::start();
+                let replica = replica_of(primary.port).await;
+                let replicas = Some(ReplicaAcks { min: 1, timeout: Duration::from_secs(1) });
+                let target = RedisTarget::Single(primary.url());
+                let store = redis_store(RedisSettings { replicas, ..settings(target) }).await;
+                super::$name(store).await;
+                drop((primary, replica));
             }
         )*};
     }

@@ -133,6 +133,8 @@ fn redis_source(
             tls_ca_file: None,
             require_noeviction: false,
             tls_client: None,
+            // The source's Redis holds the stream, not records: nothing is acted on from it.
+            replicas: None,
         },
         (None, StoreConfig::Redis(settings)) if matches!(settings.target, RedisTarget::Single(_)) => {
             settings.clone()

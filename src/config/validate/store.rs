@@ -5,7 +5,9 @@ use std::time::Duration;
 
 use super::{pem_file, pem_pair, shown, size_at_most, validate_redis_url, whole_number, Pem};
 use crate::config::raw::{Backend, RawStore, Sync};
-use crate::config::{ConfigError, DiskSettings, RedisSettings, RedisTarget, StoreConfig, SyncMode};
+use crate::config::{
+    ConfigError, DiskSettings, RedisSettings, RedisTarget, ReplicaAcks, StoreConfig, SyncMode,
+};
 
 /// Largest accepted `max_disk` (1 PiB): counts stay far from overflowing.
 const MAX_DISK: u64 = 1 << 50;
@@ -67,7 +69,9 @@ fn not_redis(raw: &RawStore) -> Result<(), ConfigError> {
         "redis",
     )?;
     only("tls_client_cert", raw.tls_client_cert.is_some(), "redis")?;
-    only("tls_client_key", raw.tls_client_key.is_some(), "redis")
+    only("tls_client_key", raw.tls_client_key.is_some(), "redis")?;
+    only("min_replicas", raw.min_replicas.is_some(), "redis")?;
+    only("replica_timeout", raw.replica_timeout.is_some(), "redis")
 }
 
 fn disk(raw: RawStore) -> Result<DiskSettings, ConfigError> {
@@ -170,7 +174,34 @@ fn redis(raw: RawStore) -> Result<RedisSettings, ConfigError> {
         tls_ca_file,
         require_noeviction: raw.require_noeviction.unwrap_or(false),
         tls_client,
+        replicas: replica_acks(raw.min_replicas, raw.replica_timeout)?,
     })
+}
+
+/// `min_replicas` (0, the default: no acknowledgement asked) and its `replica_timeout`.
+fn replica_acks(
+    min: Option<i64>,
+    timeout: Option<Duration>,
+) -> Result<Option<ReplicaAcks>, ConfigError> {
+    let min = whole_number("store.min_replicas", min, 0, 0..=16)? as u32;
+    let timeout_range = Duration::from_millis(10)..=Duration::from_secs(60);
+    match (min, timeout) {
+        (0, None) => Ok(None),
+        (0, Some(_)) => Err(ConfigError::invalid(
+            "store.replica_timeout",
+            "(set)",
+            "only with store.min_replicas of 1 or more",
+        )),
+        (_, Some(t)) if !timeout_range.contains(&t) => Err(ConfigError::invalid(
+            "store.replica_timeout",
+            shown(t),
+            "from \"10ms\" to \"60s\" (\"1s\" is the default)",
+        )),
+        (min, timeout) => Ok(Some(ReplicaAcks {
+            min,
+            timeout: timeout.unwrap_or(Duration::from_secs(1)),
+        })),
+    }
 }
 
 /// `store.url` (one Redis) or `store.cluster` (seed nodes), exactly one of them.

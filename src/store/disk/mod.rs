@@ -564,7 +564,7 @@ impl Store for DiskStore {
         StoreStats {
             purged: self.shared.counters.purged.load(Ordering::Relaxed),
             syncs: self.shared.counters.syncs.load(Ordering::Relaxed),
-            eviction_policy: None,
+            ..StoreStats::default()
         }
     }
 

@@ -1,5 +1,5 @@
-//! Connections to Redis: one multiplexed connection per worker on a single Redis, one shared
-//! connection to a cluster; and `EVALSHA` with its fallback.
+//! Connections to Redis: clients with their TLS files; one multiplexed connection per worker on
+//! a single Redis, one shared connection to a cluster; and `EVALSHA` with its fallback.
 //!
 //! A multiplexed connection is driven by a task on the runtime that first used it. Shared by the
 //! gateway's worker threads, every command would hop to that one thread and back, and that
@@ -16,7 +16,8 @@ use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, Pipeline, RedisFuture, Script, Value};
 use tokio::sync::OnceCell;
 
-use crate::store::StoreError;
+use crate::config::RedisSettings;
+use crate::store::{OpenError, StoreError};
 
 /// One connection handle for either deployment; cheap to clone (both are multiplexed).
 #[derive(Clone)]
@@ -109,12 +110,7 @@ pub async fn eval<T: redis::FromRedisValue>(
     key: &[u8],
     args: &[&[u8]],
 ) -> redis::RedisResult<T> {
-    let size = 80 + key.len() + args.iter().map(|a| a.len() + 16).sum::<usize>();
-    let mut cmd = Cmd::with_capacity(4 + args.len(), size);
-    cmd.arg("EVALSHA").arg(script.get_hash()).arg(1).arg(key);
-    for a in args {
-        cmd.arg(*a);
-    }
+    let cmd = evalsha(script, key, args);
     match cmd.query_async(conn).await {
         Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
             script.load_async(conn).await?;
@@ -122,6 +118,17 @@ pub async fn eval<T: redis::FromRedisValue>(
         }
         other => other,
     }
+}
+
+/// `EVALSHA` of `script` on `key` with `args`.
+pub fn evalsha(script: &Script, key: &[u8], args: &[&[u8]]) -> Cmd {
+    let size = 80 + key.len() + args.iter().map(|a| a.len() + 16).sum::<usize>();
+    let mut cmd = Cmd::with_capacity(4 + args.len(), size);
+    cmd.arg("EVALSHA").arg(script.get_hash()).arg(1).arg(key);
+    for a in args {
+        cmd.arg(*a);
+    }
+    cmd
 }
 
 /// Keeps trying to reach the cluster until it answers once; the connection then reconnects by
@@ -143,4 +150,66 @@ pub async fn connect_cluster(
         tokio::time::sleep(backoff).await;
         backoff = (backoff * 2).min(Duration::from_secs(5));
     }
+}
+
+/// The CA and client certificate `settings` name, read from their files; `None` without TLS
+/// files (a `rediss://` URL then trusts the system's roots).
+pub fn certificates(settings: &RedisSettings) -> Result<Option<redis::TlsCertificates>, OpenError> {
+    let read = |path: &std::path::PathBuf| {
+        std::fs::read(path).map_err(|source| OpenError::TlsCaFile {
+            path: path.clone(),
+            source,
+        })
+    };
+    let client_tls = match &settings.tls_client {
+        None => None,
+        Some((cert, key)) => Some(redis::ClientTlsConfig {
+            client_cert: read(cert)?,
+            client_key: read(key)?,
+        }),
+    };
+    let root_cert = settings.tls_ca_file.as_ref().map(read).transpose()?;
+    Ok(
+        (client_tls.is_some() || root_cert.is_some()).then_some(redis::TlsCertificates {
+            client_tls,
+            root_cert,
+        }),
+    )
+}
+
+/// A client for the store's commands to the single Redis at `url`: as [`client`], speaking
+/// RESP3. A connection Redis closes (a restart, a failover) is then replaced at once: redis-rs
+/// reconnects on the disconnection push, which only RESP3 carries, where with RESP2 the next
+/// command would fail on the dead connection first (a 503 for its client). Needs Redis 6 or
+/// later.
+pub fn commands_client(
+    url: &str,
+    certs: Option<&redis::TlsCertificates>,
+) -> Result<redis::Client, OpenError> {
+    use redis::IntoConnectionInfo;
+    let info = url
+        .into_connection_info()
+        .map_err(|e| OpenError::RedisUrl(e.to_string()))?;
+    let resp3 = info
+        .redis_settings()
+        .clone()
+        .set_protocol(redis::ProtocolVersion::RESP3);
+    let info = info.set_redis_settings(resp3);
+    match certs {
+        None => redis::Client::open(info),
+        Some(c) => redis::Client::build_with_tls(info, c.clone()),
+    }
+    .map_err(|e| OpenError::RedisUrl(e.to_string()))
+}
+
+/// A client of the single Redis at `url`, with `certs` for TLS.
+pub fn client(
+    url: &str,
+    certs: Option<&redis::TlsCertificates>,
+) -> Result<redis::Client, OpenError> {
+    match certs {
+        None => redis::Client::open(url),
+        Some(c) => redis::Client::build_with_tls(url, c.clone()),
+    }
+    .map_err(|e| OpenError::RedisUrl(e.to_string()))
 }

@@ -13,10 +13,14 @@
 //!   single Redis, one shared for a cluster), each bounded by `command_timeout`. Waiting never
 //!   holds a connection.
 //! - Every record of one operation is one key, `<prefix>{<hash>}`: one slot in a cluster.
+//! - With `store.min_replicas`, each write is acknowledged by that many replicas before it is
+//!   acted on ([`replicas`]).
 //! - Redis down at startup is not fatal: commands fail with `Unavailable` (and readiness says
 //!   so) until it is reachable; no restart is needed when it comes back.
 
 mod conn;
+mod guard;
+mod replicas;
 mod safety;
 mod scripts;
 mod subscriber;
@@ -32,14 +36,18 @@ use redis::Script;
 use tokio::sync::OnceCell;
 use tokio::task::AbortHandle;
 
-use self::conn::{eval, Connector, HandleConn, RedisConn};
+pub use self::conn::{certificates, client};
+
+use self::conn::{commands_client, eval, Connector, HandleConn, RedisConn};
+use self::guard::ReleaseOnDrop;
+use self::replicas::{Replicas, Shortfall};
 use self::safety::{Eviction, Safety};
 use self::scripts::Scripts;
 use super::changes::Waiters;
 use super::codec;
 use super::{
     ms_after, now_ms, OpenError, OwnerToken, Readiness, Record, RecordState, Reservation, Store,
-    StoreError, StoreStats, StoredResponse, UnknownReason, Watch,
+    StoreError, StoreOp, StoreStats, StoredResponse, UnknownReason, Watch,
 };
 use crate::config::{RedisSettings, RedisTarget};
 use crate::fingerprint::Fingerprint;
@@ -70,6 +78,8 @@ struct Shared {
     safety: Arc<Safety>,
     /// `store.require_noeviction`: new keys only once Redis is known not to evict.
     require_noeviction: bool,
+    /// `store.min_replicas` above 0.
+    replicas: Option<Replicas>,
 }
 
 impl Drop for Shared {
@@ -78,43 +88,6 @@ impl Drop for Shared {
             t.abort();
         }
     }
-}
-
-/// The CA and client certificate `settings` name, read from their files; `None` without TLS
-/// files (a `rediss://` URL then trusts the system's roots).
-pub fn certificates(settings: &RedisSettings) -> Result<Option<redis::TlsCertificates>, OpenError> {
-    let read = |path: &std::path::PathBuf| {
-        std::fs::read(path).map_err(|source| OpenError::TlsCaFile {
-            path: path.clone(),
-            source,
-        })
-    };
-    let client_tls = match &settings.tls_client {
-        None => None,
-        Some((cert, key)) => Some(redis::ClientTlsConfig {
-            client_cert: read(cert)?,
-            client_key: read(key)?,
-        }),
-    };
-    let root_cert = settings.tls_ca_file.as_ref().map(read).transpose()?;
-    Ok(
-        (client_tls.is_some() || root_cert.is_some()).then_some(redis::TlsCertificates {
-            client_tls,
-            root_cert,
-        }),
-    )
-}
-
-/// A client of the single Redis at `url`, with `certs` for TLS.
-pub fn client(
-    url: &str,
-    certs: Option<&redis::TlsCertificates>,
-) -> Result<redis::Client, OpenError> {
-    match certs {
-        None => redis::Client::open(url),
-        Some(c) => redis::Client::build_with_tls(url, c.clone()),
-    }
-    .map_err(|e| OpenError::RedisUrl(e.to_string()))
 }
 
 impl RedisStore {
@@ -128,7 +101,7 @@ impl RedisStore {
         let open = |url: &str| client(url, certs.as_ref());
         let (connector, subscriber_client) = match &settings.target {
             RedisTarget::Single(url) => {
-                let client = open(url)?;
+                let client = commands_client(url, certs.as_ref())?;
                 let config = ConnectionManagerConfig::new()
                     .set_connection_timeout(Some(timeout.max(Duration::from_secs(1))))
                     // No response timeout of its own: `call` bounds every command by
@@ -137,11 +110,8 @@ impl RedisStore {
                     .set_response_timeout(None)
                     .set_number_of_retries(2)
                     .set_max_delay(Duration::from_secs(1));
-                let connector = Connector::Single {
-                    client: client.clone(),
-                    config,
-                };
-                (connector, client)
+                let connector = Connector::Single { client, config };
+                (connector, open(url)?)
             }
             RedisTarget::Cluster(nodes) => {
                 let mut builder =
@@ -172,7 +142,13 @@ impl RedisStore {
             .handle()
             .map_err(|e| OpenError::RedisConnection(e.to_string()))?;
         tasks.push(
-            tokio::spawn(safety::watch(checker, Arc::clone(&safety), timeout)).abort_handle(),
+            tokio::spawn(safety::watch(
+                checker,
+                Arc::clone(&safety),
+                timeout,
+                settings.replicas.is_some(),
+            ))
+            .abort_handle(),
         );
         let subscribed = Arc::new(AtomicBool::new(false));
         tasks.push(
@@ -196,6 +172,7 @@ impl RedisStore {
                 subscribed,
                 safety,
                 require_noeviction: settings.require_noeviction,
+                replicas: settings.replicas.map(Replicas::new),
             }),
             conn: Ok(conn),
         })
@@ -224,32 +201,104 @@ impl RedisStore {
         what: &str,
         fut: impl std::future::Future<Output = redis::RedisResult<T>>,
     ) -> Result<T, StoreError> {
-        match tokio::time::timeout(self.shared.timeout, fut).await {
+        self.call_within(what, self.shared.timeout, fut).await
+    }
+
+    /// Runs one write with the replicas' acknowledgement, within `command_timeout` plus
+    /// `replica_timeout`.
+    async fn call_acked<T>(
+        &self,
+        replicas: &Replicas,
+        op: StoreOp,
+        fut: impl std::future::Future<Output = redis::RedisResult<(T, i64)>>,
+    ) -> Result<(T, i64), StoreError> {
+        let within = self.shared.timeout + replicas.timeout();
+        self.call_within(op.as_str(), within, fut).await
+    }
+
+    async fn call_within<T>(
+        &self,
+        what: &str,
+        within: Duration,
+        fut: impl std::future::Future<Output = redis::RedisResult<T>>,
+    ) -> Result<T, StoreError> {
+        match tokio::time::timeout(within, fut).await {
             Ok(Ok(v)) => Ok(v),
             Ok(Err(e)) => Err(StoreError::Unavailable(format!("{what}: {e}"))),
             Err(_) => Err(StoreError::Unavailable(format!(
-                "{what}: no answer within {:?}",
-                self.shared.timeout
+                "{what}: no answer within {within:?}"
             ))),
         }
+    }
+
+    /// Runs a script on `key`: its answer, and with `min_replicas` how many replicas
+    /// acknowledged it.
+    async fn script_acked(
+        &self,
+        op: StoreOp,
+        script: &Script,
+        key: &StoreKey,
+        args: &[&[u8]],
+    ) -> Result<(i64, Option<i64>), StoreError> {
+        let mut conn = self.conn()?;
+        let key = self.redis_key(key);
+        match &self.shared.replicas {
+            None => {
+                let done = self.call(op.as_str(), eval(&mut conn, script, &key, args));
+                Ok((done.await?, None))
+            }
+            Some(replicas) => {
+                let (done, acked) = self
+                    .call_acked(replicas, op, replicas.eval(&mut conn, script, &key, args))
+                    .await?;
+                Ok((done, Some(acked)))
+            }
+        }
+    }
+
+    /// [`Self::script_acked`] for a write that stands whatever the replicas say: a shortfall
+    /// is noted (see [`replicas`]).
+    async fn script(
+        &self,
+        op: StoreOp,
+        script: &Script,
+        key: &StoreKey,
+        args: &[&[u8]],
+    ) -> Result<i64, StoreError> {
+        let (done, acked) = self.script_acked(op, script, key, args).await?;
+        if let (1, Some(acked), Some(replicas)) = (done, acked, &self.shared.replicas) {
+            replicas.enough(op, acked, Shortfall::Note);
+        }
+        Ok(done)
     }
 
     /// Runs an owner-only script: 1 = done, 0 = not the owner.
     async fn owned(
         &self,
-        what: &str,
+        op: StoreOp,
         script: &Script,
         key: &StoreKey,
         args: &[&[u8]],
     ) -> Result<(), StoreError> {
-        let mut conn = self.conn()?;
-        let done: i64 = self
-            .call(what, eval(&mut conn, script, &self.redis_key(key), args))
-            .await?;
-        if done == 1 {
-            Ok(())
-        } else {
-            Err(StoreError::NotOwner)
+        match self.script(op, script, key, args).await? {
+            1 => Ok(()),
+            _ => Err(StoreError::NotOwner),
+        }
+    }
+
+    /// Whether a new record (of `reserve` or `take_over`) may be acted on: always without
+    /// `min_replicas`; with it, only once enough replicas acknowledged it.
+    fn may_act(&self, op: StoreOp, acked: Option<i64>) -> Result<(), StoreError> {
+        match (&self.shared.replicas, acked) {
+            (Some(replicas), Some(acked)) if !replicas.enough(op, acked, Shortfall::Refuse) => {
+                Err(StoreError::Unavailable(format!(
+                    "{}: the new record was acknowledged by {acked} of {} replicas within {:?} (store.min_replicas)",
+                    op.as_str(),
+                    replicas.min(),
+                    replicas.timeout()
+                )))
+            }
+            _ => Ok(()),
         }
     }
 }
@@ -269,85 +318,17 @@ fn decode(raw: Vec<u8>) -> Result<Record, StoreError> {
     Ok(codec::decode(&Bytes::from(raw))?.checked_lease())
 }
 
+/// Whether `record` is pending under `owner`'s token.
+fn holds(record: &Record, owner: OwnerToken) -> bool {
+    matches!(
+        record.state,
+        RecordState::Pending { owner: o, .. } | RecordState::Abandoned { owner: o, .. } if o == owner
+    )
+}
+
 /// [`decode`] of a reply that may be `nil` (no record).
 fn decode_reply(raw: Option<Vec<u8>>) -> Result<Option<Record>, StoreError> {
     raw.map(decode).transpose()
-}
-
-/// Releases a reservation whose answer was lost, unless disarmed: see [`RedisStore::reserve`].
-struct ReleaseOnDrop {
-    armed: Option<Armed>,
-}
-
-/// Everything the release needs, owned, as it may run after the store call is gone. Cheap to
-/// build (nearly every guard is disarmed): the strings are made only when it fires.
-struct Armed {
-    scripts: Arc<Scripts>,
-    prefix: Arc<str>,
-    channel: Arc<str>,
-    conn: RedisConn,
-    key: StoreKey,
-    owner: OwnerToken,
-}
-
-impl ReleaseOnDrop {
-    fn new(store: &RedisStore, key: &StoreKey, owner: OwnerToken, conn: RedisConn) -> Self {
-        ReleaseOnDrop {
-            armed: Some(Armed {
-                scripts: Arc::clone(&store.shared.scripts),
-                prefix: Arc::clone(&store.shared.prefix),
-                channel: Arc::clone(&store.shared.channel),
-                conn,
-                key: *key,
-                owner,
-            }),
-        }
-    }
-
-    fn disarm(mut self) {
-        self.armed = None;
-    }
-}
-
-impl Drop for ReleaseOnDrop {
-    fn drop(&mut self) {
-        let Some(Armed {
-            scripts,
-            prefix,
-            channel,
-            mut conn,
-            key,
-            owner,
-        }) = self.armed.take()
-        else {
-            return;
-        };
-        // Best effort, in the background: if Redis is unreachable the record keeps its lease
-        // and then reads as an unknown outcome, which is the safe side.
-        if let Ok(rt) = tokio::runtime::Handle::try_current() {
-            rt.spawn(async move {
-                let args: [&[u8]; 3] = [
-                    &codec::owner_bytes(owner),
-                    channel.as_bytes(),
-                    &key.hex_digits(),
-                ];
-                let released: redis::RedisResult<i64> = tokio::time::timeout(
-                    Duration::from_secs(5),
-                    eval(
-                        &mut conn,
-                        &scripts.release,
-                        &record_key(&prefix, &key),
-                        &args,
-                    ),
-                )
-                .await
-                .unwrap_or_else(|_| Err((redis::ErrorKind::Io, "release timed out").into()));
-                if let Ok(1) = released {
-                    tracing::info!("released a reservation whose answer was lost");
-                }
-            });
-        }
-    }
 }
 
 fn ms_arg(d: Duration) -> u64 {
@@ -387,11 +368,32 @@ impl Store for RedisStore {
         // retries would see it as in flight, then as an unknown outcome, though nothing was sent
         // upstream. The guard releases it (the script only deletes our own token's record).
         let guard = ReleaseOnDrop::new(self, key, owner, conn.clone());
-        let existing: Option<Vec<u8>> = self.call("reserve", cmd.query_async(&mut conn)).await?;
-        guard.disarm();
-        match existing {
-            None => Ok(Reservation::Owner(owner)),
-            Some(raw) => Ok(Reservation::Existing(decode(raw)?)),
+        let (existing, acked): (Option<Vec<u8>>, Option<i64>) = match &self.shared.replicas {
+            None => (
+                self.call("reserve", cmd.query_async(&mut conn)).await?,
+                None,
+            ),
+            Some(replicas) => {
+                let op = StoreOp::Reserve;
+                let (existing, acked) = self
+                    .call_acked(replicas, op, replicas.send(&mut conn, &cmd))
+                    .await?;
+                (existing, Some(acked))
+            }
+        };
+        match existing.map(decode).transpose()? {
+            Some(record) if !holds(&record, owner) => {
+                guard.disarm();
+                Ok(Reservation::Existing(record))
+            }
+            // Made now; or with our own token, when the cluster client sent the command again
+            // after losing a reply, and the first one made it: ours, not another's in flight.
+            _ => {
+                // Too few replicas: the guard, still armed, gives the record back.
+                self.may_act(StoreOp::Reserve, acked)?;
+                guard.disarm();
+                Ok(Reservation::Owner(owner))
+            }
         }
     }
 
@@ -435,7 +437,7 @@ impl Store for RedisStore {
         let tail = codec::encode_state(&RecordState::Completed(Arc::new(response)));
         let ttl = ms_arg(ttl).to_string();
         self.owned(
-            "complete",
+            StoreOp::Complete,
             &self.shared.scripts.complete,
             key,
             &[
@@ -460,7 +462,7 @@ impl Store for RedisStore {
             reason,
         });
         self.owned(
-            "mark_unknown",
+            StoreOp::MarkUnknown,
             &self.shared.scripts.mark_unknown,
             key,
             &[
@@ -475,7 +477,7 @@ impl Store for RedisStore {
 
     async fn release(&self, key: &StoreKey, owner: OwnerToken) -> Result<(), StoreError> {
         self.owned(
-            "release",
+            StoreOp::Release,
             &self.shared.scripts.release,
             key,
             &[
@@ -495,7 +497,7 @@ impl Store for RedisStore {
     ) -> Result<(), StoreError> {
         let lease_until = ms_after(lease).to_be_bytes();
         self.owned(
-            "renew",
+            StoreOp::Renew,
             &self.shared.scripts.renew,
             key,
             &[&codec::owner_bytes(owner), &lease_until],
@@ -516,38 +518,26 @@ impl Store for RedisStore {
         let expected = codec::encode(expected);
         let (owner, record) = super::pending(fingerprint, lease);
         let record = codec::encode(&record);
-        let mut conn = self.conn()?;
+        let conn = self.conn()?;
         let ttl = ms_arg(ttl).to_string();
         let args: [&[u8]; 3] = [&expected, &record, ttl.as_bytes()];
-        let guard = ReleaseOnDrop::new(self, key, owner, conn.clone());
-        let done: i64 = self
-            .call(
-                "take_over",
-                eval(
-                    &mut conn,
-                    &self.shared.scripts.take_over,
-                    &self.redis_key(key),
-                    &args,
-                ),
-            )
+        let guard = ReleaseOnDrop::new(self, key, owner, conn);
+        let script = &self.shared.scripts.take_over;
+        let (done, acked) = self
+            .script_acked(StoreOp::TakeOver, script, key, &args)
             .await?;
+        if done == 1 {
+            // Too few replicas: the guard, still armed, gives the record back.
+            self.may_act(StoreOp::TakeOver, acked)?;
+        }
         guard.disarm();
         Ok((done == 1).then_some(owner))
     }
 
     async fn delete(&self, key: &StoreKey) -> Result<bool, StoreError> {
-        let mut conn = self.conn()?;
         let args: [&[u8]; 2] = [self.shared.channel.as_bytes(), &key.hex_digits()];
-        let n: i64 = self
-            .call(
-                "delete",
-                eval(
-                    &mut conn,
-                    &self.shared.scripts.delete,
-                    &self.redis_key(key),
-                    &args,
-                ),
-            )
+        let n = self
+            .script(StoreOp::Delete, &self.shared.scripts.delete, key, &args)
             .await?;
         Ok(n == 1)
     }
@@ -575,11 +565,27 @@ impl Store for RedisStore {
         // Redis expires records itself.
         StoreStats {
             eviction_policy: self.shared.safety.policy(),
+            replica_acks_missed: self
+                .shared
+                .replicas
+                .as_ref()
+                .map(Replicas::missed)
+                .unwrap_or_default(),
             ..StoreStats::default()
         }
     }
 
     fn readiness(&self) -> Readiness {
+        if let Some(replicas) = &self.shared.replicas {
+            let connected = self.shared.safety.replicas();
+            if connected.is_none_or(|n| n < replicas.min()) {
+                let counted = connected.map_or("not counted yet".into(), |n| n.to_string());
+                return Readiness::NotReady(format!(
+                    "Redis's primary has fewer connected replicas ({counted}) than store.min_replicas ({}): new keys are refused",
+                    replicas.min()
+                ));
+            }
+        }
         let eviction = self.shared.safety.eviction();
         let note = self.shared.safety.note();
         if self.shared.require_noeviction && eviction != Eviction::Safe {

@@ -11,8 +11,12 @@
 //! `store.require_noeviction = true` new keys are refused until the policy is `noeviction`. A
 //! Redis that does not allow `CONFIG` (some managed services) cannot be checked: that is a
 //! warning, and with `require_noeviction` a refusal, since nothing proves the records are safe.
+//!
+//! With `store.min_replicas`, the same task counts the primary's connected replicas
+//! (`INFO replication`; in a cluster, the fewest of any primary) every [`REPLICAS_RECHECK`]:
+//! fewer than asked and `/readyz` says so, since no new key can be acknowledged.
 
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -24,6 +28,8 @@ use super::conn::HandleConn;
 pub const RECHECK: Duration = Duration::from_secs(30);
 /// How often it is tried until Redis first answers.
 const RETRY: Duration = Duration::from_secs(1);
+/// How often the connected replicas are counted, with `store.min_replicas`.
+pub const REPLICAS_RECHECK: Duration = Duration::from_secs(2);
 
 /// What the last check found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -40,9 +46,10 @@ pub enum Eviction {
 }
 
 /// The last check's findings; shared by every handle of one store.
-#[derive(Default)]
 pub struct Safety {
     eviction: AtomicU8,
+    /// Replicas connected to the primary (the fewest, in a cluster); -1 until counted.
+    replicas: AtomicI64,
     /// What to tell an operator about it (never a URL or a password).
     note: Mutex<Option<String>>,
     /// The policy read last (an evicting one, if nodes differ); `None` until read, or when it
@@ -50,7 +57,23 @@ pub struct Safety {
     policy: Mutex<Option<String>>,
 }
 
+impl Default for Safety {
+    fn default() -> Self {
+        Safety {
+            eviction: AtomicU8::new(Eviction::Unchecked as u8),
+            replicas: AtomicI64::new(-1),
+            note: Mutex::default(),
+            policy: Mutex::default(),
+        }
+    }
+}
+
 impl Safety {
+    /// Replicas connected to the primary when last counted; `None` until counted.
+    pub fn replicas(&self) -> Option<u32> {
+        u32::try_from(self.replicas.load(Ordering::Acquire)).ok()
+    }
+
     pub fn eviction(&self) -> Eviction {
         match self.eviction.load(Ordering::Acquire) {
             1 => Eviction::Safe,
@@ -93,8 +116,30 @@ impl Safety {
 }
 
 /// Reads Redis's configuration now and then, for as long as the store lives.
-pub async fn watch(handle: HandleConn, safety: Arc<Safety>, timeout: Duration) {
+pub async fn watch(
+    handle: HandleConn,
+    safety: Arc<Safety>,
+    timeout: Duration,
+    count_replicas: bool,
+) {
+    let mut next_config = tokio::time::Instant::now();
     loop {
+        if count_replicas {
+            let counted = match handle.get() {
+                Ok(mut conn) => tokio::time::timeout(timeout, connected_replicas(&mut conn))
+                    .await
+                    .ok()
+                    .flatten(),
+                Err(_) => None,
+            };
+            safety
+                .replicas
+                .store(counted.map_or(-1, i64::from), Ordering::Release);
+            if tokio::time::Instant::now() < next_config {
+                tokio::time::sleep(REPLICAS_RECHECK).await;
+                continue;
+            }
+        }
         let checked = match handle.get() {
             Ok(mut conn) => tokio::time::timeout(timeout, check(&mut conn))
                 .await
@@ -118,6 +163,12 @@ pub async fn watch(handle: HandleConn, safety: Arc<Safety>, timeout: Duration) {
             // No answer: the store reports that on its own; what was read last still holds, and
             // the next try is soon.
             Err(Unread::NoAnswer) => RETRY,
+        };
+        next_config = tokio::time::Instant::now() + pause;
+        let pause = if count_replicas {
+            pause.min(REPLICAS_RECHECK)
+        } else {
+            pause
         };
         tokio::time::sleep(pause).await;
     }
@@ -156,6 +207,23 @@ async fn check(
         "Redis neither appends to a file (appendonly no) nor snapshots (save \"\"): a Redis restart forgets every key, and their retries execute again; set appendonly yes".to_string()
     });
     Ok((Eviction::Safe, note, "noeviction".into()))
+}
+
+/// `connected_slaves` of `INFO replication`: the fewest of every primary that answered (a
+/// cluster answers for each); `None` if none did.
+async fn connected_replicas(conn: &mut super::conn::RedisConn) -> Option<u32> {
+    let answer: Value = redis::cmd("INFO")
+        .arg("replication")
+        .query_async(conn)
+        .await
+        .ok()?;
+    let mut texts = Vec::new();
+    flatten(&answer, &mut texts, 0);
+    texts
+        .iter()
+        .flat_map(|t| t.lines())
+        .filter_map(|line| line.trim().strip_prefix("connected_slaves:")?.parse().ok())
+        .min()
 }
 
 /// The values of `CONFIG GET name`, one per node that answered (a cluster may answer for each).

@@ -6,6 +6,7 @@ mod client;
 pub mod nats;
 mod process;
 pub mod redis;
+pub mod relay;
 mod upstream;
 
 use std::collections::HashMap;

@@ -331,6 +331,20 @@ fn start_and_wait_ready(bin: &PathBuf, args: &[String]) -> Child {
     child
 }
 
+/// A replica of the Redis on `port`, once it has caught up with it.
+pub async fn replica_of(port: u16) -> RedisServer {
+    // The first sync at once, not after Redis's default 5 s wait for more replicas.
+    cli(port, &["CONFIG", "SET", "repl-diskless-sync-delay", "0"]);
+    let replica = RedisServer::start_with(&["--replicaof", "127.0.0.1", &port.to_string()]);
+    let at = replica.port;
+    let following = super::eventually_within(Duration::from_secs(20), || async move {
+        cli(at, &["INFO", "replication"]).contains("master_link_status:up")
+    })
+    .await;
+    assert!(following, "the replica never caught up with its primary");
+    replica
+}
+
 /// A 3-master Redis Cluster formed by the test itself.
 pub struct RedisCluster {
     pub ports: Vec<u16>,

@@ -1,0 +1,232 @@
+//! A Redis failover under the gateway: a primary with one replica whose replication is stalled
+//! (a relay between them stops forwarding, as a partition or a slow link would), new keys
+//! during the stall, the primary killed with `kill -9`, the replica promoted and the gateway's
+//! address moved to it (as a virtual IP or a DNS name would be), then every key retried.
+//!
+//! With `store.min_replicas = 1` nothing of the stalled period is answered 2xx and nothing runs
+//! twice; without it, every key of the stalled period runs a second time: the figure in the
+//! README's "What a Redis failure can cost" table.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use http::StatusCode;
+use idemgate::config::{Config, ReplicaAcks, StoreConfig};
+
+use crate::support::redis::{cli, replica_of, RedisServer};
+use crate::support::relay::Relay;
+use crate::support::*;
+
+/// Keys written while the replica still follows, and while it is stalled.
+const BEFORE: usize = 5;
+const STALLED: usize = 20;
+
+/// A primary, a replica following it through `link`, and `vip`: the address the gateway uses.
+struct Pair {
+    primary: RedisServer,
+    replica: RedisServer,
+    link: Relay,
+    vip: Relay,
+    /// A replica of the promoted one, after the failover (the old primary, back as a replica).
+    rejoined: Option<RedisServer>,
+}
+
+impl Pair {
+    async fn start() -> Pair {
+        let primary = RedisServer::start();
+        let link = Relay::start(primary.port).await;
+        let replica = replica_of(link.port).await;
+        let vip = Relay::start(primary.port).await;
+        Pair {
+            primary,
+            replica,
+            link,
+            vip,
+            rejoined: None,
+        }
+    }
+
+    /// `kill -9` of the primary, the replica promoted, the address moved to it, and a node
+    /// back as its replica (with `min_replicas = 1`, no new key is taken until one is).
+    async fn fail_over(&mut self) {
+        self.primary.kill();
+        assert!(self.replica.cli(&["REPLICAOF", "NO", "ONE"]).contains("OK"));
+        self.vip.retarget(self.replica.port);
+        self.rejoined = Some(replica_of(self.replica.port).await);
+    }
+}
+
+/// The gateway on `vip` with `replicas` asked for, and an admin listener.
+async fn gateway(upstream: &str, vip: u16, replicas: Option<ReplicaAcks>) -> Running {
+    let mut config = Config::parse(&format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin = \"127.0.0.1:0\"\n[store]\nbackend = \"redis\"\nurl = \"redis://127.0.0.1:{vip}\"\ncommand_timeout = \"2s\"\n[upstream]\nurl = \"{upstream}\"\n{PAYMENTS}"
+    ))
+    .unwrap();
+    let StoreConfig::Redis(settings) = &mut config.store else {
+        panic!("not a Redis store");
+    };
+    settings.replicas = replicas;
+    Running::start(config).await.unwrap()
+}
+
+/// Posts `key` as a client does: again after each 503 (Redis unreachable, or not replicated),
+/// up to 10 s.
+async fn until_answered(http: &Http, key: &str) -> StatusCode {
+    for _ in 0..200 {
+        let got = http.post("/payments", key, "{}").await;
+        if got.status != StatusCode::SERVICE_UNAVAILABLE {
+            return got.status;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("{key}: still 503 after 10 s");
+}
+
+/// The scenario: what the keys of the stalled period were answered, and how many keys the
+/// upstream executed more than once.
+async fn failover(replicas: Option<ReplicaAcks>) -> (Vec<StatusCode>, usize) {
+    let mut pair = Pair::start().await;
+    let up = Upstream::counting().await;
+    let gw = gateway(&up.url(), pair.vip.port, replicas).await;
+    let http = Http::new(gw.addr());
+    for i in 0..BEFORE {
+        let got = http.post("/payments", &format!("before-{i}"), "{}").await;
+        assert_eq!(got.status, StatusCode::CREATED, "{got:?}");
+    }
+    pair.link.stall();
+    let mut stalled = Vec::new();
+    for i in 0..STALLED {
+        stalled.push(
+            http.post("/payments", &format!("stalled-{i}"), "{}")
+                .await
+                .status,
+        );
+    }
+    pair.fail_over().await;
+    for key in (0..BEFORE)
+        .map(|i| format!("before-{i}"))
+        .chain((0..STALLED).map(|i| format!("stalled-{i}")))
+    {
+        assert_eq!(
+            until_answered(&http, &key).await,
+            StatusCode::CREATED,
+            "{key}"
+        );
+    }
+    let mut runs: HashMap<String, usize> = HashMap::new();
+    for seen in up.seen() {
+        let key = seen.headers["idempotency-key"]
+            .to_str()
+            .unwrap()
+            .to_string();
+        *runs.entry(key).or_default() += 1;
+    }
+    // Every key ran at least once: a failover loses no work, whatever it does.
+    assert_eq!(runs.len(), BEFORE + STALLED, "{runs:?}");
+    let twice = runs.values().filter(|n| **n > 1).count();
+    (stalled, twice)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_min_replicas_a_failover_executes_nothing_twice() {
+    let acks = ReplicaAcks {
+        min: 1,
+        timeout: Duration::from_millis(100),
+    };
+    let (stalled, twice) = failover(Some(acks)).await;
+    assert!(
+        stalled
+            .iter()
+            .all(|s| *s == StatusCode::SERVICE_UNAVAILABLE),
+        "a key the replica did not hold was answered: {stalled:?}"
+    );
+    assert_eq!(twice, 0, "keys executed twice");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_min_replicas_a_failover_executes_the_unreplicated_keys_again() {
+    let (stalled, twice) = failover(None).await;
+    assert!(
+        stalled.iter().all(|s| *s == StatusCode::CREATED),
+        "{stalled:?}"
+    );
+    assert_eq!(
+        twice, STALLED,
+        "the README's table says every key of the stalled period runs again"
+    );
+}
+
+/// A Redis without the replicas asked for: `/readyz` says so, a new key is refused before it
+/// is forwarded, and the shortfall is counted; an existing key still replays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn too_few_replicas_refuse_new_keys_and_say_so() {
+    let redis = RedisServer::start();
+    let up = Upstream::counting().await;
+    let plain = gateway(&up.url(), redis.port, None).await;
+    let http = Http::new(plain.addr());
+    assert_eq!(http.post("/payments", "old", "{}").await.status, 201);
+    let acks = ReplicaAcks {
+        min: 1,
+        timeout: Duration::from_millis(50),
+    };
+    let gw = gateway(&up.url(), redis.port, Some(acks)).await;
+    let admin = gw.admin_addr().unwrap();
+    let not_ready = eventually(|| async {
+        let (status, body) = admin_get(admin, "/readyz").await;
+        status == 503 && body.contains("fewer connected replicas (0) than store.min_replicas (1)")
+    })
+    .await;
+    assert!(not_ready, "{:?}", admin_get(admin, "/readyz").await);
+
+    let http = Http::new(gw.addr());
+    let refused = http.post("/payments", "new", "{}").await;
+    assert_eq!(refused.status, 503, "{refused:?}");
+    assert_eq!(refused.problem_type(), "store-unavailable");
+    assert_eq!(up.executions(), 1, "the new key was forwarded");
+    // Given back (in the background): the key is free, not pending.
+    let given_back = eventually(|| async { redis.cli(&["DBSIZE"]).trim() == "1" }).await;
+    assert!(given_back, "{}", redis.cli(&["KEYS", "*"]));
+    let missed = scrape(admin).await;
+    assert_eq!(
+        missed.get("idemgate_store_replica_acks_missed_total{op=\"reserve\"}"),
+        Some(&1.0),
+        "{missed:?}"
+    );
+    let replay = http.post("/payments", "old", "{}").await;
+    assert_eq!(replay.status, 201);
+    assert_eq!(replay.headers["idempotent-replayed"], "true");
+    assert_eq!(up.executions(), 1);
+}
+
+/// Connections to the Redis on `port` but the asking one (`CLIENT LIST` has a line each).
+fn clients(port: u16) -> usize {
+    cli(port, &["CLIENT", "LIST"])
+        .lines()
+        .count()
+        .saturating_sub(1)
+}
+
+/// After a Redis restart the gateway's connections come back by themselves, before any request
+/// needs them: the first request after it is served, not answered 503 on a dead connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_redis_restart_the_first_request_is_served() {
+    let mut redis = RedisServer::start_durable();
+    let up = Upstream::counting().await;
+    let gw = gateway(&up.url(), redis.port, None).await;
+    let http = Http::new(gw.addr());
+    assert_eq!(http.post("/payments", "before", "{}").await.status, 201);
+    let port = redis.port;
+    // Every worker's connection, the readiness checker's and the subscriber's.
+    let connected = clients(port);
+    assert!(connected >= 3, "{}", cli(port, &["CLIENT", "LIST"]));
+    redis.restart();
+    let back = eventually(|| async move { clients(port) >= connected }).await;
+    assert!(back, "{}", cli(port, &["CLIENT", "LIST"]));
+    for i in 0..4 {
+        let got = http.post("/payments", &format!("after-{i}"), "{}").await;
+        assert_eq!(got.status, 201, "{got:?}");
+    }
+    let replay = http.post("/payments", "before", "{}").await;
+    assert_eq!(replay.headers["idempotent-replayed"], "true");
+    assert_eq!(up.executions(), 5);
+}
