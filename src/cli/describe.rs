@@ -87,6 +87,14 @@ fn store(store: &StoreConfig) -> String {
                         .collect::<Vec<_>>()
                         .join(", ")
                 ),
+                RedisTarget::Sentinel { sentinels, master } => format!(
+                    "primary {master:?} through sentinels [{}]",
+                    sentinels
+                        .iter()
+                        .map(|u| redact_url(u))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
             };
             let replicas = match r.replicas {
                 None => String::new(),
@@ -201,6 +209,15 @@ mod tests {
             "[store]\nbackend = \"redis\"\nurl = \"redis://user:s3cret@10.0.0.5:6380/2\"\n",
         ));
         assert!(text.contains("redis://user:***@10.0.0.5:6380/2"), "{text}");
+        assert!(!text.contains("s3cret"), "{text}");
+        let text = describe(&parsed(
+            "[store]\nbackend = \"redis\"\nsentinels = [\"redis://:s3cret@10.0.0.6:26379\"]\nmaster = \"pay\"\nmin_replicas = 1\n",
+        ));
+        assert!(
+            text.contains("primary \"pay\" through sentinels [redis://:***@10.0.0.6:26379]")
+                && text.contains("min_replicas 1 within 1s"),
+            "{text}"
+        );
         assert!(!text.contains("s3cret"), "{text}");
         let text = describe(&parsed(
             "[store]\nbackend = \"disk\"\npath = \"/var/lib/idemgate\"\nsync = \"batch\"\nsync_interval = \"20ms\"\n",

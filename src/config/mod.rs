@@ -274,6 +274,13 @@ pub enum RedisTarget {
     Single(String),
     /// Seed nodes of a Redis Cluster.
     Cluster(Vec<String>),
+    /// The primary named `master`, found through these sentinels and followed through
+    /// failovers. The sentinels' URLs carry the credentials, database and TLS (`rediss://`)
+    /// used for the sentinels and for the primary alike.
+    Sentinel {
+        sentinels: Vec<String>,
+        master: String,
+    },
 }
 
 impl std::fmt::Debug for RedisTarget {
@@ -284,6 +291,10 @@ impl std::fmt::Debug for RedisTarget {
             RedisTarget::Cluster(nodes) => {
                 let shown: Vec<String> = nodes.iter().map(|u| redact_url(u)).collect();
                 write!(f, "Cluster({shown:?})")
+            }
+            RedisTarget::Sentinel { sentinels, master } => {
+                let shown: Vec<String> = sentinels.iter().map(|u| redact_url(u)).collect();
+                write!(f, "Sentinel({shown:?}, {master:?})")
             }
         }
     }

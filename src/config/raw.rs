@@ -132,6 +132,8 @@ pub(super) struct RawStore {
     pub(super) max_bytes: Option<Size>,
     pub(super) url: Option<String>,
     pub(super) cluster: Option<Vec<String>>,
+    pub(super) sentinels: Option<Vec<String>>,
+    pub(super) master: Option<String>,
     pub(super) key_prefix: Option<String>,
     #[serde(default, deserialize_with = "duration")]
     pub(super) command_timeout: Option<Duration>,

@@ -367,7 +367,7 @@ fn bad_redis_settings_are_refused() {
     assert_eq!(
         store("backend = \"redis\"").unwrap_err(),
         ConfigError::Missing {
-            field: "store.url (or store.cluster)".into()
+            field: "store.url (or store.cluster, or store.sentinels)".into()
         }
     );
     assert_eq!(
@@ -1122,5 +1122,48 @@ fn min_replicas_asks_for_acknowledgements_within_replica_timeout() {
     assert_eq!(
         invalid_field(store("backend = \"memory\"\nmin_replicas = 1")).0,
         "store.min_replicas"
+    );
+}
+
+#[test]
+fn sentinels_name_the_primary_they_watch() {
+    let c = store("backend = \"redis\"\nsentinels = [\"redis://:pw@10.0.0.1:26379\", \"redis://10.0.0.2:26379\"]\nmaster = \"mymaster\"").unwrap();
+    let StoreConfig::Redis(r) = c.store else {
+        panic!("{:?}", c.store)
+    };
+    assert_eq!(
+        r.target,
+        RedisTarget::Sentinel {
+            sentinels: vec![
+                "redis://:pw@10.0.0.1:26379".into(),
+                "redis://10.0.0.2:26379".into()
+            ],
+            master: "mymaster".into()
+        }
+    );
+    assert!(!format!("{:?}", r.target).contains("pw"));
+    let refused = |extra: &str| invalid_field(store(&format!("backend = \"redis\"\n{extra}"))).0;
+    assert_eq!(
+        refused("sentinels = [\"redis://a:26379\"]\nmaster = \"my master\""),
+        "store.master"
+    );
+    assert_eq!(refused("sentinels = []\nmaster = \"m\""), "store.sentinels");
+    assert_eq!(
+        refused("sentinels = [\"http://a:26379\"]\nmaster = \"m\""),
+        "store.sentinels"
+    );
+    assert_eq!(
+        refused("url = \"redis://a:1\"\nsentinels = [\"redis://a:26379\"]\nmaster = \"m\""),
+        "store.sentinels"
+    );
+    assert_eq!(
+        refused("url = \"redis://a:1\"\nmaster = \"m\""),
+        "store.master"
+    );
+    assert_eq!(
+        store("backend = \"redis\"\nsentinels = [\"redis://a:26379\"]").unwrap_err(),
+        ConfigError::Missing {
+            field: "store.master (with store.sentinels)".into()
+        }
     );
 }

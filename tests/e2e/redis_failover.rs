@@ -11,9 +11,9 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use http::StatusCode;
-use idemgate::config::{Config, ReplicaAcks, StoreConfig};
+use idemgate::config::{Config, RedisTarget, ReplicaAcks, StoreConfig};
 
-use crate::support::redis::{cli, replica_of, RedisServer};
+use crate::support::redis::{cli, replica_of, RedisServer, Sentinel};
 use crate::support::relay::Relay;
 use crate::support::*;
 
@@ -229,4 +229,139 @@ async fn after_a_redis_restart_the_first_request_is_served() {
     let replay = http.post("/payments", "before", "{}").await;
     assert_eq!(replay.headers["idempotent-replayed"], "true");
     assert_eq!(up.executions(), 5);
+}
+
+/// A primary, two replicas and three sentinels (quorum 2), every one of them aware of the others.
+struct Watched {
+    primary: RedisServer,
+    replicas: [RedisServer; 2],
+    sentinels: Vec<Sentinel>,
+}
+
+impl Watched {
+    async fn start() -> Watched {
+        let primary = RedisServer::start();
+        let replicas = [
+            replica_of(primary.port).await,
+            replica_of(primary.port).await,
+        ];
+        let sentinels: Vec<Sentinel> = (0..3).map(|_| Sentinel::start(primary.port)).collect();
+        for s in &sentinels {
+            let aware =
+                eventually_within(Duration::from_secs(30), || async { s.knows() == (2, 2) }).await;
+            assert!(aware, "sentinel {} knows {:?}", s.port, s.knows());
+        }
+        Watched {
+            primary,
+            replicas,
+            sentinels,
+        }
+    }
+}
+
+/// Posts new keys one after another until `stop`, each once; what each got, and when.
+async fn traffic(
+    http: Http,
+    stop: tokio::sync::watch::Receiver<bool>,
+) -> Vec<(String, StatusCode, std::time::Instant)> {
+    let mut sent = Vec::new();
+    for i in 0.. {
+        if *stop.borrow() {
+            break;
+        }
+        let key = format!("t-{i}");
+        let status = http.post("/payments", &key, "{}").await.status;
+        sent.push((key, status, std::time::Instant::now()));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    sent
+}
+
+/// The primary killed under traffic: the sentinels promote a replica, and the same gateway
+/// process finds it and serves again within 10 s of the promotion; nothing runs twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sentinel_failover_under_traffic_is_followed_and_runs_nothing_twice() {
+    let mut redis = Watched::start().await;
+    let up = Upstream::counting().await;
+    let mut config = Config::parse(&format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\n[store]\nbackend = \"redis\"\nurl = \"redis://127.0.0.1:1\"\n[upstream]\nurl = \"{}\"\n{PAYMENTS}",
+        up.url()
+    ))
+    .unwrap();
+    let StoreConfig::Redis(settings) = &mut config.store else {
+        panic!("not a Redis store");
+    };
+    settings.target = RedisTarget::Sentinel {
+        sentinels: redis.sentinels.iter().map(Sentinel::url).collect(),
+        master: "mymaster".into(),
+    };
+    settings.replicas = Some(ReplicaAcks {
+        min: 1,
+        timeout: Duration::from_millis(500),
+    });
+    // A key whose owner died with the primary answers 409 at once instead of waiting.
+    config.routes[0].policy.wait = Duration::ZERO;
+    let gw = Running::start(config).await.unwrap();
+    let http = Http::new(gw.addr());
+    let serving = eventually(|| async {
+        http.post("/payments", "first", "{}").await.status == StatusCode::CREATED
+    })
+    .await;
+    assert!(serving, "the gateway never found the primary");
+
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let driver = tokio::spawn(traffic(http.clone(), stopped));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let old = redis.primary.port;
+    redis.primary.kill();
+    let sentinel = &redis.sentinels[0];
+    let promoted = eventually_within(Duration::from_secs(30), || async {
+        sentinel.primary().is_some_and(|p| p != old)
+    })
+    .await;
+    assert!(promoted, "no replica was promoted");
+    let promoted_at = std::time::Instant::now();
+    let served = eventually_within(Duration::from_secs(20), || async {
+        http.post(
+            "/payments",
+            &format!("probe-{:?}", promoted_at.elapsed()),
+            "{}",
+        )
+        .await
+        .status
+            == StatusCode::CREATED
+    })
+    .await;
+    let took = promoted_at.elapsed();
+    stop.send_replace(true);
+    let sent = driver.await.unwrap();
+    assert!(served, "not served again within 20 s of the promotion");
+    eprintln!(
+        "sentinel failover: served again {took:?} after the promotion; {} keys sent under traffic",
+        sent.len()
+    );
+    assert!(
+        took < Duration::from_secs(10),
+        "served again after {took:?}"
+    );
+
+    // Every key of the traffic retried: none runs a second time.
+    for (key, _, _) in &sent {
+        let again = until_answered(&http, key).await;
+        assert!(
+            again == StatusCode::CREATED || again == StatusCode::CONFLICT,
+            "{key}: {again}"
+        );
+    }
+    let mut runs: HashMap<String, usize> = HashMap::new();
+    for seen in up.seen() {
+        let key = seen.headers["idempotency-key"]
+            .to_str()
+            .unwrap()
+            .to_string();
+        *runs.entry(key).or_default() += 1;
+    }
+    let twice: Vec<_> = runs.iter().filter(|(_, n)| **n > 1).collect();
+    assert!(twice.is_empty(), "ran twice: {twice:?}");
+    assert!(!redis.replicas.is_empty());
 }

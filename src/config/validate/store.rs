@@ -60,6 +60,8 @@ fn not_memory(raw: &RawStore) -> Result<(), ConfigError> {
 fn not_redis(raw: &RawStore) -> Result<(), ConfigError> {
     only("url", raw.url.is_some(), "redis")?;
     only("cluster", raw.cluster.is_some(), "redis")?;
+    only("sentinels", raw.sentinels.is_some(), "redis")?;
+    only("master", raw.master.is_some(), "redis")?;
     only("key_prefix", raw.key_prefix.is_some(), "redis")?;
     only("command_timeout", raw.command_timeout.is_some(), "redis")?;
     only("tls_ca_file", raw.tls_ca_file.is_some(), "redis")?;
@@ -141,7 +143,7 @@ fn memory(raw: RawStore) -> Result<StoreConfig, ConfigError> {
 }
 
 fn redis(raw: RawStore) -> Result<RedisSettings, ConfigError> {
-    let target = redis_target(raw.url, raw.cluster)?;
+    let target = redis_target(raw.url, raw.cluster, raw.sentinels, raw.master)?;
     let key_prefix = raw.key_prefix.unwrap_or_else(|| "idemgate:".into());
     if key_prefix.contains(['{', '}']) || key_prefix.len() > 64 {
         return Err(ConfigError::invalid(
@@ -204,8 +206,57 @@ fn replica_acks(
     }
 }
 
-/// `store.url` (one Redis) or `store.cluster` (seed nodes), exactly one of them.
+/// `store.url` (one Redis), `store.cluster` (seed nodes) or `store.sentinels` with `master`:
+/// exactly one of them.
 fn redis_target(
+    url: Option<String>,
+    cluster: Option<Vec<String>>,
+    sentinels: Option<Vec<String>>,
+    master: Option<String>,
+) -> Result<RedisTarget, ConfigError> {
+    let Some(sentinels) = sentinels else {
+        if let Some(master) = master {
+            return Err(ConfigError::invalid(
+                "store.master",
+                master,
+                "only with store.sentinels",
+            ));
+        }
+        return single_or_cluster(url, cluster);
+    };
+    if url.is_some() || cluster.is_some() {
+        return Err(ConfigError::invalid(
+            "store.sentinels",
+            "(set together with store.url or store.cluster)",
+            "one of store.url (one Redis), store.cluster (Redis Cluster) and store.sentinels (Redis Sentinel)",
+        ));
+    }
+    if sentinels.is_empty() {
+        return Err(ConfigError::invalid(
+            "store.sentinels",
+            "[]",
+            "a non-empty list of sentinel URLs such as [\"redis://10.0.0.1:26379\"]",
+        ));
+    }
+    let master = master.ok_or_else(|| ConfigError::Missing {
+        field: "store.master (with store.sentinels)".into(),
+    })?;
+    if master.is_empty() || master.len() > 128 || master.chars().any(|c| c.is_control() || c == ' ')
+    {
+        return Err(ConfigError::invalid(
+            "store.master",
+            master,
+            "the name the sentinels monitor the primary under (sentinel monitor <name> ...), such as \"mymaster\"",
+        ));
+    }
+    let sentinels = sentinels
+        .into_iter()
+        .map(|u| validate_redis_url("store.sentinels", u))
+        .collect::<Result<_, _>>()?;
+    Ok(RedisTarget::Sentinel { sentinels, master })
+}
+
+fn single_or_cluster(
     url: Option<String>,
     cluster: Option<Vec<String>>,
 ) -> Result<RedisTarget, ConfigError> {
@@ -228,7 +279,7 @@ fn redis_target(
             "either store.url (one Redis) or store.cluster (Redis Cluster seed nodes), not both",
         )),
         (None, None) => Err(ConfigError::Missing {
-            field: "store.url (or store.cluster)".into(),
+            field: "store.url (or store.cluster, or store.sentinels)".into(),
         }),
     }
 }

@@ -8,7 +8,7 @@
 //! and a worker that stops at shutdown takes no one else's connection with it. Redis sees one
 //! connection per worker, plus one for readiness and one for pub/sub.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
@@ -16,6 +16,7 @@ use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, Pipeline, RedisFuture, Script, Value};
 use tokio::sync::OnceCell;
 
+use super::sentinel::Follower;
 use crate::config::RedisSettings;
 use crate::store::{OpenError, StoreError};
 
@@ -66,12 +67,19 @@ pub enum Connector {
     /// A cluster: one shared connection, set once the cluster first answers
     /// ([`connect_cluster`]).
     Cluster(Arc<OnceCell<RedisConn>>),
+    /// The primary the sentinels name: each handle connects to it, and again when it moves.
+    Sentinel(Arc<Follower>),
 }
 
 /// One handle's connection.
 pub enum HandleConn {
     Single(ConnectionManager),
     Cluster(Arc<OnceCell<RedisConn>>),
+    /// The connection to the primary of a generation, made on first use after it moved.
+    Sentinel {
+        follower: Arc<Follower>,
+        mine: Mutex<Option<(u64, ConnectionManager)>>,
+    },
 }
 
 impl Connector {
@@ -85,6 +93,17 @@ impl Connector {
                     .map_err(|e| StoreError::Unavailable(format!("connect: {e}")))
             }
             Connector::Cluster(cell) => Ok(HandleConn::Cluster(Arc::clone(cell))),
+            Connector::Sentinel(follower) => Ok(HandleConn::Sentinel {
+                follower: Arc::clone(follower),
+                mine: Mutex::new(None),
+            }),
+        }
+    }
+
+    /// Told of a failed command: with Sentinel, the primary may have moved.
+    pub fn failed(&self, e: Option<&redis::RedisError>) {
+        if let Connector::Sentinel(follower) = self {
+            follower.failed(e);
         }
     }
 }
@@ -96,6 +115,24 @@ impl HandleConn {
             HandleConn::Cluster(cell) => cell.get().cloned().ok_or_else(|| {
                 StoreError::Unavailable("not connected to the Redis cluster yet".into())
             }),
+            HandleConn::Sentinel { follower, mine } => {
+                let primary = follower.current().ok_or_else(|| {
+                    StoreError::Unavailable("the sentinels have named no Redis primary yet".into())
+                })?;
+                let mut mine = mine.lock().unwrap_or_else(PoisonError::into_inner);
+                if let Some((generation, conn)) = &*mine {
+                    if *generation == primary.generation {
+                        return Ok(RedisConn::Single(conn.clone()));
+                    }
+                }
+                let conn = ConnectionManager::new_lazy_with_config(
+                    primary.client.clone(),
+                    follower.config.clone(),
+                )
+                .map_err(|e| StoreError::Unavailable(format!("connect: {e}")))?;
+                *mine = Some((primary.generation, conn.clone()));
+                Ok(RedisConn::Single(conn))
+            }
         }
     }
 }

@@ -23,6 +23,7 @@ mod guard;
 mod replicas;
 mod safety;
 mod scripts;
+mod sentinel;
 mod subscriber;
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -43,6 +44,7 @@ use self::guard::ReleaseOnDrop;
 use self::replicas::{Replicas, Shortfall};
 use self::safety::{Eviction, Safety};
 use self::scripts::Scripts;
+use self::subscriber::Source;
 use super::changes::Waiters;
 use super::codec;
 use super::{
@@ -99,19 +101,22 @@ impl RedisStore {
         let timeout = settings.command_timeout;
         let certs = certificates(settings)?;
         let open = |url: &str| client(url, certs.as_ref());
-        let (connector, subscriber_client) = match &settings.target {
+        let (connector, subscriber_source) = match &settings.target {
             RedisTarget::Single(url) => {
                 let client = commands_client(url, certs.as_ref())?;
-                let config = ConnectionManagerConfig::new()
-                    .set_connection_timeout(Some(timeout.max(Duration::from_secs(1))))
-                    // No response timeout of its own: `call` bounds every command by
-                    // `command_timeout` already, and a second timer per command is work for
-                    // nothing (it never triggered a reconnect either).
-                    .set_response_timeout(None)
-                    .set_number_of_retries(2)
-                    .set_max_delay(Duration::from_secs(1));
+                let config = manager_config(timeout);
                 let connector = Connector::Single { client, config };
-                (connector, open(url)?)
+                (connector, Source::Fixed(open(url)?))
+            }
+            RedisTarget::Sentinel { sentinels, master } => {
+                let config = manager_config(timeout);
+                let (sentinels, follower) =
+                    sentinel::open(sentinels, master, certs.as_ref(), config)?;
+                tasks.push(
+                    tokio::spawn(sentinel::follow(sentinels, Arc::clone(&follower))).abort_handle(),
+                );
+                let source = Source::Following(Arc::clone(&follower));
+                (Connector::Sentinel(follower), source)
             }
             RedisTarget::Cluster(nodes) => {
                 let mut builder =
@@ -129,7 +134,7 @@ impl RedisStore {
                     tokio::spawn(conn::connect_cluster(cluster, Arc::clone(&cell))).abort_handle(),
                 );
                 let first = open(nodes.first().map(String::as_str).unwrap_or_default())?;
-                (Connector::Cluster(cell), first)
+                (Connector::Cluster(cell), Source::Fixed(first))
             }
         };
         // This first handle's connection: made here, so settings that cannot make one fail at
@@ -153,7 +158,7 @@ impl RedisStore {
         let subscribed = Arc::new(AtomicBool::new(false));
         tasks.push(
             tokio::spawn(subscriber::listen(
-                subscriber_client,
+                subscriber_source,
                 channel.clone(),
                 waiters.clone(),
                 Arc::clone(&subscribed),
@@ -224,10 +229,16 @@ impl RedisStore {
     ) -> Result<T, StoreError> {
         match tokio::time::timeout(within, fut).await {
             Ok(Ok(v)) => Ok(v),
-            Ok(Err(e)) => Err(StoreError::Unavailable(format!("{what}: {e}"))),
-            Err(_) => Err(StoreError::Unavailable(format!(
-                "{what}: no answer within {within:?}"
-            ))),
+            Ok(Err(e)) => {
+                self.shared.connector.failed(Some(&e));
+                Err(StoreError::Unavailable(format!("{what}: {e}")))
+            }
+            Err(_) => {
+                self.shared.connector.failed(None);
+                Err(StoreError::Unavailable(format!(
+                    "{what}: no answer within {within:?}"
+                )))
+            }
         }
     }
 
@@ -301,6 +312,18 @@ impl RedisStore {
             _ => Ok(()),
         }
     }
+}
+
+/// How each handle's connection to a single Redis (or a Sentinel's primary) behaves.
+fn manager_config(timeout: Duration) -> ConnectionManagerConfig {
+    ConnectionManagerConfig::new()
+        .set_connection_timeout(Some(timeout.max(Duration::from_secs(1))))
+        // No response timeout of its own: `call` bounds every command by `command_timeout`
+        // already, and a second timer per command is work for nothing (it never triggered a
+        // reconnect either).
+        .set_response_timeout(None)
+        .set_number_of_retries(2)
+        .set_max_delay(Duration::from_secs(1))
 }
 
 /// `<prefix>{<hex>}`, built by hand: `format!` cost more than the command it names.

@@ -317,7 +317,8 @@ fn start_and_wait_ready(bin: &PathBuf, args: &[String]) -> Child {
     std::thread::spawn(move || {
         let mut tx = Some(tx);
         for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if line.contains("Ready to accept connections") {
+            // A sentinel says neither: it is ready once it monitors its primary.
+            if line.contains("Ready to accept connections") || line.contains("+monitor master") {
                 if let Some(tx) = tx.take() {
                     let _ = tx.send(());
                 }
@@ -343,6 +344,73 @@ pub async fn replica_of(port: u16) -> RedisServer {
     .await;
     assert!(following, "the replica never caught up with its primary");
     replica
+}
+
+/// One Redis Sentinel (`redis-server <conf> --sentinel`) watching the primary on `primary` as
+/// `mymaster` with a quorum of 2, quick to act: the primary is down after 500 ms without an
+/// answer. Killed on drop.
+pub struct Sentinel {
+    pub port: u16,
+    dir: PathBuf,
+    child: Option<Child>,
+}
+
+impl Sentinel {
+    pub fn start(primary: u16) -> Sentinel {
+        let port = free_port(false);
+        let dir = scratch_dir("sentinel");
+        let conf = dir.join("sentinel.conf");
+        std::fs::write(
+            &conf,
+            format!(
+                "port {port}\nbind 127.0.0.1\ndir {}\nsentinel monitor mymaster 127.0.0.1 {primary} 2\nsentinel down-after-milliseconds mymaster 500\nsentinel failover-timeout mymaster 5000\nsentinel parallel-syncs mymaster 2\n",
+                dir.display()
+            ),
+        )
+        .unwrap();
+        let args = [
+            conf.display().to_string(),
+            "--sentinel".into(),
+            "--logfile".into(),
+            "".into(),
+        ];
+        let child = Some(start_and_wait_ready(&binary("redis-server"), &args));
+        Sentinel { port, dir, child }
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// The port of the primary this sentinel names now.
+    pub fn primary(&self) -> Option<u16> {
+        let out = cli(
+            self.port,
+            &["SENTINEL", "get-master-addr-by-name", "mymaster"],
+        );
+        out.lines().nth(1)?.trim().parse().ok()
+    }
+
+    /// How many replicas and other sentinels this one knows of.
+    pub fn knows(&self) -> (usize, usize) {
+        let count = |what: &str| {
+            cli(self.port, &["SENTINEL", what, "mymaster"])
+                .lines()
+                .filter(|l| l.trim() == "name")
+                .count()
+        };
+        (count("replicas"), count("sentinels"))
+    }
+}
+
+impl Drop for Sentinel {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
 }
 
 /// A 3-master Redis Cluster formed by the test itself.
