@@ -312,6 +312,40 @@ impl RedisStore {
             _ => Ok(()),
         }
     }
+
+    /// Acts on a new record ([`Self::may_act`]), or gives it back before the refusal is
+    /// answered, so that the client's retry finds the key free rather than in flight; if that
+    /// fails, `guard` (still armed) tries again in the background.
+    async fn act_or_give_back(
+        &self,
+        op: StoreOp,
+        key: &StoreKey,
+        owner: OwnerToken,
+        acked: Option<i64>,
+        guard: ReleaseOnDrop,
+    ) -> Result<(), StoreError> {
+        let Err(refused) = self.may_act(op, acked) else {
+            guard.disarm();
+            return Ok(());
+        };
+        let mut conn = self.conn()?;
+        let args: [&[u8]; 3] = [
+            &codec::owner_bytes(owner),
+            self.shared.channel.as_bytes(),
+            &key.hex_digits(),
+        ];
+        let script = &self.shared.scripts.release;
+        let released: Result<i64, _> = self
+            .call(
+                "release",
+                eval(&mut conn, script, &self.redis_key(key), &args),
+            )
+            .await;
+        if released.is_ok() {
+            guard.disarm();
+        }
+        Err(refused)
+    }
 }
 
 /// How each handle's connection to a single Redis (or a Sentinel's primary) behaves.
@@ -412,9 +446,8 @@ impl Store for RedisStore {
             // Made now; or with our own token, when the cluster client sent the command again
             // after losing a reply, and the first one made it: ours, not another's in flight.
             _ => {
-                // Too few replicas: the guard, still armed, gives the record back.
-                self.may_act(StoreOp::Reserve, acked)?;
-                guard.disarm();
+                self.act_or_give_back(StoreOp::Reserve, key, owner, acked, guard)
+                    .await?;
                 Ok(Reservation::Owner(owner))
             }
         }
@@ -549,12 +582,13 @@ impl Store for RedisStore {
         let (done, acked) = self
             .script_acked(StoreOp::TakeOver, script, key, &args)
             .await?;
-        if done == 1 {
-            // Too few replicas: the guard, still armed, gives the record back.
-            self.may_act(StoreOp::TakeOver, acked)?;
+        if done != 1 {
+            guard.disarm();
+            return Ok(None);
         }
-        guard.disarm();
-        Ok((done == 1).then_some(owner))
+        self.act_or_give_back(StoreOp::TakeOver, key, owner, acked, guard)
+            .await?;
+        Ok(Some(owner))
     }
 
     async fn delete(&self, key: &StoreKey) -> Result<bool, StoreError> {

@@ -417,15 +417,27 @@ impl Drop for Sentinel {
 pub struct RedisCluster {
     pub ports: Vec<u16>,
     dir: PathBuf,
-    children: Vec<Child>,
+    args: Vec<Vec<String>>,
+    children: Vec<Option<Child>>,
 }
 
 impl RedisCluster {
+    /// Three masters, no replicas.
     pub fn start() -> RedisCluster {
+        Self::start_with(3, 0)
+    }
+
+    /// Three masters with a replica each; a master that stops answering for 1 s is failed over.
+    pub fn start_with_replicas() -> RedisCluster {
+        Self::start_with(6, 1)
+    }
+
+    fn start_with(nodes: usize, replicas: usize) -> RedisCluster {
         let dir = scratch_dir("cluster");
         let mut ports = Vec::new();
+        let mut args = Vec::new();
         let mut children = Vec::new();
-        for _ in 0..3 {
+        for _ in 0..nodes {
             let port = loop {
                 let p = free_port(true);
                 if !ports.contains(&p) {
@@ -434,7 +446,7 @@ impl RedisCluster {
             };
             let node_dir = dir.join(port.to_string());
             std::fs::create_dir_all(&node_dir).unwrap();
-            let args: Vec<String> = [
+            let node_args: Vec<String> = [
                 "--port",
                 &port.to_string(),
                 "--bind",
@@ -443,6 +455,10 @@ impl RedisCluster {
                 "yes",
                 "--cluster-config-file",
                 "nodes.conf",
+                "--cluster-node-timeout",
+                if replicas > 0 { "1000" } else { "15000" },
+                "--repl-diskless-sync-delay",
+                "0",
                 "--save",
                 "",
                 "--dir",
@@ -453,14 +469,18 @@ impl RedisCluster {
             .iter()
             .map(|s| s.to_string())
             .collect();
-            children.push(start_and_wait_ready(&binary("redis-server"), &args));
+            children.push(Some(start_and_wait_ready(
+                &binary("redis-server"),
+                &node_args,
+            )));
+            args.push(node_args);
             ports.push(port);
         }
         let nodes: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
         let out = Command::new(binary("redis-cli"))
             .args(["--cluster", "create"])
             .args(&nodes)
-            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
             .output()
             .unwrap();
         assert!(
@@ -471,17 +491,22 @@ impl RedisCluster {
         let cluster = RedisCluster {
             ports,
             dir,
+            args,
             children,
         };
         cluster.wait_ok();
         cluster
     }
 
-    /// Waits until every node reports `cluster_state:ok` (redis-cli offers no blocking wait).
+    /// Waits until every running node reports `cluster_state:ok` (redis-cli offers no blocking
+    /// wait).
     #[allow(clippy::disallowed_methods)]
-    fn wait_ok(&self) {
+    pub fn wait_ok(&self) {
         let deadline = Instant::now() + Duration::from_secs(30);
-        for &port in &self.ports {
+        for (i, &port) in self.ports.iter().enumerate() {
+            if self.children[i].is_none() {
+                continue;
+            }
             while !cli(port, &["cluster", "info"]).contains("cluster_state:ok") {
                 assert!(
                     Instant::now() < deadline,
@@ -490,6 +515,38 @@ impl RedisCluster {
                 std::thread::sleep(Duration::from_millis(50));
             }
         }
+    }
+
+    /// The ports of the nodes that are masters now, as `port` sees the cluster.
+    pub fn masters(&self, port: u16) -> Vec<u16> {
+        cli(port, &["cluster", "nodes"])
+            .lines()
+            .filter(|l| l.contains("master") && !l.contains("fail"))
+            .filter_map(|l| {
+                let addr = l.split_whitespace().nth(1)?;
+                addr.split(['@', ':']).nth(1)?.parse().ok()
+            })
+            .collect()
+    }
+
+    /// `kill -9` of the node on `port`.
+    pub fn kill(&mut self, port: u16) {
+        let i = self.index(port);
+        if let Some(mut c) = self.children[i].take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Starts the node on `port` again, with its cluster configuration.
+    pub fn restart(&mut self, port: u16) {
+        let i = self.index(port);
+        self.kill(port);
+        self.children[i] = Some(start_and_wait_ready(&binary("redis-server"), &self.args[i]));
+    }
+
+    fn index(&self, port: u16) -> usize {
+        self.ports.iter().position(|p| *p == port).unwrap()
     }
 
     pub fn urls(&self) -> Vec<String> {
@@ -502,7 +559,7 @@ impl RedisCluster {
 
 impl Drop for RedisCluster {
     fn drop(&mut self) {
-        for c in &mut self.children {
+        for c in self.children.iter_mut().flatten() {
             let _ = c.kill();
             let _ = c.wait();
         }
