@@ -98,9 +98,9 @@ pub struct ConsumerError {
 }
 
 /// A consumer's source, whichever broker it is.
+// Both boxed: their connection state is large, and one is made per consumer.
 pub enum AnySource {
-    Redis(RedisStream),
-    // Boxed: its connection state is large, and one is made per consumer.
+    Redis(Box<RedisStream>),
     Nats(Box<NatsStream>),
 }
 
@@ -185,7 +185,7 @@ pub fn sources(configs: &[ConsumerConfig]) -> Result<Vec<AnySource>, ConsumerErr
                 *claim_idle,
                 &c.body_field,
             )
-            .map(AnySource::Redis)
+            .map(|s| AnySource::Redis(Box::new(s)))
             .map_err(|source| ConsumerError {
                 consumer: c.name.clone(),
                 source,

@@ -7,6 +7,9 @@
 //! (unique per instance, and per restart), so that instances share the stream's entries and a
 //! restarted instance takes over what it left pending only once that is `claim_idle` old, as
 //! any other instance would.
+//!
+//! With a Sentinel store the stream is read on the primary the sentinels name, and followed
+//! to the new one after a failover, as the store's own connections are.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
@@ -14,11 +17,12 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue};
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::aio::ConnectionManagerConfig;
 use redis::{Cmd, Value};
 
 use super::source::{Message, Source, SourceError};
-use crate::config::{RedisSettings, RedisTarget};
+use crate::config::RedisSettings;
+use crate::store::redis::{StreamConn, StreamRedis};
 
 /// How long one XREADGROUP waits for new entries: short, so that shutdown and retries are not
 /// held up, long enough that an idle consumer costs Redis next to nothing.
@@ -61,9 +65,10 @@ pub struct RedisStream {
     claim_idle: Duration,
     timeout: Duration,
     /// For XREADGROUP, which blocks the connection it runs on.
-    reader: ConnectionManager,
+    reader: StreamConn,
     /// For everything else.
-    writer: ConnectionManager,
+    writer: StreamConn,
+    redis: StreamRedis,
     /// Where the next XAUTOCLAIM scan starts.
     cursor: Mutex<String>,
     group_made: AtomicBool,
@@ -79,22 +84,17 @@ impl RedisStream {
         claim_idle: Duration,
         body_field: &str,
     ) -> Result<Self, SourceError> {
-        let RedisTarget::Single(url) = &settings.target else {
-            return Err(SourceError::Refused(
-                "a stream is read from a single Redis".into(),
-            ));
-        };
-        let client = crate::store::redis::certificates(settings)
-            .and_then(|certs| crate::store::redis::client(url, certs.as_ref()))
-            .map_err(|e| SourceError::Refused(e.to_string()))?;
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(settings.command_timeout.max(Duration::from_secs(1))))
             // Every call is bounded by our own timeout, the blocking read included.
             .set_response_timeout(None)
             .set_number_of_retries(1)
             .set_max_delay(Duration::from_secs(1));
-        let manager = || {
-            ConnectionManager::new_lazy_with_config(client.clone(), config.clone())
+        let redis =
+            StreamRedis::open(settings, config).map_err(|e| SourceError::Refused(e.to_string()))?;
+        let conn = || {
+            redis
+                .conn()
                 .map_err(|e| SourceError::Unreachable(e.to_string()))
         };
         Ok(RedisStream {
@@ -105,8 +105,9 @@ impl RedisStream {
             body_field: body_field.to_string(),
             claim_idle,
             timeout: settings.command_timeout,
-            reader: manager()?,
-            writer: manager()?,
+            reader: conn()?,
+            writer: conn()?,
+            redis,
             cursor: Mutex::new("0-0".to_string()),
             group_made: AtomicBool::new(false),
         })
@@ -119,17 +120,29 @@ impl RedisStream {
 
     async fn call(
         &self,
-        conn: &ConnectionManager,
+        conn: &StreamConn,
         cmd: &Cmd,
         wait: Duration,
     ) -> Result<Value, SourceError> {
-        let mut conn = conn.clone();
-        match tokio::time::timeout(wait, cmd.query_async::<Value>(&mut conn)).await {
-            Ok(Ok(v)) => Ok(v),
-            Ok(Err(e)) if e.is_io_error() || e.is_connection_dropped() || e.is_timeout() => {
+        let answer = tokio::time::timeout(wait, conn.query(cmd)).await;
+        if let Ok(Ok(Err(e))) = &answer {
+            self.redis.failed(Some(e));
+        } else if answer.is_err() {
+            self.redis.failed(None);
+        }
+        match answer {
+            // No primary known yet (Sentinel).
+            Ok(Err(e)) => Err(SourceError::Unreachable(e.to_string())),
+            Ok(Ok(Ok(v))) => Ok(v),
+            Ok(Ok(Err(e)))
+                if e.is_io_error()
+                    || e.is_connection_dropped()
+                    || e.is_timeout()
+                    || e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::ReadOnly) =>
+            {
                 Err(SourceError::Unreachable(e.to_string()))
             }
-            Ok(Err(e)) => {
+            Ok(Ok(Err(e))) => {
                 if e.code() == Some("NOGROUP") {
                     // The stream or the group was deleted: made again before the next read.
                     self.group_made.store(false, Ordering::Relaxed);

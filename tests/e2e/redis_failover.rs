@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use http::StatusCode;
-use idemgate::config::{Config, RedisTarget, ReplicaAcks, StoreConfig};
+use idemgate::config::{Config, RedisTarget, ReplicaAcks, SourceConfig, StoreConfig};
 
 use crate::support::redis::{cli, replica_of, RedisCluster, RedisServer, Sentinel};
 use crate::support::relay::Relay;
@@ -454,4 +454,82 @@ async fn a_cluster_failover_under_traffic_runs_nothing_twice() {
     }
     let twice: Vec<_> = runs.iter().filter(|(_, n)| **n > 1).collect();
     assert!(twice.is_empty(), "ran twice: {twice:?}");
+}
+
+/// A Redis-stream consumer on a Sentinel store: after the primary is killed and a replica
+/// promoted, the consumer reads the stream on the new primary, and no message is applied twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_consumer_follows_a_sentinel_failover() {
+    let mut redis = Watched::start().await;
+    let up = Upstream::counting().await;
+    let mut config = Config::parse(&format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\n[store]\nbackend = \"redis\"\nurl = \"redis://127.0.0.1:1\"\n[upstream]\nurl = \"{0}\"\n[[consumers]]\nname = \"orders\"\nsource = {{ redis_stream = \"orders\", claim_idle = \"1s\" }}\nhandler = \"{0}/orders\"\nkey = {{ json = \"/messageId\" }}\nbackoff = \"50ms\"\nmax_backoff = \"200ms\"\n",
+        up.url()
+    ))
+    .unwrap();
+    let StoreConfig::Redis(settings) = &mut config.store else {
+        panic!("not a Redis store");
+    };
+    settings.target = RedisTarget::Sentinel {
+        sentinels: redis.sentinels.iter().map(Sentinel::url).collect(),
+        master: "mymaster".into(),
+    };
+    settings.replicas = Some(ReplicaAcks {
+        min: 1,
+        timeout: Duration::from_millis(500),
+    });
+    // The consumer reads the store's Redis: its copy of the settings, made when parsed.
+    let target = settings.target.clone();
+    let SourceConfig::RedisStream { redis: source, .. } = &mut config.consumers[0].source else {
+        panic!("not a Redis stream");
+    };
+    source.target = target;
+    let _gw = Running::start(config).await.unwrap();
+    let applied = || {
+        up.seen()
+            .iter()
+            .filter_map(|s| {
+                let v: serde_json::Value = serde_json::from_slice(&s.body).ok()?;
+                Some(v["messageId"].as_str()?.to_string())
+            })
+            .collect::<Vec<_>>()
+    };
+    let publish = |port: u16, id: &str| {
+        cli(
+            port,
+            &[
+                "XADD",
+                "orders",
+                "*",
+                "body",
+                &format!("{{\"messageId\":\"{id}\"}}"),
+            ],
+        )
+    };
+    publish(redis.primary.port, "before");
+    let handled = eventually_within(Duration::from_secs(20), || async {
+        applied().contains(&"before".to_string())
+    })
+    .await;
+    assert!(handled, "{:?}", applied());
+
+    let old = redis.primary.port;
+    redis.primary.kill();
+    let sentinel = &redis.sentinels[0];
+    let promoted = eventually_within(Duration::from_secs(30), || async {
+        sentinel.primary().is_some_and(|p| p != old)
+    })
+    .await;
+    assert!(promoted, "no replica was promoted");
+    let new_primary = sentinel.primary().unwrap();
+    publish(new_primary, "after");
+    let followed = eventually_within(Duration::from_secs(20), || async {
+        applied().contains(&"after".to_string())
+    })
+    .await;
+    assert!(followed, "the consumer did not follow: {:?}", applied());
+    let all = applied();
+    for id in ["before", "after"] {
+        assert_eq!(all.iter().filter(|a| *a == id).count(), 1, "{all:?}");
+    }
 }

@@ -136,14 +136,19 @@ fn redis_source(
             // The source's Redis holds the stream, not records: nothing is acted on from it.
             replicas: None,
         },
-        (None, StoreConfig::Redis(settings)) if matches!(settings.target, RedisTarget::Single(_)) => {
+        (None, StoreConfig::Redis(settings))
+            if matches!(
+                settings.target,
+                RedisTarget::Single(_) | RedisTarget::Sentinel { .. }
+            ) =>
+        {
             settings.clone()
         }
         (None, _) => {
             return Err(ConfigError::invalid(
                 at("source.url"),
                 "(none)",
-                "the Redis holding the stream (\"redis://host:6379\"); without it the [store]'s, which must then be a single Redis",
+                "the Redis holding the stream (\"redis://host:6379\"); without it the [store]'s, which must then be a single Redis or a Sentinel's primary",
             ))
         }
     };

@@ -8,6 +8,7 @@
 //! and a worker that stops at shutdown takes no one else's connection with it. Redis sees one
 //! connection per worker, plus one for readiness and one for pub/sub.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -63,6 +64,8 @@ pub enum Connector {
     Single {
         client: redis::Client,
         config: ConnectionManagerConfig,
+        /// Connections per handle ([`Lanes`]).
+        lanes: usize,
     },
     /// A cluster: one shared connection, set once the cluster first answers
     /// ([`connect_cluster`]).
@@ -73,13 +76,51 @@ pub enum Connector {
 
 /// One handle's connection.
 pub enum HandleConn {
-    Single(ConnectionManager),
+    Single(Lanes),
     Cluster(Arc<OnceCell<RedisConn>>),
-    /// The connection to the primary of a generation, made on first use after it moved.
+    /// The connections to the primary of a generation, made on first use after it moved.
     Sentinel {
         follower: Arc<Follower>,
-        mine: Mutex<Option<(u64, ConnectionManager)>>,
+        mine: Mutex<Option<(u64, Arc<Lanes>)>>,
     },
+}
+
+/// A handle's connections to one Redis, taken in turn: one, or with `store.min_replicas`
+/// several, since a `WAIT` holds up every command queued behind it on its connection.
+pub struct Lanes {
+    first: ConnectionManager,
+    rest: Vec<ConnectionManager>,
+    next: AtomicUsize,
+}
+
+impl Lanes {
+    fn new(
+        client: &redis::Client,
+        config: &ConnectionManagerConfig,
+        lanes: usize,
+    ) -> Result<Lanes, StoreError> {
+        let connect = || {
+            ConnectionManager::new_lazy_with_config(client.clone(), config.clone())
+                .map_err(|e| StoreError::Unavailable(format!("connect: {e}")))
+        };
+        Ok(Lanes {
+            first: connect()?,
+            rest: (1..lanes).map(|_| connect()).collect::<Result<_, _>>()?,
+            next: AtomicUsize::new(0),
+        })
+    }
+
+    fn pick(&self) -> RedisConn {
+        if self.rest.is_empty() {
+            return RedisConn::Single(self.first.clone());
+        }
+        let i = self.next.fetch_add(1, Ordering::Relaxed) % (self.rest.len() + 1);
+        let conn = i
+            .checked_sub(1)
+            .and_then(|i| self.rest.get(i))
+            .unwrap_or(&self.first);
+        RedisConn::Single(conn.clone())
+    }
 }
 
 impl Connector {
@@ -87,11 +128,11 @@ impl Connector {
     /// driver there); it connects on first use.
     pub fn handle(&self) -> Result<HandleConn, StoreError> {
         match self {
-            Connector::Single { client, config } => {
-                ConnectionManager::new_lazy_with_config(client.clone(), config.clone())
-                    .map(HandleConn::Single)
-                    .map_err(|e| StoreError::Unavailable(format!("connect: {e}")))
-            }
+            Connector::Single {
+                client,
+                config,
+                lanes,
+            } => Lanes::new(client, config, *lanes).map(HandleConn::Single),
             Connector::Cluster(cell) => Ok(HandleConn::Cluster(Arc::clone(cell))),
             Connector::Sentinel(follower) => Ok(HandleConn::Sentinel {
                 follower: Arc::clone(follower),
@@ -111,7 +152,7 @@ impl Connector {
 impl HandleConn {
     pub fn get(&self) -> Result<RedisConn, StoreError> {
         match self {
-            HandleConn::Single(c) => Ok(RedisConn::Single(c.clone())),
+            HandleConn::Single(lanes) => Ok(lanes.pick()),
             HandleConn::Cluster(cell) => cell.get().cloned().ok_or_else(|| {
                 StoreError::Unavailable("not connected to the Redis cluster yet".into())
             }),
@@ -119,19 +160,24 @@ impl HandleConn {
                 let primary = follower.current().ok_or_else(|| {
                     StoreError::Unavailable("the sentinels have named no Redis primary yet".into())
                 })?;
-                let mut mine = mine.lock().unwrap_or_else(PoisonError::into_inner);
-                if let Some((generation, conn)) = &*mine {
-                    if *generation == primary.generation {
-                        return Ok(RedisConn::Single(conn.clone()));
+                let lanes = {
+                    let mut mine = mine.lock().unwrap_or_else(PoisonError::into_inner);
+                    match &*mine {
+                        Some((generation, lanes)) if *generation == primary.generation => {
+                            Arc::clone(lanes)
+                        }
+                        _ => {
+                            let lanes = Arc::new(Lanes::new(
+                                &primary.client,
+                                &follower.config,
+                                follower.lanes,
+                            )?);
+                            *mine = Some((primary.generation, Arc::clone(&lanes)));
+                            lanes
+                        }
                     }
-                }
-                let conn = ConnectionManager::new_lazy_with_config(
-                    primary.client.clone(),
-                    follower.config.clone(),
-                )
-                .map_err(|e| StoreError::Unavailable(format!("connect: {e}")))?;
-                *mine = Some((primary.generation, conn.clone()));
-                Ok(RedisConn::Single(conn))
+                };
+                Ok(lanes.pick())
             }
         }
     }

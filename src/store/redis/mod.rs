@@ -24,6 +24,7 @@ mod replicas;
 mod safety;
 mod scripts;
 mod sentinel;
+mod streams;
 mod subscriber;
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -38,6 +39,7 @@ use tokio::sync::OnceCell;
 use tokio::task::AbortHandle;
 
 pub use self::conn::{certificates, client};
+pub use self::streams::{StreamConn, StreamRedis};
 
 use self::conn::{commands_client, eval, Connector, HandleConn, RedisConn};
 use self::guard::ReleaseOnDrop;
@@ -101,17 +103,28 @@ impl RedisStore {
         let timeout = settings.command_timeout;
         let certs = certificates(settings)?;
         let open = |url: &str| client(url, certs.as_ref());
+        // With min_replicas, commands spread over several connections per handle: a `WAIT`
+        // holds up everything behind it on its own.
+        let lanes = if settings.replicas.is_some() {
+            REPLICATED_LANES
+        } else {
+            1
+        };
         let (connector, subscriber_source) = match &settings.target {
             RedisTarget::Single(url) => {
                 let client = commands_client(url, certs.as_ref())?;
                 let config = manager_config(timeout);
-                let connector = Connector::Single { client, config };
+                let connector = Connector::Single {
+                    client,
+                    config,
+                    lanes,
+                };
                 (connector, Source::Fixed(open(url)?))
             }
             RedisTarget::Sentinel { sentinels, master } => {
                 let config = manager_config(timeout);
                 let (sentinels, follower) =
-                    sentinel::open(sentinels, master, certs.as_ref(), config)?;
+                    sentinel::open(sentinels, master, certs.as_ref(), (config, lanes), true)?;
                 tasks.push(
                     tokio::spawn(sentinel::follow(sentinels, Arc::clone(&follower))).abort_handle(),
                 );
@@ -347,6 +360,9 @@ impl RedisStore {
         Err(refused)
     }
 }
+
+/// Connections per handle to a single Redis or a Sentinel's primary with `min_replicas`.
+const REPLICATED_LANES: usize = 8;
 
 /// How each handle's connection to a single Redis (or a Sentinel's primary) behaves.
 fn manager_config(timeout: Duration) -> ConnectionManagerConfig {

@@ -30,8 +30,10 @@ pub struct Follower {
     /// Bumped each time the primary moves.
     moved: watch::Sender<u64>,
     ask_now: Notify,
-    /// For each handle's connection to the primary.
+    /// For each handle's connections to the primary.
     pub config: ConnectionManagerConfig,
+    /// Connections per handle (see [`super::conn::Lanes`]).
+    pub lanes: usize,
 }
 
 /// One primary, as found: its client, and which one it is.
@@ -72,6 +74,8 @@ pub struct Sentinels {
     /// The first sentinel URL: the primary is reached with its credentials, database and TLS.
     template: ConnectionInfo,
     certs: Option<redis::TlsCertificates>,
+    /// Whether the primary is spoken to in RESP3 (the store's commands) or RESP2 (the streams').
+    resp3: bool,
 }
 
 /// The sentinels of `urls`, watching `master`; a follower that knows no primary yet.
@@ -79,7 +83,8 @@ pub fn open(
     urls: &[String],
     master: &str,
     certs: Option<&redis::TlsCertificates>,
-    config: ConnectionManagerConfig,
+    (config, lanes): (ConnectionManagerConfig, usize),
+    resp3: bool,
 ) -> Result<(Sentinels, Arc<Follower>), OpenError> {
     let bad = |e: redis::RedisError| OpenError::RedisUrl(e.to_string());
     let infos = urls
@@ -126,11 +131,13 @@ pub fn open(
         moved: watch::channel(0).0,
         ask_now: Notify::new(),
         config,
+        lanes,
     });
     let sentinels = Sentinels {
         client,
         template,
         certs: certs.cloned(),
+        resp3,
     };
     Ok((sentinels, follower))
 }
@@ -182,13 +189,18 @@ pub async fn follow(mut sentinels: Sentinels, follower: Arc<Follower>) {
 
 impl Sentinels {
     /// A client of the primary at `addr`, with the first sentinel URL's credentials, database
-    /// and TLS files, speaking RESP3 (see [`super::conn::commands_client`]).
+    /// and TLS files (RESP3 for the store: see [`super::conn::commands_client`]).
     fn client_for(&self, addr: &ConnectionAddr) -> redis::RedisResult<redis::Client> {
+        let protocol = if self.resp3 {
+            ProtocolVersion::RESP3
+        } else {
+            ProtocolVersion::RESP2
+        };
         let settings = self
             .template
             .redis_settings()
             .clone()
-            .set_protocol(ProtocolVersion::RESP3);
+            .set_protocol(protocol);
         let info = self
             .template
             .clone()
