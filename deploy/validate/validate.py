@@ -141,7 +141,8 @@ def compare_configs(label, base, copy):
     """An override's or overlay's copy of the gateway's config against the base's."""
     (base_file, a), (copy_file, b) = base, copy
     backend = lambda c: c.get("store", {}).get("backend", "memory")  # noqa: E731
-    other = backend(a) != backend(b)
+    sentinels = lambda c: "sentinels" in c.get("store", {})  # noqa: E731
+    other = backend(a) != backend(b) or sentinels(a) != sentinels(b)
     diff = tls_only_differences(a, b, other)
     report(f"{label}: {copy_file} differs from {base_file} in TLS settings only" + (" and [store]" if other else ""),
            [f"also in: {', '.join(diff)} (keep the two alike)"] if diff else [])

@@ -3,8 +3,9 @@
 //!
 //! A task asks the sentinels for the primary named `master` (redis-rs's `SentinelClient`, which
 //! also checks with `ROLE` that the node it is told of is a primary) every [`RECHECK`], and at
-//! once when a command failed the way a failover makes commands fail (connection lost or
-//! refused, `READONLY`, no answer). When the address changes, each handle connects to the new
+//! once when a sentinel announces a failover (`+switch-master`, heard on one sentinel's pub/sub)
+//! or a command failed the way a failover makes commands fail (connection lost or refused,
+//! `READONLY`, no answer). When the address changes, each handle connects to the new
 //! primary on its next command ([`super::conn::HandleConn`]) and the pub/sub subscriber
 //! subscribes there.
 
@@ -12,10 +13,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use arc_swap::ArcSwapOption;
+use futures_util::StreamExt;
 use redis::aio::ConnectionManagerConfig;
 use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
 use redis::{ConnectionAddr, ConnectionInfo, IntoConnectionInfo, ProtocolVersion, TlsMode};
 use tokio::sync::{watch, Notify};
+use tokio_util::task::AbortOnDropHandle;
 
 use crate::store::OpenError;
 
@@ -74,6 +77,8 @@ pub struct Sentinels {
     /// The first sentinel URL: the primary is reached with its credentials, database and TLS.
     template: ConnectionInfo,
     certs: Option<redis::TlsCertificates>,
+    /// One client per sentinel, to hear `+switch-master` on.
+    announcers: Vec<redis::Client>,
     /// Whether the primary is spoken to in RESP3 (the store's commands) or RESP2 (the streams').
     resp3: bool,
 }
@@ -126,6 +131,14 @@ pub fn open(
             .set_client_to_redis_certificates(certs.clone());
     }
     let client = builder.build().map_err(bad)?;
+    let announcers = infos
+        .iter()
+        .map(|info| match certs {
+            None => redis::Client::open(info.clone()),
+            Some(c) => redis::Client::build_with_tls(info.clone(), c.clone()),
+        })
+        .collect::<Result<_, _>>()
+        .map_err(bad)?;
     let follower = Arc::new(Follower {
         current: ArcSwapOption::empty(),
         moved: watch::channel(0).0,
@@ -137,6 +150,7 @@ pub fn open(
         client,
         template,
         certs: certs.cloned(),
+        announcers,
         resp3,
     };
     Ok((sentinels, follower))
@@ -145,6 +159,11 @@ pub fn open(
 /// Asks the sentinels for the primary until the store is dropped, and moves `follower` to
 /// each new one.
 pub async fn follow(mut sentinels: Sentinels, follower: Arc<Follower>) {
+    let announcers = std::mem::take(&mut sentinels.announcers);
+    let _hearing = AbortOnDropHandle::new(tokio::spawn(hear_switches(
+        announcers,
+        Arc::clone(&follower),
+    )));
     let mut addr: Option<ConnectionAddr> = None;
     let mut unreachable_logged = false;
     loop {
@@ -184,6 +203,26 @@ pub async fn follow(mut sentinels: Sentinels, follower: Arc<Follower>) {
             _ = tokio::time::sleep(RECHECK) => {}
             _ = follower.ask_now.notified() => {}
         }
+    }
+}
+
+/// Wakes the follower at each `+switch-master` a sentinel announces, listening on one sentinel
+/// at a time (the next one when it cannot be reached).
+async fn hear_switches(announcers: Vec<redis::Client>, follower: Arc<Follower>) {
+    for client in announcers.iter().cycle() {
+        let subscribed = tokio::time::timeout(ASK_TIMEOUT, async {
+            let mut pubsub = client.get_async_pubsub().await?;
+            pubsub.subscribe("+switch-master").await?;
+            Ok::<_, redis::RedisError>(pubsub)
+        })
+        .await;
+        if let Ok(Ok(mut pubsub)) = subscribed {
+            let mut announced = pubsub.on_message();
+            while announced.next().await.is_some() {
+                follower.ask_now.notify_one();
+            }
+        }
+        tokio::time::sleep(RECHECK).await;
     }
 }
 
