@@ -579,18 +579,10 @@ mod tests {
             }
         }
         assert_eq!(outcomes.len(), Outcome::COUNT);
-        let ops = [
-            StoreOp::Reserve,
-            StoreOp::Get,
-            StoreOp::Complete,
-            StoreOp::MarkUnknown,
-            StoreOp::Release,
-            StoreOp::Renew,
-            StoreOp::TakeOver,
-            StoreOp::Delete,
-            StoreOp::Ping,
-        ];
-        for op in ops {
+        // ALL is COUNT long: a variant added to the enum but not to ALL does not compile.
+        let ops = StoreOp::ALL;
+        for (i, op) in ops.into_iter().enumerate() {
+            assert_eq!(op as usize, i, "StoreOp::ALL is in index order");
             match op {
                 StoreOp::Reserve
                 | StoreOp::Get

@@ -113,17 +113,10 @@ async fn failover(replicas: Option<ReplicaAcks>) -> (Vec<StatusCode>, usize) {
             "{key}"
         );
     }
-    let mut runs: HashMap<String, usize> = HashMap::new();
-    for seen in up.seen() {
-        let key = seen.headers["idempotency-key"]
-            .to_str()
-            .unwrap()
-            .to_string();
-        *runs.entry(key).or_default() += 1;
-    }
+    let runs = runs(&up);
     // Every key ran at least once: a failover loses no work, whatever it does.
     assert_eq!(runs.len(), BEFORE + STALLED, "{runs:?}");
-    let twice = runs.values().filter(|n| **n > 1).count();
+    let twice = ran_twice(&runs).len();
     (stalled, twice)
 }
 
@@ -259,11 +252,11 @@ impl Watched {
     }
 }
 
-/// Posts new keys one after another until `stop`, each once; what each got, and when.
-async fn traffic(
-    http: Http,
-    stop: tokio::sync::watch::Receiver<bool>,
-) -> Vec<(String, StatusCode, std::time::Instant)> {
+/// A key sent under traffic, what it got, and when.
+type Sent = (String, StatusCode, std::time::Instant);
+
+/// Posts new keys one after another until `stop`, each once.
+async fn traffic(http: Http, stop: tokio::sync::watch::Receiver<bool>) -> Vec<Sent> {
     let mut sent = Vec::new();
     for i in 0.. {
         if *stop.borrow() {
@@ -277,31 +270,66 @@ async fn traffic(
     sent
 }
 
+/// The gateway on `target` with one replica's acknowledgement asked for; a key whose owner
+/// died with its primary answers 409 at once instead of waiting.
+async fn acked_gateway(upstream: &str, target: RedisTarget) -> Running {
+    let mut config = Config::parse(&format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\n[store]\nbackend = \"redis\"\nurl = \"redis://127.0.0.1:1\"\ncommand_timeout = \"2s\"\n[upstream]\nurl = \"{upstream}\"\n{PAYMENTS}"
+    ))
+    .unwrap();
+    let StoreConfig::Redis(settings) = &mut config.store else {
+        panic!("not a Redis store");
+    };
+    settings.target = target;
+    settings.replicas = Some(ReplicaAcks {
+        min: 1,
+        timeout: Duration::from_millis(500),
+    });
+    config.routes[0].policy.wait = Duration::ZERO;
+    Running::start(config).await.unwrap()
+}
+
+/// Every key of the traffic retried (201, or 409 for one whose owner died mid-call), and how
+/// many times the upstream ran each key.
+async fn retried(http: &Http, up: &Upstream, sent: &[Sent]) -> HashMap<String, usize> {
+    for (key, _, _) in sent {
+        let again = until_answered(http, key).await;
+        assert!(
+            again == StatusCode::CREATED || again == StatusCode::CONFLICT,
+            "{key}: {again}"
+        );
+    }
+    runs(up)
+}
+
+/// How many times the upstream ran each key.
+fn runs(up: &Upstream) -> HashMap<String, usize> {
+    let mut runs: HashMap<String, usize> = HashMap::new();
+    for seen in up.seen() {
+        let key = seen.headers["idempotency-key"]
+            .to_str()
+            .unwrap()
+            .to_string();
+        *runs.entry(key).or_default() += 1;
+    }
+    runs
+}
+
+fn ran_twice(runs: &HashMap<String, usize>) -> Vec<(&String, &usize)> {
+    runs.iter().filter(|(_, n)| **n > 1).collect()
+}
+
 /// The primary killed under traffic: the sentinels promote a replica, and the same gateway
 /// process finds it and serves again within 10 s of the promotion; nothing runs twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sentinel_failover_under_traffic_is_followed_and_runs_nothing_twice() {
     let mut redis = Watched::start().await;
     let up = Upstream::counting().await;
-    let mut config = Config::parse(&format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\n[store]\nbackend = \"redis\"\nurl = \"redis://127.0.0.1:1\"\n[upstream]\nurl = \"{}\"\n{PAYMENTS}",
-        up.url()
-    ))
-    .unwrap();
-    let StoreConfig::Redis(settings) = &mut config.store else {
-        panic!("not a Redis store");
-    };
-    settings.target = RedisTarget::Sentinel {
+    let target = RedisTarget::Sentinel {
         sentinels: redis.sentinels.iter().map(Sentinel::url).collect(),
         master: "mymaster".into(),
     };
-    settings.replicas = Some(ReplicaAcks {
-        min: 1,
-        timeout: Duration::from_millis(500),
-    });
-    // A key whose owner died with the primary answers 409 at once instead of waiting.
-    config.routes[0].policy.wait = Duration::ZERO;
-    let gw = Running::start(config).await.unwrap();
+    let gw = acked_gateway(&up.url(), target).await;
     let http = Http::new(gw.addr());
     let serving = eventually(|| async {
         http.post("/payments", "first", "{}").await.status == StatusCode::CREATED
@@ -346,23 +374,12 @@ async fn a_sentinel_failover_under_traffic_is_followed_and_runs_nothing_twice() 
     );
 
     // Every key of the traffic retried: none runs a second time.
-    for (key, _, _) in &sent {
-        let again = until_answered(&http, key).await;
-        assert!(
-            again == StatusCode::CREATED || again == StatusCode::CONFLICT,
-            "{key}: {again}"
-        );
-    }
-    let mut runs: HashMap<String, usize> = HashMap::new();
-    for seen in up.seen() {
-        let key = seen.headers["idempotency-key"]
-            .to_str()
-            .unwrap()
-            .to_string();
-        *runs.entry(key).or_default() += 1;
-    }
-    let twice: Vec<_> = runs.iter().filter(|(_, n)| **n > 1).collect();
-    assert!(twice.is_empty(), "ran twice: {twice:?}");
+    let runs = retried(&http, &up, &sent).await;
+    assert!(
+        ran_twice(&runs).is_empty(),
+        "ran twice: {:?}",
+        ran_twice(&runs)
+    );
     assert!(!redis.replicas.is_empty());
 }
 
@@ -372,21 +389,7 @@ async fn a_sentinel_failover_under_traffic_is_followed_and_runs_nothing_twice() 
 async fn a_cluster_failover_under_traffic_runs_nothing_twice() {
     let mut cluster = RedisCluster::start_with_replicas();
     let up = Upstream::counting().await;
-    let mut config = Config::parse(&format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\n[store]\nbackend = \"redis\"\nurl = \"redis://127.0.0.1:1\"\ncommand_timeout = \"2s\"\n[upstream]\nurl = \"{}\"\n{PAYMENTS}",
-        up.url()
-    ))
-    .unwrap();
-    let StoreConfig::Redis(settings) = &mut config.store else {
-        panic!("not a Redis store");
-    };
-    settings.target = RedisTarget::Cluster(cluster.urls());
-    settings.replicas = Some(ReplicaAcks {
-        min: 1,
-        timeout: Duration::from_millis(500),
-    });
-    config.routes[0].policy.wait = Duration::ZERO;
-    let gw = Running::start(config).await.unwrap();
+    let gw = acked_gateway(&up.url(), RedisTarget::Cluster(cluster.urls())).await;
     let http = Http::new(gw.addr());
     let serving = eventually_within(Duration::from_secs(20), || async {
         http.post("/payments", "first", "{}").await.status == StatusCode::CREATED
@@ -437,23 +440,12 @@ async fn a_cluster_failover_under_traffic_runs_nothing_twice() {
         took < Duration::from_secs(10),
         "served again after {took:?}"
     );
-    for (key, _, _) in &sent {
-        let again = until_answered(&http, key).await;
-        assert!(
-            again == StatusCode::CREATED || again == StatusCode::CONFLICT,
-            "{key}: {again}"
-        );
-    }
-    let mut runs: HashMap<String, usize> = HashMap::new();
-    for seen in up.seen() {
-        let key = seen.headers["idempotency-key"]
-            .to_str()
-            .unwrap()
-            .to_string();
-        *runs.entry(key).or_default() += 1;
-    }
-    let twice: Vec<_> = runs.iter().filter(|(_, n)| **n > 1).collect();
-    assert!(twice.is_empty(), "ran twice: {twice:?}");
+    let runs = retried(&http, &up, &sent).await;
+    assert!(
+        ran_twice(&runs).is_empty(),
+        "ran twice: {:?}",
+        ran_twice(&runs)
+    );
 }
 
 /// A Redis-stream consumer on a Sentinel store: after the primary is killed and a replica
