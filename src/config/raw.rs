@@ -309,39 +309,24 @@ pub(super) trait Allowed {
     const ALLOWED: &'static str;
 }
 
-impl Allowed for Backend {
-    const ALLOWED: &'static str = "\"disk\" (embedded and durable, one instance), \"memory\" (embedded, lost on restart) or \"redis\" (shared by several instances)";
+/// Each kind's [`Allowed`] text.
+macro_rules! allowed {
+    ($($kind:ty => $text:expr),* $(,)?) => {$(
+        impl Allowed for $kind {
+            const ALLOWED: &'static str = $text;
+        }
+    )*};
 }
 
-impl Allowed for Sync {
-    const ALLOWED: &'static str = "\"always\" (a result is on disk before its client gets it) or \"batch\" (within sync_interval after)";
-}
-
-impl Allowed for Scheme {
-    const ALLOWED: &'static str =
-        "\"standard-webhooks\", \"github\", \"stripe\", \"shopify\", \"slack\" or \"hmac-sha256\"";
-}
-
-impl Allowed for Encoding {
-    const ALLOWED: &'static str = "\"hex\" (the default) or \"base64\"";
-}
-
-impl Allowed for UpstreamProtocol {
-    const ALLOWED: &'static str = "\"auto\" (HTTP/2 or HTTP/1.1 by ALPN over TLS, HTTP/1.1 in cleartext), \"http1\" or \"http2\" (prior knowledge in cleartext)";
-}
-
-impl Allowed for OnStoreError {
-    const ALLOWED: &'static str =
-        "\"reject\" (503, fail closed; the default) or \"pass\" (forward without idempotency)";
-}
-
-impl Allowed for OnUnknown {
-    const ALLOWED: &'static str = "\"reject\" (never re-execute an unknown outcome; the default) or \"retry\" (only for upstreams that are safe to run twice)";
-}
-
-impl Allowed for std::net::SocketAddr {
-    const ALLOWED: &'static str =
-        "an IP address and port such as \"127.0.0.1:8080\" or \"[::]:8080\"";
+allowed! {
+    Backend => "\"disk\" (embedded and durable, one instance), \"memory\" (embedded, lost on restart) or \"redis\" (shared by several instances)",
+    Sync => "\"always\" (a result is on disk before its client gets it) or \"batch\" (within sync_interval after)",
+    Scheme => "\"standard-webhooks\", \"github\", \"stripe\", \"shopify\", \"slack\" or \"hmac-sha256\"",
+    Encoding => "\"hex\" (the default) or \"base64\"",
+    UpstreamProtocol => "\"auto\" (HTTP/2 or HTTP/1.1 by ALPN over TLS, HTTP/1.1 in cleartext), \"http1\" or \"http2\" (prior knowledge in cleartext)",
+    OnStoreError => "\"reject\" (503, fail closed; the default) or \"pass\" (forward without idempotency)",
+    OnUnknown => "\"reject\" (never re-execute an unknown outcome; the default) or \"retry\" (only for upstreams that are safe to run twice)",
+    std::net::SocketAddr => "an IP address and port such as \"127.0.0.1:8080\" or \"[::]:8080\"",
 }
 
 const DURATION: &str = "a duration such as \"250ms\", \"30s\", \"5m\" or \"24h\"";

@@ -56,17 +56,26 @@ impl Pair {
     }
 }
 
-/// The gateway on `vip` with `replicas` asked for, and an admin listener.
-async fn gateway(upstream: &str, vip: u16, replicas: Option<ReplicaAcks>) -> Running {
+/// A config of the gateway on `target` with `replicas` asked for, and an admin listener.
+fn redis_config(upstream: &str, target: RedisTarget, replicas: Option<ReplicaAcks>) -> Config {
     let mut config = Config::parse(&format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\nadmin = \"127.0.0.1:0\"\n[store]\nbackend = \"redis\"\nurl = \"redis://127.0.0.1:{vip}\"\ncommand_timeout = \"2s\"\n[upstream]\nurl = \"{upstream}\"\n{PAYMENTS}"
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin = \"127.0.0.1:0\"\n[store]\nbackend = \"redis\"\nurl = \"redis://127.0.0.1:1\"\ncommand_timeout = \"2s\"\n[upstream]\nurl = \"{upstream}\"\n{PAYMENTS}"
     ))
     .unwrap();
     let StoreConfig::Redis(settings) = &mut config.store else {
         panic!("not a Redis store");
     };
+    settings.target = target;
     settings.replicas = replicas;
-    Running::start(config).await.unwrap()
+    config
+}
+
+/// The gateway on the Redis at `vip` with `replicas` asked for.
+async fn gateway(upstream: &str, vip: u16, replicas: Option<ReplicaAcks>) -> Running {
+    let target = RedisTarget::Single(format!("redis://127.0.0.1:{vip}"));
+    Running::start(redis_config(upstream, target, replicas))
+        .await
+        .unwrap()
 }
 
 /// Posts `key` as a client does: again after each 503 (Redis unreachable, or not replicated),
@@ -250,6 +259,26 @@ impl Watched {
             sentinels,
         }
     }
+
+    fn target(&self) -> RedisTarget {
+        RedisTarget::Sentinel {
+            sentinels: self.sentinels.iter().map(Sentinel::url).collect(),
+            master: "mymaster".into(),
+        }
+    }
+
+    /// `kill -9` of the primary; the port of the replica the sentinels promote.
+    async fn fail_over(&mut self) -> u16 {
+        let old = self.primary.port;
+        self.primary.kill();
+        let sentinel = &self.sentinels[0];
+        let promoted = eventually_within(Duration::from_secs(30), || async {
+            sentinel.primary().is_some_and(|p| p != old)
+        })
+        .await;
+        assert!(promoted, "no replica was promoted");
+        sentinel.primary().unwrap()
+    }
 }
 
 /// A key sent under traffic, what it got, and when.
@@ -273,33 +302,72 @@ async fn traffic(http: Http, stop: tokio::sync::watch::Receiver<bool>) -> Vec<Se
 /// The gateway on `target` with one replica's acknowledgement asked for; a key whose owner
 /// died with its primary answers 409 at once instead of waiting.
 async fn acked_gateway(upstream: &str, target: RedisTarget) -> Running {
-    let mut config = Config::parse(&format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\n[store]\nbackend = \"redis\"\nurl = \"redis://127.0.0.1:1\"\ncommand_timeout = \"2s\"\n[upstream]\nurl = \"{upstream}\"\n{PAYMENTS}"
-    ))
-    .unwrap();
-    let StoreConfig::Redis(settings) = &mut config.store else {
-        panic!("not a Redis store");
-    };
-    settings.target = target;
-    settings.replicas = Some(ReplicaAcks {
+    let acks = ReplicaAcks {
         min: 1,
         timeout: Duration::from_millis(500),
-    });
+    };
+    let mut config = redis_config(upstream, target, Some(acks));
     config.routes[0].policy.wait = Duration::ZERO;
     Running::start(config).await.unwrap()
 }
 
-/// Every key of the traffic retried (201, or 409 for one whose owner died mid-call), and how
-/// many times the upstream ran each key.
-async fn retried(http: &Http, up: &Upstream, sent: &[Sent]) -> HashMap<String, usize> {
-    for (key, _, _) in sent {
+/// The traffic of [`traffic`] running, and how to stop it.
+type Traffic = (
+    tokio::sync::watch::Sender<bool>,
+    tokio::task::JoinHandle<Vec<Sent>>,
+);
+
+/// [`acked_gateway`] once it serves, with traffic running on it for 300 ms already.
+async fn under_traffic(upstream: &str, target: RedisTarget) -> (Running, Http, Traffic) {
+    let gw = acked_gateway(upstream, target).await;
+    let http = Http::new(gw.addr());
+    let serving = eventually_within(Duration::from_secs(20), || async {
+        http.post("/payments", "first", "{}").await.status == StatusCode::CREATED
+    })
+    .await;
+    assert!(serving, "the gateway never reached Redis");
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let driver = tokio::spawn(traffic(http.clone(), stopped));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    (gw, http, (stop, driver))
+}
+
+/// Stops the traffic, checks that serving again `took` less than 10 s (and prints it), and
+/// retries every key it sent (201, or 409 for one whose owner died mid-call): none may have run
+/// twice.
+async fn after_failover(
+    what: &str,
+    took: Duration,
+    (stop, driver): (
+        tokio::sync::watch::Sender<bool>,
+        tokio::task::JoinHandle<Vec<Sent>>,
+    ),
+    http: &Http,
+    up: &Upstream,
+) {
+    stop.send_replace(true);
+    let sent = driver.await.unwrap();
+    eprintln!(
+        "{what} failover: served again {took:?} after the promotion; {} keys sent under traffic",
+        sent.len()
+    );
+    assert!(
+        took < Duration::from_secs(10),
+        "served again after {took:?}"
+    );
+    for (key, _, _) in &sent {
         let again = until_answered(http, key).await;
         assert!(
             again == StatusCode::CREATED || again == StatusCode::CONFLICT,
             "{key}: {again}"
         );
     }
-    runs(up)
+    let runs = runs(up);
+    assert!(
+        ran_twice(&runs).is_empty(),
+        "ran twice: {:?}",
+        ran_twice(&runs)
+    );
 }
 
 /// How many times the upstream ran each key.
@@ -325,29 +393,8 @@ fn ran_twice(runs: &HashMap<String, usize>) -> Vec<(&String, &usize)> {
 async fn a_sentinel_failover_under_traffic_is_followed_and_runs_nothing_twice() {
     let mut redis = Watched::start().await;
     let up = Upstream::counting().await;
-    let target = RedisTarget::Sentinel {
-        sentinels: redis.sentinels.iter().map(Sentinel::url).collect(),
-        master: "mymaster".into(),
-    };
-    let gw = acked_gateway(&up.url(), target).await;
-    let http = Http::new(gw.addr());
-    let serving = eventually(|| async {
-        http.post("/payments", "first", "{}").await.status == StatusCode::CREATED
-    })
-    .await;
-    assert!(serving, "the gateway never found the primary");
-
-    let (stop, stopped) = tokio::sync::watch::channel(false);
-    let driver = tokio::spawn(traffic(http.clone(), stopped));
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let old = redis.primary.port;
-    redis.primary.kill();
-    let sentinel = &redis.sentinels[0];
-    let promoted = eventually_within(Duration::from_secs(30), || async {
-        sentinel.primary().is_some_and(|p| p != old)
-    })
-    .await;
-    assert!(promoted, "no replica was promoted");
+    let (_gw, http, traffic) = under_traffic(&up.url(), redis.target()).await;
+    redis.fail_over().await;
     let promoted_at = std::time::Instant::now();
     let served = eventually_within(Duration::from_secs(20), || async {
         http.post(
@@ -360,26 +407,8 @@ async fn a_sentinel_failover_under_traffic_is_followed_and_runs_nothing_twice() 
             == StatusCode::CREATED
     })
     .await;
-    let took = promoted_at.elapsed();
-    stop.send_replace(true);
-    let sent = driver.await.unwrap();
     assert!(served, "not served again within 20 s of the promotion");
-    eprintln!(
-        "sentinel failover: served again {took:?} after the promotion; {} keys sent under traffic",
-        sent.len()
-    );
-    assert!(
-        took < Duration::from_secs(10),
-        "served again after {took:?}"
-    );
-
-    // Every key of the traffic retried: none runs a second time.
-    let runs = retried(&http, &up, &sent).await;
-    assert!(
-        ran_twice(&runs).is_empty(),
-        "ran twice: {:?}",
-        ran_twice(&runs)
-    );
+    after_failover("sentinel", promoted_at.elapsed(), traffic, &http, &up).await;
     assert!(!redis.replicas.is_empty());
 }
 
@@ -389,17 +418,8 @@ async fn a_sentinel_failover_under_traffic_is_followed_and_runs_nothing_twice() 
 async fn a_cluster_failover_under_traffic_runs_nothing_twice() {
     let mut cluster = RedisCluster::start_with_replicas();
     let up = Upstream::counting().await;
-    let gw = acked_gateway(&up.url(), RedisTarget::Cluster(cluster.urls())).await;
-    let http = Http::new(gw.addr());
-    let serving = eventually_within(Duration::from_secs(20), || async {
-        http.post("/payments", "first", "{}").await.status == StatusCode::CREATED
-    })
-    .await;
-    assert!(serving, "the gateway never reached the cluster");
-
-    let (stop, stopped) = tokio::sync::watch::channel(false);
-    let driver = tokio::spawn(traffic(http.clone(), stopped));
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let target = RedisTarget::Cluster(cluster.urls());
+    let (_gw, http, traffic) = under_traffic(&up.url(), target).await;
     // A master other than the first seed node, which also carries the subscriber.
     let seed = cluster.ports[0];
     let victim = *cluster.masters(seed).iter().find(|p| **p != seed).unwrap();
@@ -429,23 +449,7 @@ async fn a_cluster_failover_under_traffic_runs_nothing_twice() {
             "{key}"
         );
     }
-    let took = promoted_at.elapsed();
-    stop.send_replace(true);
-    let sent = driver.await.unwrap();
-    eprintln!(
-        "cluster failover: every slot served again {took:?} after the promotion; {} keys under traffic",
-        sent.len()
-    );
-    assert!(
-        took < Duration::from_secs(10),
-        "served again after {took:?}"
-    );
-    let runs = retried(&http, &up, &sent).await;
-    assert!(
-        ran_twice(&runs).is_empty(),
-        "ran twice: {:?}",
-        ran_twice(&runs)
-    );
+    after_failover("cluster", promoted_at.elapsed(), traffic, &http, &up).await;
 }
 
 /// A Redis-stream consumer on a Sentinel store: after the primary is killed and a replica
@@ -462,10 +466,7 @@ async fn a_stream_consumer_follows_a_sentinel_failover() {
     let StoreConfig::Redis(settings) = &mut config.store else {
         panic!("not a Redis store");
     };
-    settings.target = RedisTarget::Sentinel {
-        sentinels: redis.sentinels.iter().map(Sentinel::url).collect(),
-        master: "mymaster".into(),
-    };
+    settings.target = redis.target();
     settings.replicas = Some(ReplicaAcks {
         min: 1,
         timeout: Duration::from_millis(500),
@@ -505,15 +506,7 @@ async fn a_stream_consumer_follows_a_sentinel_failover() {
     .await;
     assert!(handled, "{:?}", applied());
 
-    let old = redis.primary.port;
-    redis.primary.kill();
-    let sentinel = &redis.sentinels[0];
-    let promoted = eventually_within(Duration::from_secs(30), || async {
-        sentinel.primary().is_some_and(|p| p != old)
-    })
-    .await;
-    assert!(promoted, "no replica was promoted");
-    let new_primary = sentinel.primary().unwrap();
+    let new_primary = redis.fail_over().await;
     publish(new_primary, "after");
     let followed = eventually_within(Duration::from_secs(20), || async {
         applied().contains(&"after".to_string())
