@@ -48,42 +48,46 @@ impl ReleaseOnDrop {
     pub(super) fn disarm(mut self) {
         self.armed = None;
     }
+
+    /// Gives the record back now, within `within`; if that fails, it is tried again in the
+    /// background when the guard drops.
+    pub(super) async fn release_now(mut self, within: Duration) {
+        if let Some(armed) = &mut self.armed {
+            if armed.release(within).await.is_ok() {
+                self.armed = None;
+            }
+        }
+    }
+}
+
+impl Armed {
+    /// Runs the release script: 1 if it deleted our record, 0 if it was not ours (any more).
+    async fn release(&mut self, within: Duration) -> redis::RedisResult<i64> {
+        let args: [&[u8]; 3] = [
+            &codec::owner_bytes(self.owner),
+            self.channel.as_bytes(),
+            &self.key.hex_digits(),
+        ];
+        let key = record_key(&self.prefix, &self.key);
+        tokio::time::timeout(
+            within,
+            eval(&mut self.conn, &self.scripts.release, &key, &args),
+        )
+        .await
+        .unwrap_or_else(|_| Err((redis::ErrorKind::Io, "release timed out").into()))
+    }
 }
 
 impl Drop for ReleaseOnDrop {
     fn drop(&mut self) {
-        let Some(Armed {
-            scripts,
-            prefix,
-            channel,
-            mut conn,
-            key,
-            owner,
-        }) = self.armed.take()
-        else {
+        let Some(mut armed) = self.armed.take() else {
             return;
         };
         // Best effort, in the background: if Redis is unreachable the record keeps its lease
         // and then reads as an unknown outcome, which is the safe side.
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             rt.spawn(async move {
-                let args: [&[u8]; 3] = [
-                    &codec::owner_bytes(owner),
-                    channel.as_bytes(),
-                    &key.hex_digits(),
-                ];
-                let released: redis::RedisResult<i64> = tokio::time::timeout(
-                    Duration::from_secs(5),
-                    eval(
-                        &mut conn,
-                        &scripts.release,
-                        &record_key(&prefix, &key),
-                        &args,
-                    ),
-                )
-                .await
-                .unwrap_or_else(|_| Err((redis::ErrorKind::Io, "release timed out").into()));
-                if let Ok(1) = released {
+                if let Ok(1) = armed.release(Duration::from_secs(5)).await {
                     tracing::info!("released a reservation whose answer was lost");
                 }
             });

@@ -159,14 +159,14 @@ impl RedisStore {
         let checker = connector
             .handle()
             .map_err(|e| OpenError::RedisConnection(e.to_string()))?;
+        let checker = Arc::new(checker);
+        if settings.replicas.is_some() {
+            let counter =
+                safety::count_replicas(Arc::clone(&checker), Arc::clone(&safety), timeout);
+            tasks.push(tokio::spawn(counter).abort_handle());
+        }
         tasks.push(
-            tokio::spawn(safety::watch(
-                checker,
-                Arc::clone(&safety),
-                timeout,
-                settings.replicas.is_some(),
-            ))
-            .abort_handle(),
+            tokio::spawn(safety::watch(checker, Arc::clone(&safety), timeout)).abort_handle(),
         );
         let subscribed = Arc::new(AtomicBool::new(false));
         tasks.push(
@@ -326,14 +326,11 @@ impl RedisStore {
         }
     }
 
-    /// Acts on a new record ([`Self::may_act`]), or gives it back before the refusal is
-    /// answered, so that the client's retry finds the key free rather than in flight; if that
-    /// fails, `guard` (still armed) tries again in the background.
+    /// Acts on a new record ([`Self::may_act`]), or gives it back (`guard`) before the refusal
+    /// is answered, so that the client's retry finds the key free rather than in flight.
     async fn act_or_give_back(
         &self,
         op: StoreOp,
-        key: &StoreKey,
-        owner: OwnerToken,
         acked: Option<i64>,
         guard: ReleaseOnDrop,
     ) -> Result<(), StoreError> {
@@ -341,22 +338,7 @@ impl RedisStore {
             guard.disarm();
             return Ok(());
         };
-        let mut conn = self.conn()?;
-        let args: [&[u8]; 3] = [
-            &codec::owner_bytes(owner),
-            self.shared.channel.as_bytes(),
-            &key.hex_digits(),
-        ];
-        let script = &self.shared.scripts.release;
-        let released: Result<i64, _> = self
-            .call(
-                "release",
-                eval(&mut conn, script, &self.redis_key(key), &args),
-            )
-            .await;
-        if released.is_ok() {
-            guard.disarm();
-        }
+        guard.release_now(self.shared.timeout).await;
         Err(refused)
     }
 }
@@ -449,7 +431,7 @@ impl Store for RedisStore {
             Some(replicas) => {
                 let op = StoreOp::Reserve;
                 let (existing, acked) = self
-                    .call_acked(replicas, op, replicas.send(&mut conn, &cmd))
+                    .call_acked(replicas, op, replicas.send(&mut conn, cmd))
                     .await?;
                 (existing, Some(acked))
             }
@@ -462,7 +444,7 @@ impl Store for RedisStore {
             // Made now; or with our own token, when the cluster client sent the command again
             // after losing a reply, and the first one made it: ours, not another's in flight.
             _ => {
-                self.act_or_give_back(StoreOp::Reserve, key, owner, acked, guard)
+                self.act_or_give_back(StoreOp::Reserve, acked, guard)
                     .await?;
                 Ok(Reservation::Owner(owner))
             }
@@ -602,7 +584,7 @@ impl Store for RedisStore {
             guard.disarm();
             return Ok(None);
         }
-        self.act_or_give_back(StoreOp::TakeOver, key, owner, acked, guard)
+        self.act_or_give_back(StoreOp::TakeOver, acked, guard)
             .await?;
         Ok(Some(owner))
     }

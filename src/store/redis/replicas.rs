@@ -90,9 +90,9 @@ impl Replicas {
 
     /// `cmd` followed by `WAIT`, as one pipeline: both go over the same connection, whatever
     /// reconnects in between, so the count is this write's.
-    fn pipeline(&self, cmd: &Cmd) -> Pipeline {
+    fn pipeline(&self, cmd: Cmd) -> Pipeline {
         let mut pipe = redis::pipe();
-        pipe.add_command(cmd.clone());
+        pipe.add_command(cmd);
         pipe.cmd("WAIT")
             .arg(self.acks.min)
             .arg(self.acks.timeout.as_millis().max(1) as u64);
@@ -103,7 +103,7 @@ impl Replicas {
     pub async fn send<T: redis::FromRedisValue>(
         &self,
         conn: &mut RedisConn,
-        cmd: &Cmd,
+        cmd: Cmd,
     ) -> redis::RedisResult<(T, i64)> {
         self.pipeline(cmd).query_async(conn).await
     }
@@ -116,11 +116,11 @@ impl Replicas {
         key: &[u8],
         args: &[&[u8]],
     ) -> redis::RedisResult<(T, i64)> {
-        let cmd = super::conn::evalsha(script, key, args);
-        match self.send(conn, &cmd).await {
+        let pipe = self.pipeline(super::conn::evalsha(script, key, args));
+        match pipe.query_async(conn).await {
             Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
                 script.load_async(conn).await?;
-                self.send(conn, &cmd).await
+                pipe.query_async(conn).await
             }
             other => other,
         }

@@ -116,30 +116,8 @@ impl Safety {
 }
 
 /// Reads Redis's configuration now and then, for as long as the store lives.
-pub async fn watch(
-    handle: HandleConn,
-    safety: Arc<Safety>,
-    timeout: Duration,
-    count_replicas: bool,
-) {
-    let mut next_config = tokio::time::Instant::now();
+pub async fn watch(handle: Arc<HandleConn>, safety: Arc<Safety>, timeout: Duration) {
     loop {
-        if count_replicas {
-            let counted = match handle.get() {
-                Ok(mut conn) => tokio::time::timeout(timeout, connected_replicas(&mut conn))
-                    .await
-                    .ok()
-                    .flatten(),
-                Err(_) => None,
-            };
-            safety
-                .replicas
-                .store(counted.map_or(-1, i64::from), Ordering::Release);
-            if tokio::time::Instant::now() < next_config {
-                tokio::time::sleep(REPLICAS_RECHECK).await;
-                continue;
-            }
-        }
         let checked = match handle.get() {
             Ok(mut conn) => tokio::time::timeout(timeout, check(&mut conn))
                 .await
@@ -164,13 +142,25 @@ pub async fn watch(
             // the next try is soon.
             Err(Unread::NoAnswer) => RETRY,
         };
-        next_config = tokio::time::Instant::now() + pause;
-        let pause = if count_replicas {
-            pause.min(REPLICAS_RECHECK)
-        } else {
-            pause
-        };
         tokio::time::sleep(pause).await;
+    }
+}
+
+/// Counts the primary's connected replicas every [`REPLICAS_RECHECK`], for as long as the store
+/// lives (with `store.min_replicas`); `handle` is the configuration watch's.
+pub async fn count_replicas(handle: Arc<HandleConn>, safety: Arc<Safety>, timeout: Duration) {
+    loop {
+        let counted = match handle.get() {
+            Ok(mut conn) => tokio::time::timeout(timeout, connected_replicas(&mut conn))
+                .await
+                .ok()
+                .flatten(),
+            Err(_) => None,
+        };
+        safety
+            .replicas
+            .store(counted.map_or(-1, i64::from), Ordering::Release);
+        tokio::time::sleep(REPLICAS_RECHECK).await;
     }
 }
 

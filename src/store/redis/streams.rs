@@ -71,6 +71,11 @@ impl StreamRedis {
             .map_err(|e| OpenError::RedisConnection(e.to_string()))?;
         Ok(StreamConn { handle })
     }
+
+    /// Told of a failed command: with Sentinel, the primary may have moved.
+    pub fn failed(&self, e: Option<&redis::RedisError>) {
+        self.connector.failed(e);
+    }
 }
 
 impl StreamConn {
@@ -78,12 +83,5 @@ impl StreamConn {
     pub async fn query(&self, cmd: &Cmd) -> Result<redis::RedisResult<Value>, StoreError> {
         let mut conn = self.handle.get()?;
         Ok(cmd.query_async::<Value>(&mut conn).await)
-    }
-}
-
-impl StreamRedis {
-    /// Told of a failed command: with Sentinel, the primary may have moved.
-    pub fn failed(&self, e: Option<&redis::RedisError>) {
-        self.connector.failed(e);
     }
 }
