@@ -73,7 +73,7 @@ pub async fn open_store(config: &Config) -> Result<std::sync::Arc<dyn Store>, Op
                 "{e}\nThe disk store is opened by one process at a time: stop the gateway, run `idemgate keys` again, then start the gateway."
             ))
         })?,
-        StoreConfig::Redis(_) => {
+        StoreConfig::Redis(_) | StoreConfig::Postgres(_) => {
             store::open(&config.store).map_err(|e| OperatorError::Store(e.to_string()))?
         }
     };

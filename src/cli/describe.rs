@@ -76,6 +76,13 @@ fn store(store: &StoreConfig) -> String {
                 d.max_disk
             )
         }
+        StoreConfig::Postgres(p) => format!(
+            "store postgres {} (table {}, pool_size {}, command_timeout {})",
+            redact_url(&p.url),
+            p.table,
+            p.pool_size,
+            shown(p.command_timeout)
+        ),
         StoreConfig::Redis(r) => {
             let target = match &r.target {
                 RedisTarget::Single(u) => redact_url(u),

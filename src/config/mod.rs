@@ -221,6 +221,38 @@ pub enum StoreConfig {
     Disk(DiskSettings),
     /// A Redis server or cluster shared by every instance.
     Redis(RedisSettings),
+    /// A Postgres database shared by every instance.
+    Postgres(PostgresSettings),
+}
+
+#[derive(Clone, PartialEq, Eq)]
+pub struct PostgresSettings {
+    /// A libpq-style URL, perhaps with several hosts and `target_session_attrs=read-write`; it
+    /// may carry a password, so it is never printed ([`redact_url`]).
+    pub url: String,
+    /// The records' table, perhaps schema-qualified; checked to be a plain identifier.
+    pub table: String,
+    /// Connections in the pool (besides the one that listens for notifications).
+    pub pool_size: usize,
+    /// Upper bound for one statement, and for waiting on a connection from the pool.
+    pub command_timeout: Duration,
+    /// PEM file of the CA that signed the server's certificate; `None` trusts the system's roots.
+    pub tls_ca_file: Option<std::path::PathBuf>,
+    /// PEM certificate and key presented to a server that verifies its clients.
+    pub tls_client: Option<(std::path::PathBuf, std::path::PathBuf)>,
+}
+
+impl std::fmt::Debug for PostgresSettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PostgresSettings")
+            .field("url", &redact_url(&self.url))
+            .field("table", &self.table)
+            .field("pool_size", &self.pool_size)
+            .field("command_timeout", &self.command_timeout)
+            .field("tls_ca_file", &self.tls_ca_file)
+            .field("tls_client", &self.tls_client)
+            .finish()
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -326,16 +358,39 @@ pub fn redact_url(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else {
         return url.to_string();
     };
-    match rest.rsplit_once('@') {
-        Some((userinfo, host)) => {
-            let masked = match userinfo.split_once(':') {
-                Some((user, _)) => format!("{user}:***"),
-                None => "***".to_string(),
-            };
-            format!("{scheme}://{masked}@{host}")
+    // The last `@` ends the user info: a password may hold `@`, `?` or `#` itself.
+    let (userinfo, hosts) = match rest.rsplit_once('@') {
+        Some((userinfo, hosts)) => (Some(userinfo), hosts),
+        None => (None, rest),
+    };
+    let mut out = format!("{scheme}://");
+    if let Some(userinfo) = userinfo {
+        match userinfo.split_once(':') {
+            Some((user, _)) => out.push_str(&format!("{user}:***@")),
+            None => out.push_str("***@"),
         }
-        None => url.to_string(),
     }
+    // A libpq URL may also carry the password as a parameter (`?password=...`).
+    match hosts.split_once('?') {
+        Some((hosts, query)) => {
+            out.push_str(hosts);
+            out.push('?');
+            out.push_str(&redact_password_param(query));
+        }
+        None => out.push_str(hosts),
+    }
+    out
+}
+
+fn redact_password_param(query: &str) -> String {
+    query
+        .split('&')
+        .map(|pair| match pair.split_once('=') {
+            Some((name, _)) if name.eq_ignore_ascii_case("password") => format!("{name}=***"),
+            _ => pair.to_string(),
+        })
+        .collect::<Vec<_>>()
+        .join("&")
 }
 
 /// An `http(s)://host:port[/prefix]` upstream. Requests go to `prefix + original path`.

@@ -144,6 +144,8 @@ pub(super) struct RawStore {
     pub(super) min_replicas: Option<i64>,
     #[serde(default, deserialize_with = "duration")]
     pub(super) replica_timeout: Option<Duration>,
+    pub(super) table: Option<String>,
+    pub(super) pool_size: Option<i64>,
     pub(super) path: Option<String>,
     #[serde(default, deserialize_with = "typed")]
     pub(super) sync: Option<Sync>,
@@ -274,6 +276,7 @@ pub(super) enum Backend {
     Disk,
     Memory,
     Redis,
+    Postgres,
 }
 
 /// `store.sync`.
@@ -319,7 +322,7 @@ macro_rules! allowed {
 }
 
 allowed! {
-    Backend => "\"disk\" (embedded and durable, one instance), \"memory\" (embedded, lost on restart) or \"redis\" (shared by several instances)",
+    Backend => "\"disk\" (embedded and durable, one instance), \"memory\" (embedded, lost on restart) \"redis\" or \"postgres\" (shared by several instances)",
     Sync => "\"always\" (a result is on disk before its client gets it) or \"batch\" (within sync_interval after)",
     Scheme => "\"standard-webhooks\", \"github\", \"stripe\", \"shopify\", \"slack\" or \"hmac-sha256\"",
     Encoding => "\"hex\" (the default) or \"base64\"",

@@ -449,6 +449,10 @@ fn urls_are_redacted() {
     assert_eq!(redact_url("redis://h:1"), "redis://h:1");
     assert_eq!(redact_url("redis://:pa/ss@h:1/0"), "redis://:***@h:1/0");
     assert_eq!(redact_url("redis://u:p@ss#?@h:1"), "redis://u:***@h:1");
+    assert_eq!(
+        redact_url("postgres://u@h1:5432,h2:5433/db?sslmode=require&password=secret&x=1"),
+        "postgres://***@h1:5432,h2:5433/db?sslmode=require&password=***&x=1"
+    );
 }
 
 #[test]

@@ -15,8 +15,9 @@
 //!   when the record changes, without polling.
 //!
 //! Backends: [`disk::DiskStore`] (embedded and durable, one instance), [`memory::MemoryStore`]
-//! (embedded, lost on restart) and [`redis::RedisStore`] (shared, one Redis or a Redis Cluster);
-//! the disk and Redis stores keep records in the [`codec`]'s form. A new backend is one
+//! (embedded, lost on restart), [`redis::RedisStore`] (shared, one Redis or a Redis Cluster) and
+//! [`postgres::PostgresStore`] (shared, one table); the disk and Redis stores keep records in
+//! the [`codec`]'s form, Postgres its outcomes. A new backend is one
 //! module implementing [`Store`], one arm in [`open`], and one more run of the contract suite
 //! (`tests/e2e/store_contract.rs`).
 
@@ -24,6 +25,7 @@ pub mod changes;
 pub mod codec;
 pub mod disk;
 pub mod memory;
+pub mod postgres;
 pub mod redis;
 
 use std::sync::Arc;
@@ -235,6 +237,10 @@ pub enum OpenError {
     RedisUrl(String),
     #[error("cannot set up a Redis connection: {0}")]
     RedisConnection(String),
+    #[error("invalid Postgres settings: {0}")]
+    PostgresUrl(String),
+    #[error("cannot set up TLS to Postgres: {0}")]
+    PostgresTls(String),
     #[error("cannot open the disk store at {path}: {reason}")]
     Disk {
         path: std::path::PathBuf,
@@ -443,6 +449,7 @@ pub fn open(config: &StoreConfig) -> Result<Arc<dyn Store>, OpenError> {
         } => Arc::new(memory::MemoryStore::new(*max_keys, *max_bytes)),
         StoreConfig::Disk(settings) => Arc::new(disk::DiskStore::open(settings)?),
         StoreConfig::Redis(settings) => Arc::new(redis::RedisStore::new(settings)?),
+        StoreConfig::Postgres(settings) => Arc::new(postgres::PostgresStore::new(settings)?),
     })
 }
 

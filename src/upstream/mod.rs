@@ -31,7 +31,7 @@ use crate::error::BoxError;
 pub use limit::{ConnectionLimits, NoConnectionSlot};
 pub use pool::{UpstreamBody, UpstreamPool};
 pub use rewrite::{prepare_request, ClientAddr};
-pub use tls::{TlsSetupError, UpstreamTlsConnector};
+pub use tls::{client_config, TlsSetupError, UpstreamTlsConnector};
 
 /// How long establishing a TCP connection to the upstream may take at most.
 pub const MAX_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);

@@ -8,6 +8,7 @@
 //! (unknown CA, expired certificate, another name) means nothing was sent: the key is released
 //! and the client gets `502 upstream-unreachable`, and the log line says why.
 
+use std::path::Path;
 use std::sync::Arc;
 
 use rustls::pki_types::pem::PemObject;
@@ -23,11 +24,15 @@ use crate::error::BoxError;
 /// Why the TLS settings could not be used (at startup).
 #[derive(Debug, thiserror::Error)]
 pub enum TlsSetupError {
-    #[error("upstream.tls_ca_file {path}: {reason}")]
-    Ca { path: String, reason: String },
-    #[error("upstream.tls_client_cert / tls_client_key: {0}")]
-    ClientAuth(String),
-    #[error("TLS for upstreams: {0}")]
+    #[error("{section}.tls_ca_file {path}: {reason}")]
+    Ca {
+        section: &'static str,
+        path: String,
+        reason: String,
+    },
+    #[error("{0}.tls_client_cert / tls_client_key: {1}")]
+    ClientAuth(&'static str, String),
+    #[error("TLS: {0}")]
     Config(String),
 }
 
@@ -42,54 +47,76 @@ pub struct UpstreamTlsConnector {
     server_name: Option<ServerName<'static>>,
 }
 
-impl UpstreamTlsConnector {
-    pub fn new(settings: &UpstreamTls) -> Result<Arc<Self>, TlsSetupError> {
-        let mut roots = RootCertStore::empty();
-        match &settings.ca_file {
-            Some(path) => {
-                let shown = path.display().to_string();
-                let certs = CertificateDer::pem_file_iter(path)
-                    .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
-                    .map_err(|e| TlsSetupError::Ca {
-                        path: shown.clone(),
-                        reason: e.to_string(),
-                    })?;
-                let (added, _) = roots.add_parsable_certificates(certs);
-                if added == 0 {
-                    return Err(TlsSetupError::Ca {
-                        path: shown,
-                        reason: "no usable CA certificate in it".into(),
-                    });
-                }
-            }
-            None => {
-                let found = rustls_native_certs::load_native_certs();
-                let (added, _) = roots.add_parsable_certificates(found.certs);
-                if added == 0 {
-                    // Only a problem if an https upstream is used: its connections then fail,
-                    // each saying why.
-                    tracing::warn!("no trusted root certificates found on this system; https upstreams need upstream.tls_ca_file");
-                }
+/// A rustls client config that verifies servers against `ca_file` only (or the system's roots
+/// without it) and presents `client` (chain, key) to servers that ask: for upstreams and for
+/// the Postgres store (`section` names the settings in errors).
+pub fn client_config(
+    ca_file: Option<&Path>,
+    client: Option<(&Path, &Path)>,
+    section: &'static str,
+) -> Result<ClientConfig, TlsSetupError> {
+    let mut roots = RootCertStore::empty();
+    match ca_file {
+        Some(path) => {
+            let shown = path.display().to_string();
+            let certs = CertificateDer::pem_file_iter(path)
+                .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
+                .map_err(|e| TlsSetupError::Ca {
+                    section,
+                    path: shown.clone(),
+                    reason: e.to_string(),
+                })?;
+            let (added, _) = roots.add_parsable_certificates(certs);
+            if added == 0 {
+                return Err(TlsSetupError::Ca {
+                    section,
+                    path: shown,
+                    reason: "no usable CA certificate in it".into(),
+                });
             }
         }
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let builder = ClientConfig::builder_with_provider(provider)
-            .with_safe_default_protocol_versions()
-            .map_err(|e| TlsSetupError::Config(e.to_string()))?
-            .with_root_certificates(roots);
-        let mut config = match (&settings.client_cert, &settings.client_key) {
-            (Some(cert), Some(key)) => {
-                let chain = CertificateDer::pem_file_iter(cert)
-                    .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
-                    .map_err(|e| TlsSetupError::ClientAuth(format!("{}: {e}", cert.display())))?;
-                let key = PrivateKeyDer::from_pem_file(key)
-                    .map_err(|e| TlsSetupError::ClientAuth(format!("{}: {e}", key.display())))?;
-                builder
-                    .with_client_auth_cert(chain, key)
-                    .map_err(|e| TlsSetupError::ClientAuth(e.to_string()))?
+        None => {
+            let found = rustls_native_certs::load_native_certs();
+            let (added, _) = roots.add_parsable_certificates(found.certs);
+            if added == 0 {
+                // Only a problem if TLS is used: its connections then fail, each saying why.
+                tracing::warn!(
+                    section,
+                    "no trusted root certificates found on this system; TLS connections need {section}.tls_ca_file"
+                );
             }
-            _ => builder.with_no_client_auth(),
+        }
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let builder = ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| TlsSetupError::Config(e.to_string()))?
+        .with_root_certificates(roots);
+    match client {
+        Some((cert, key)) => {
+            let chain = CertificateDer::pem_file_iter(cert)
+                .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
+                .map_err(|e| {
+                    TlsSetupError::ClientAuth(section, format!("{}: {e}", cert.display()))
+                })?;
+            let key = PrivateKeyDer::from_pem_file(key).map_err(|e| {
+                TlsSetupError::ClientAuth(section, format!("{}: {e}", key.display()))
+            })?;
+            builder
+                .with_client_auth_cert(chain, key)
+                .map_err(|e| TlsSetupError::ClientAuth(section, e.to_string()))
+        }
+        None => Ok(builder.with_no_client_auth()),
+    }
+}
+
+impl UpstreamTlsConnector {
+    pub fn new(settings: &UpstreamTls) -> Result<Arc<Self>, TlsSetupError> {
+        let client = match (&settings.client_cert, &settings.client_key) {
+            (Some(cert), Some(key)) => Some((cert.as_path(), key.as_path())),
+            _ => None,
         };
+        let mut config = client_config(settings.ca_file.as_deref(), client, "upstream")?;
         let mut offering = |alpn: &[&[u8]]| {
             config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
             // A clone shares the session cache (`resumption` is an `Arc` inside).

@@ -663,3 +663,51 @@ async fn redis_cluster_passes_every_check() {
         "keys landed on {masters_with_keys} master(s) only"
     );
 }
+
+/// The Postgres store: one real server per check, started from a template data directory.
+mod postgres {
+    use super::*;
+    use crate::support::postgres::Postgres;
+    use idemgate::config::PostgresSettings;
+    use idemgate::store::postgres::PostgresStore;
+
+    pub fn settings(server: &Postgres) -> PostgresSettings {
+        PostgresSettings {
+            url: server.url(),
+            table: "idemgate_records".into(),
+            pool_size: 8,
+            command_timeout: Duration::from_secs(2),
+            tls_ca_file: None,
+            tls_client: None,
+        }
+    }
+
+    /// The store once it answers and listens: a listener that starts wakes every waiter, which
+    /// would let the waiter checks pass without a notification.
+    pub async fn ready(settings: &PostgresSettings) -> Arc<PostgresStore> {
+        let store = Arc::new(PostgresStore::new(settings).unwrap());
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        while store.ping().await.is_err() || !store.is_listening() {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the Postgres store never became ready: {:?}",
+                store.ping().await
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        store
+    }
+
+    macro_rules! each {
+        ($($name:ident),* $(,)?) => {$(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                let server = Postgres::start();
+                let store = ready(&settings(&server)).await;
+                super::$name(store).await;
+                drop(server);
+            }
+        )*};
+    }
+    all_checks!(each);
+}

@@ -6,6 +6,7 @@
 
 mod consumer;
 mod policy;
+mod postgres;
 mod route;
 mod server;
 mod signature;

@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use super::postgres::postgres;
 use super::{pem_file, pem_pair, shown, size_at_most, validate_redis_url, whole_number, Pem};
 use crate::config::raw::{Backend, RawStore, Sync};
 use crate::config::{
@@ -16,18 +17,27 @@ pub(super) fn validate_store(raw: RawStore) -> Result<StoreConfig, ConfigError> 
     match raw.backend.unwrap_or(Backend::Memory) {
         Backend::Disk => {
             not_redis(&raw)?;
+            not_postgres(&raw)?;
             not_memory(&raw)?;
             disk(raw).map(StoreConfig::Disk)
         }
         Backend::Memory => {
             not_disk(&raw)?;
             not_redis(&raw)?;
+            not_postgres(&raw)?;
             memory(raw)
         }
         Backend::Redis => {
             not_disk(&raw)?;
             not_memory(&raw)?;
+            not_postgres(&raw)?;
             redis(raw).map(StoreConfig::Redis)
+        }
+        Backend::Postgres => {
+            not_disk(&raw)?;
+            not_memory(&raw)?;
+            not_redis_only(&raw)?;
+            postgres(raw).map(StoreConfig::Postgres)
         }
     }
 }
@@ -38,7 +48,7 @@ fn only(field: &str, set: bool, backend: &str) -> Result<(), ConfigError> {
         Err(ConfigError::invalid(
             format!("store.{field}"),
             "(set)",
-            format!("only with backend = \"{backend}\""),
+            format!("only with backend = {backend}"),
         ))
     } else {
         Ok(())
@@ -46,35 +56,52 @@ fn only(field: &str, set: bool, backend: &str) -> Result<(), ConfigError> {
 }
 
 fn not_disk(raw: &RawStore) -> Result<(), ConfigError> {
-    only("path", raw.path.is_some(), "disk")?;
-    only("sync", raw.sync.is_some(), "disk")?;
-    only("sync_interval", raw.sync_interval.is_some(), "disk")?;
-    only("max_disk", raw.max_disk.is_some(), "disk")
+    only("path", raw.path.is_some(), DISK)?;
+    only("sync", raw.sync.is_some(), DISK)?;
+    only("sync_interval", raw.sync_interval.is_some(), DISK)?;
+    only("max_disk", raw.max_disk.is_some(), DISK)
 }
 
 fn not_memory(raw: &RawStore) -> Result<(), ConfigError> {
-    only("max_keys", raw.max_keys.is_some(), "memory")?;
-    only("max_bytes", raw.max_bytes.is_some(), "memory")
+    only("max_keys", raw.max_keys.is_some(), MEMORY)?;
+    only("max_bytes", raw.max_bytes.is_some(), MEMORY)
 }
 
+/// Settings of a shared store (Redis or Postgres), for the embedded ones.
 fn not_redis(raw: &RawStore) -> Result<(), ConfigError> {
-    only("url", raw.url.is_some(), "redis")?;
-    only("cluster", raw.cluster.is_some(), "redis")?;
-    only("sentinels", raw.sentinels.is_some(), "redis")?;
-    only("master", raw.master.is_some(), "redis")?;
-    only("key_prefix", raw.key_prefix.is_some(), "redis")?;
-    only("command_timeout", raw.command_timeout.is_some(), "redis")?;
-    only("tls_ca_file", raw.tls_ca_file.is_some(), "redis")?;
+    only("url", raw.url.is_some(), SHARED)?;
+    only("command_timeout", raw.command_timeout.is_some(), SHARED)?;
+    only("tls_ca_file", raw.tls_ca_file.is_some(), SHARED)?;
+    only("tls_client_cert", raw.tls_client_cert.is_some(), SHARED)?;
+    only("tls_client_key", raw.tls_client_key.is_some(), SHARED)?;
+    not_redis_only(raw)
+}
+
+/// Settings only Redis has.
+fn not_redis_only(raw: &RawStore) -> Result<(), ConfigError> {
+    only("cluster", raw.cluster.is_some(), REDIS)?;
+    only("sentinels", raw.sentinels.is_some(), REDIS)?;
+    only("master", raw.master.is_some(), REDIS)?;
+    only("key_prefix", raw.key_prefix.is_some(), REDIS)?;
     only(
         "require_noeviction",
         raw.require_noeviction.is_some(),
-        "redis",
+        REDIS,
     )?;
-    only("tls_client_cert", raw.tls_client_cert.is_some(), "redis")?;
-    only("tls_client_key", raw.tls_client_key.is_some(), "redis")?;
-    only("min_replicas", raw.min_replicas.is_some(), "redis")?;
-    only("replica_timeout", raw.replica_timeout.is_some(), "redis")
+    only("min_replicas", raw.min_replicas.is_some(), REDIS)?;
+    only("replica_timeout", raw.replica_timeout.is_some(), REDIS)
 }
+
+fn not_postgres(raw: &RawStore) -> Result<(), ConfigError> {
+    only("table", raw.table.is_some(), POSTGRES)?;
+    only("pool_size", raw.pool_size.is_some(), POSTGRES)
+}
+
+const DISK: &str = "\"disk\"";
+const MEMORY: &str = "\"memory\"";
+const REDIS: &str = "\"redis\"";
+const POSTGRES: &str = "\"postgres\"";
+const SHARED: &str = "\"redis\" or \"postgres\"";
 
 fn disk(raw: RawStore) -> Result<DiskSettings, ConfigError> {
     let path =

@@ -4,6 +4,7 @@
 
 mod client;
 pub mod nats;
+pub mod postgres;
 mod process;
 pub mod redis;
 pub mod relay;

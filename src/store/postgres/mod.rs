@@ -1,0 +1,494 @@
+//! The Postgres store: one table shared by every instance, for teams whose system of record is
+//! their database (backed up, replicated synchronously, trusted with money).
+//!
+//! - `reserve` is one statement: `INSERT ... ON CONFLICT (key) DO NOTHING`, and in the same
+//!   statement the existing row for the caller that lost; only a caller whose insert raced a
+//!   concurrent one past the statement's snapshot reads once more.
+//! - `complete`, `mark_unknown`, `release` and `renew` name the owner token in their `WHERE`, so
+//!   a stale owner changes nothing; the ones that end a pending state send `NOTIFY` in the same
+//!   transaction when a waiter flagged the row (`watch`), heard by every instance's listening
+//!   connection ([`listen`]).
+//! - Leases and expiry are decided by the database's clock ([`sql`]); expired rows are ignored
+//!   at once and removed in small batches ([`purge`]).
+//! - The table is created at first use if missing, under an advisory lock, at a recorded
+//!   schema version ([`schema`]).
+//! - Statements run on a pool of connections ([`connect`]), each bounded by `command_timeout`;
+//!   a connection that failed or timed out is closed, never reused. The database down at
+//!   startup is not fatal: calls answer `Unavailable` until it is back.
+
+mod connect;
+mod listen;
+mod purge;
+mod rows;
+pub mod schema;
+mod sql;
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use deadpool_postgres::Pool;
+use tokio::sync::OnceCell;
+use tokio::task::AbortHandle;
+use tokio_postgres::types::ToSql;
+use tokio_postgres::Row;
+
+use self::connect::{Connect, Lease};
+use self::rows::{count, millis, record_at, Expected, Giveback};
+use self::sql::Sql;
+use super::changes::Waiters;
+use super::{
+    codec, now_ms, OpenError, OwnerToken, Readiness, Record, RecordState, Reservation, Store,
+    StoreError, StoreStats, StoredResponse, UnknownReason, Watch,
+};
+use crate::config::PostgresSettings;
+use crate::fingerprint::Fingerprint;
+use crate::key::StoreKey;
+
+type Params<'a> = [&'a (dyn ToSql + Sync)];
+
+/// A handle to the store; every worker shares the same one.
+pub struct PostgresStore {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    pool: Pool,
+    sql: Sql,
+    table: String,
+    timeout: Duration,
+    waiters: Waiters,
+    /// Set once the table is known to be at this gateway's schema version.
+    schema: OnceCell<()>,
+    /// Why the table cannot be used (a newer schema version, no right to create it).
+    schema_problem: Mutex<Option<String>>,
+    listening: Arc<AtomicBool>,
+    purged: Arc<AtomicU64>,
+    /// The listener and the purge, stopped with the last handle.
+    tasks: Vec<AbortHandle>,
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+impl PostgresStore {
+    /// Creates the store. Never waits for the database: connections are made when needed.
+    pub fn new(settings: &PostgresSettings) -> Result<Self, OpenError> {
+        let connect = Connect::new(settings)?;
+        let pool = connect.pool(settings.pool_size, settings.command_timeout)?;
+        let channel = format!("idemgate_{}", schema::unqualified(&settings.table));
+        let waiters = Waiters::new();
+        let listening = Arc::new(AtomicBool::new(false));
+        let purged = Arc::new(AtomicU64::new(0));
+        let shared = Arc::new_cyclic(|weak| {
+            let listener = listen::listen(
+                connect,
+                channel.clone(),
+                waiters.clone(),
+                Arc::clone(&listening),
+                settings.command_timeout,
+            );
+            let purge = purge::purge(weak.clone(), Arc::clone(&purged));
+            Shared {
+                pool,
+                sql: Sql::new(&settings.table, &channel),
+                table: settings.table.clone(),
+                timeout: settings.command_timeout,
+                waiters,
+                schema: OnceCell::new(),
+                schema_problem: Mutex::new(None),
+                listening,
+                purged,
+                tasks: vec![
+                    tokio::spawn(listener).abort_handle(),
+                    tokio::spawn(purge).abort_handle(),
+                ],
+            }
+        });
+        Ok(PostgresStore { shared })
+    }
+
+    /// Whether the notification connection is listening: until it is, waiters learn of results
+    /// only from their once-a-second re-read.
+    pub fn is_listening(&self) -> bool {
+        self.shared.listening.load(Ordering::Acquire)
+    }
+
+    /// Expired rows this process removed.
+    pub fn purged(&self) -> u64 {
+        self.shared.purged.load(Ordering::Relaxed)
+    }
+}
+
+impl Shared {
+    /// The table at this gateway's schema version: checked (or created) once per process.
+    async fn ready(&self) -> Result<(), StoreError> {
+        if self.schema.initialized() {
+            return Ok(());
+        }
+        let result = self
+            .schema
+            .get_or_try_init(|| async {
+                let mut lease = Lease::take(&self.pool).await?;
+                // Creating the table may wait on another instance's lock: a few timeouts long.
+                let within = self.timeout * 5;
+                let ensured =
+                    tokio::time::timeout(within, schema::ensure(lease.client()?, &self.table))
+                        .await
+                        .map_err(|_| {
+                            StoreError::Unavailable(format!("schema: no answer within {within:?}"))
+                        })?;
+                lease.keep();
+                ensured
+            })
+            .await
+            .map(|_| ());
+        let problem = match &result {
+            Err(StoreError::Unsafe(why)) => Some(why.clone()),
+            _ => None,
+        };
+        *self
+            .schema_problem
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = problem;
+        result
+    }
+
+    /// Runs one prepared statement within `command_timeout`: its rows, or with `count` the
+    /// number of rows it changed.
+    async fn run(
+        &self,
+        what: &str,
+        sql: &str,
+        params: &Params<'_>,
+        count: bool,
+    ) -> Result<(Vec<Row>, u64), StoreError> {
+        self.ready().await?;
+        let work = async {
+            let mut lease = Lease::take(&self.pool).await?;
+            let client = lease.client()?;
+            let result = async {
+                let statement = client.prepare_cached(sql).await?;
+                if count {
+                    client
+                        .execute(&statement, params)
+                        .await
+                        .map(|n| (Vec::new(), n))
+                } else {
+                    client.query(&statement, params).await.map(|rows| (rows, 0))
+                }
+            }
+            .await;
+            let healthy = !client.is_closed();
+            match result {
+                Ok(done) => {
+                    lease.keep();
+                    Ok(done)
+                }
+                Err(e) => {
+                    // An SQL error leaves the connection usable; anything else closes it.
+                    if healthy && e.as_db_error().is_some() {
+                        lease.keep();
+                    }
+                    Err(StoreError::Unavailable(format!("{what}: {e}")))
+                }
+            }
+        };
+        tokio::time::timeout(self.timeout, work)
+            .await
+            .unwrap_or_else(|_| {
+                Err(StoreError::Unavailable(format!(
+                    "{what}: no answer within {:?}",
+                    self.timeout
+                )))
+            })
+    }
+
+    async fn rows(
+        &self,
+        what: &str,
+        sql: &str,
+        params: &Params<'_>,
+    ) -> Result<Vec<Row>, StoreError> {
+        self.run(what, sql, params, false)
+            .await
+            .map(|(rows, _)| rows)
+    }
+
+    async fn execute(&self, what: &str, sql: &str, params: &Params<'_>) -> Result<u64, StoreError> {
+        self.run(what, sql, params, true).await.map(|(_, n)| n)
+    }
+
+    /// The first row of a statement that always answers one.
+    async fn row(&self, what: &str, sql: &str, params: &Params<'_>) -> Result<Row, StoreError> {
+        self.rows(what, sql, params)
+            .await?
+            .into_iter()
+            .next()
+            .ok_or_else(|| StoreError::Unavailable(format!("{what}: no row in the answer")))
+    }
+
+    /// Runs an owner-only statement that answers `done`: 1 = done, 0 = not the owner.
+    async fn owned(&self, what: &str, sql: &str, params: &Params<'_>) -> Result<(), StoreError> {
+        match count(&self.row(what, sql, params).await?, 0)? {
+            1 => Ok(()),
+            _ => Err(StoreError::NotOwner),
+        }
+    }
+
+    async fn get(&self, key: &StoreKey) -> Result<Option<Record>, StoreError> {
+        let k: &[u8] = key.as_bytes();
+        match self.rows("get", &self.sql.get, &[&k]).await?.first() {
+            Some(row) => record_at(row, 1, count(row, 0)?),
+            None => Ok(None),
+        }
+    }
+}
+
+/// Tries for a reservation or a watch whose row keeps changing under it.
+const TRIES: usize = 3;
+
+#[async_trait]
+impl Store for PostgresStore {
+    async fn reserve(
+        &self,
+        key: &StoreKey,
+        fingerprint: Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<Reservation, StoreError> {
+        let shared = &self.shared;
+        let owner = OwnerToken::random();
+        let (k, fp, token): (&[u8], &[u8], [u8; 16]) =
+            (key.as_bytes(), &fingerprint.0, codec::owner_bytes(owner));
+        let (lease, ttl) = (millis(lease), millis(ttl));
+        let params: [&(dyn ToSql + Sync); 5] = [&k, &fp, &&token[..], &lease, &ttl];
+        // If the insert committed but its answer was lost (a timeout, the caller gone), the
+        // guard gives the row back: a key nobody owns would read as in flight, then unknown.
+        let guard = Giveback::new(shared, key, owner);
+        for _ in 0..TRIES {
+            let row = shared.row("reserve", &shared.sql.reserve, &params).await?;
+            if count(&row, 0)? == 1 {
+                guard.disarm();
+                return Ok(Reservation::Owner(owner));
+            }
+            let now = count(&row, 1)?;
+            let expires: Option<i64> = rows::get(&row, 2)?;
+            match (record_at(&row, 3, now)?, expires) {
+                (Some(record), Some(expires)) if expires > now => {
+                    guard.disarm();
+                    return Ok(Reservation::Existing(record));
+                }
+                // Past its expiry but not purged yet: the key is free.
+                (Some(_), _) => {
+                    if shared
+                        .execute("reserve", &shared.sql.replace_expired, &params)
+                        .await?
+                        == 1
+                    {
+                        guard.disarm();
+                        return Ok(Reservation::Owner(owner));
+                    }
+                }
+                // Inserted by a transaction that committed after this statement's snapshot.
+                (None, _) => {
+                    if let Some(record) = shared.get(key).await? {
+                        guard.disarm();
+                        return Ok(Reservation::Existing(record));
+                    }
+                }
+            }
+        }
+        guard.disarm();
+        Err(StoreError::Unavailable(
+            "reserve: the key changed under every try".into(),
+        ))
+    }
+
+    async fn get(&self, key: &StoreKey) -> Result<Option<Record>, StoreError> {
+        self.shared.get(key).await
+    }
+
+    async fn watch(&self, key: &StoreKey) -> Result<Watch, StoreError> {
+        // Subscribed before the read: a notification in between still wakes the caller.
+        let changes = self.shared.waiters.subscribe(key);
+        let k: &[u8] = key.as_bytes();
+        let mut record = None;
+        for _ in 0..TRIES {
+            let rows = self
+                .shared
+                .rows("get", &self.shared.sql.watch, &[&k])
+                .await?;
+            let Some(row) = rows.first() else {
+                return Ok(Watch {
+                    record: None,
+                    changes,
+                });
+            };
+            let flagged: bool = rows::get(row, 0)?;
+            let watched: bool = rows::get(row, 2)?;
+            record = record_at(row, 3, count(row, 1)?)?;
+            let pending = matches!(
+                record.as_ref().map(|r| &r.state),
+                Some(RecordState::Pending { .. } | RecordState::Abandoned { .. })
+            );
+            // A pending row that is not flagged, though the flag did not find it: it changed
+            // after this statement's snapshot, so read it again.
+            if flagged || watched || !pending {
+                break;
+            }
+        }
+        Ok(Watch { record, changes })
+    }
+
+    async fn complete(
+        &self,
+        key: &StoreKey,
+        owner: OwnerToken,
+        response: StoredResponse,
+        ttl: Duration,
+    ) -> Result<(), StoreError> {
+        let state = codec::encode_state(&RecordState::Completed(Arc::new(response)));
+        let (k, token, ttl): (&[u8], [u8; 16], i64) =
+            (key.as_bytes(), codec::owner_bytes(owner), millis(ttl));
+        let sql = &self.shared.sql.complete;
+        self.shared
+            .owned("complete", sql, &[&k, &&token[..], &&state[..], &ttl])
+            .await
+    }
+
+    async fn mark_unknown(
+        &self,
+        key: &StoreKey,
+        owner: OwnerToken,
+        reason: UnknownReason,
+    ) -> Result<(), StoreError> {
+        let state = codec::encode_state(&RecordState::Unknown {
+            since_ms: now_ms(),
+            reason,
+        });
+        let (k, token): (&[u8], [u8; 16]) = (key.as_bytes(), codec::owner_bytes(owner));
+        let sql = &self.shared.sql.mark_unknown;
+        self.shared
+            .owned("mark_unknown", sql, &[&k, &&token[..], &&state[..]])
+            .await
+    }
+
+    async fn release(&self, key: &StoreKey, owner: OwnerToken) -> Result<(), StoreError> {
+        let (k, token): (&[u8], [u8; 16]) = (key.as_bytes(), codec::owner_bytes(owner));
+        let sql = &self.shared.sql.release;
+        self.shared.owned("release", sql, &[&k, &&token[..]]).await
+    }
+
+    async fn renew(
+        &self,
+        key: &StoreKey,
+        owner: OwnerToken,
+        lease: Duration,
+    ) -> Result<(), StoreError> {
+        let (k, token, lease): (&[u8], [u8; 16], i64) =
+            (key.as_bytes(), codec::owner_bytes(owner), millis(lease));
+        let sql = &self.shared.sql.renew;
+        match self
+            .shared
+            .execute("renew", sql, &[&k, &&token[..], &lease])
+            .await?
+        {
+            1 => Ok(()),
+            _ => Err(StoreError::NotOwner),
+        }
+    }
+
+    async fn take_over(
+        &self,
+        key: &StoreKey,
+        expected: &Record,
+        fingerprint: Fingerprint,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Result<Option<OwnerToken>, StoreError> {
+        let shared = &self.shared;
+        let was = Expected::of(expected);
+        let owner = OwnerToken::random();
+        let (k, fp, token): (&[u8], &[u8], [u8; 16]) =
+            (key.as_bytes(), &fingerprint.0, codec::owner_bytes(owner));
+        let (lease, ttl) = (millis(lease), millis(ttl));
+        let params: [&(dyn ToSql + Sync); 11] = [
+            &k,
+            &was.state,
+            &was.fingerprint,
+            &was.created_ms,
+            &was.owner,
+            &was.lease_until_ms,
+            &was.outcome,
+            &fp,
+            &&token[..],
+            &lease,
+            &ttl,
+        ];
+        let guard = Giveback::new(shared, key, owner);
+        let changed = shared
+            .execute("take_over", &shared.sql.take_over, &params)
+            .await?;
+        guard.disarm();
+        Ok((changed == 1).then_some(owner))
+    }
+
+    async fn delete(&self, key: &StoreKey) -> Result<bool, StoreError> {
+        let k: &[u8] = key.as_bytes();
+        let row = self
+            .shared
+            .row("delete", &self.shared.sql.delete, &[&k])
+            .await?;
+        Ok(count(&row, 0)? == 1)
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.shared
+            .execute("ping", "SELECT 1", &[])
+            .await
+            .map(|_| ())
+    }
+
+    async fn flush(&self) -> Result<(), StoreError> {
+        // Every change was committed before it was answered; its durability is the
+        // database's (`synchronous_commit`, docs/stores.md).
+        Ok(())
+    }
+
+    fn stats(&self) -> StoreStats {
+        StoreStats {
+            purged: self.purged(),
+            ..StoreStats::default()
+        }
+    }
+
+    fn readiness(&self) -> Readiness {
+        let problem = self
+            .shared
+            .schema_problem
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        match problem {
+            Some(why) => Readiness::NotReady(why),
+            None if !self.is_listening() => Readiness::Warning(
+                "not listening for Postgres notifications yet: waiters re-read once a second"
+                    .into(),
+            ),
+            None => Readiness::Fine,
+        }
+    }
+
+    fn for_worker(&self) -> Arc<dyn Store> {
+        Arc::new(PostgresStore {
+            shared: Arc::clone(&self.shared),
+        })
+    }
+}

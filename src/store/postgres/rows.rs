@@ -1,0 +1,162 @@
+//! Between rows and records: reading a record from a row's columns (its lease checked at the
+//! database's clock), the columns a compare-and-set expects, and the guard that gives back a
+//! reservation whose answer was lost.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio_postgres::types::FromSql;
+use tokio_postgres::Row;
+
+use super::Shared;
+use crate::fingerprint::Fingerprint;
+use crate::key::StoreKey;
+use crate::store::{codec, OwnerToken, Record, RecordState, StoreError};
+
+/// Column `at` of `row`; a column of another type than expected is a corrupt answer.
+pub(super) fn get<'a, T: FromSql<'a>>(row: &'a Row, at: usize) -> Result<T, StoreError> {
+    row.try_get(at)
+        .map_err(|e| StoreError::Corrupt(format!("column {at}: {e}")))
+}
+
+/// A `bigint` column (counts, milliseconds).
+pub(super) fn count(row: &Row, at: usize) -> Result<i64, StoreError> {
+    get(row, at)
+}
+
+/// A duration as the statements take it: whole milliseconds, at least 1.
+pub(super) fn millis(d: Duration) -> i64 {
+    d.as_millis().clamp(1, i64::MAX as u128) as i64
+}
+
+fn unsigned(ms: i64) -> u64 {
+    ms.max(0) as u64
+}
+
+fn array<const N: usize>(bytes: &[u8], what: &str) -> Result<[u8; N], StoreError> {
+    bytes
+        .try_into()
+        .map_err(|_| StoreError::Corrupt(format!("{what}: {} bytes", bytes.len())))
+}
+
+/// The record in columns `at..at + 6` (state, fingerprint, created_ms, owner, lease_until_ms,
+/// outcome), as the contract returns it at the database's `now_ms`; `None` when the columns are
+/// null (a left join that found no row).
+pub(super) fn record_at(row: &Row, at: usize, now_ms: i64) -> Result<Option<Record>, StoreError> {
+    let Some(state) = get::<Option<i16>>(row, at)? else {
+        return Ok(None);
+    };
+    if state != i16::from(codec::STATE_PENDING) {
+        // Completed or unknown: the whole record, in the codec's form.
+        let outcome: Vec<u8> = get(row, at + 5)?;
+        let record = codec::decode(&Bytes::from(outcome))?;
+        if i16::from(codec::encode(&record)[1]) != state {
+            return Err(StoreError::Corrupt(format!(
+                "state {state} holds another record"
+            )));
+        }
+        return Ok(Some(record));
+    }
+    let fingerprint: &[u8] = get(row, at + 1)?;
+    let owner: &[u8] = get(row, at + 3)?;
+    let record = Record {
+        fingerprint: Fingerprint(array(fingerprint, "fingerprint")?),
+        created_ms: unsigned(count(row, at + 2)?),
+        state: RecordState::Pending {
+            owner: OwnerToken(u128::from_be_bytes(array(owner, "owner")?)),
+            lease_until_ms: unsigned(count(row, at + 4)?),
+        },
+    };
+    Ok(Some(record.checked_lease_at(unsigned(now_ms))))
+}
+
+/// The columns of a record as this store returned it, for `take_over`'s compare-and-set.
+pub(super) struct Expected {
+    pub state: i16,
+    pub fingerprint: Vec<u8>,
+    pub created_ms: i64,
+    pub owner: Option<Vec<u8>>,
+    pub lease_until_ms: Option<i64>,
+    pub outcome: Option<Vec<u8>>,
+}
+
+impl Expected {
+    pub(super) fn of(record: &Record) -> Expected {
+        let signed = |ms: u64| i64::try_from(ms).unwrap_or(i64::MAX);
+        let (state, owner, lease_until_ms, outcome) = match &record.state {
+            RecordState::Pending {
+                owner,
+                lease_until_ms,
+            }
+            | RecordState::Abandoned {
+                owner,
+                lease_until_ms,
+            } => (
+                codec::STATE_PENDING,
+                Some(codec::owner_bytes(*owner).to_vec()),
+                Some(signed(*lease_until_ms)),
+                None,
+            ),
+            // The codec is deterministic: the record encodes to the bytes it was read from.
+            RecordState::Completed(_) => (
+                codec::STATE_COMPLETED,
+                None,
+                None,
+                Some(codec::encode(record).to_vec()),
+            ),
+            RecordState::Unknown { .. } => (
+                codec::STATE_UNKNOWN,
+                None,
+                None,
+                Some(codec::encode(record).to_vec()),
+            ),
+        };
+        Expected {
+            state: i16::from(state),
+            fingerprint: record.fingerprint.0.to_vec(),
+            created_ms: signed(record.created_ms),
+            owner,
+            lease_until_ms,
+            outcome,
+        }
+    }
+}
+
+/// Gives back a new reservation unless disarmed: see [`super::PostgresStore::reserve`].
+pub(super) struct Giveback {
+    armed: Option<(Arc<Shared>, StoreKey, OwnerToken)>,
+}
+
+impl Giveback {
+    pub(super) fn new(shared: &Arc<Shared>, key: &StoreKey, owner: OwnerToken) -> Giveback {
+        Giveback {
+            armed: Some((Arc::clone(shared), *key, owner)),
+        }
+    }
+
+    pub(super) fn disarm(mut self) {
+        self.armed = None;
+    }
+}
+
+impl Drop for Giveback {
+    fn drop(&mut self) {
+        let Some((shared, key, owner)) = self.armed.take() else {
+            return;
+        };
+        // Best effort, in the background: if the database is unreachable the row keeps its
+        // lease and then reads as an unknown outcome, which is the safe side.
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(async move {
+                let (k, token): (&[u8], [u8; 16]) = (key.as_bytes(), codec::owner_bytes(owner));
+                let params: [&(dyn tokio_postgres::types::ToSql + Sync); 2] = [&k, &&token[..]];
+                if let Ok(row) = shared.row("release", &shared.sql.release, &params).await {
+                    if matches!(count(&row, 0), Ok(1)) {
+                        tracing::info!("released a reservation whose answer was lost");
+                    }
+                }
+            });
+        }
+    }
+}

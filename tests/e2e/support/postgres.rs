@@ -1,0 +1,365 @@
+//! Real Postgres servers for tests: `initdb` once per test process into a template, copied per
+//! server, each started on a free loopback port (never 5432) in a scratch directory. Postgres
+//! refuses to run as root: as root, every server command runs as `nobody` (`setpriv`). A missing
+//! installation is a failure that says what to install, never a skip.
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use super::redis::free_port;
+
+/// The directory of the newest installed server's binaries (Debian: /usr/lib/postgresql/N/bin).
+fn bin_dir() -> PathBuf {
+    let newest = std::fs::read_dir("/usr/lib/postgresql")
+        .ok()
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .max();
+    match newest {
+        Some(v) if Path::new(&format!("/usr/lib/postgresql/{v}/bin/postgres")).exists() => {
+            PathBuf::from(format!("/usr/lib/postgresql/{v}/bin"))
+        }
+        _ => panic!(
+            "no Postgres server found under /usr/lib/postgresql: these tests need a real one. Install it (Debian: apt-get install postgresql), or run scripts/test, which does"
+        ),
+    }
+}
+
+fn bin(name: &str) -> PathBuf {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(bin_dir).join(name)
+}
+
+fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|o| o.stdout.starts_with(b"0\n"))
+        .unwrap_or(false)
+}
+
+/// `program` run as the unprivileged user when this process is root (the server refuses root).
+fn as_server_user(program: &Path) -> Command {
+    static ROOT: OnceLock<bool> = OnceLock::new();
+    if *ROOT.get_or_init(is_root) {
+        let mut c = Command::new("setpriv");
+        c.args(["--reuid=nobody", "--regid=nogroup", "--clear-groups", "--"])
+            .arg(program);
+        c
+    } else {
+        Command::new(program)
+    }
+}
+
+/// Gives `dir` to the server's user (as root), with the mode Postgres insists on.
+fn hand_over(dir: &Path) {
+    if is_root() {
+        let ok = Command::new("chown")
+            .args(["-R", "nobody:nogroup"])
+            .arg(dir)
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "chown {} failed", dir.display());
+    }
+    let ok = Command::new("chmod")
+        .arg("700")
+        .arg(dir)
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok);
+}
+
+fn scratch(tag: &str) -> PathBuf {
+    static N: AtomicU32 = AtomicU32::new(0);
+    let dir = std::env::temp_dir().join(format!(
+        "idemgate-pg-{tag}-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::SeqCst)
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// A data directory made by `initdb` once per test process; servers start from copies.
+fn template() -> &'static Path {
+    static TEMPLATE: OnceLock<PathBuf> = OnceLock::new();
+    TEMPLATE.get_or_init(|| {
+        let dir = scratch("template");
+        hand_over(&dir);
+        let data = dir.join("data");
+        let out = as_server_user(&bin("initdb"))
+            .arg("-D")
+            .arg(&data)
+            .args([
+                "-U",
+                "postgres",
+                "--auth=trust",
+                "-E",
+                "UTF8",
+                "--locale=C",
+                "--no-sync",
+            ])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "initdb failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        data
+    })
+}
+
+/// One Postgres server on a free port. Stopped (immediately) and removed on drop.
+pub struct Postgres {
+    pub port: u16,
+    dir: PathBuf,
+    settings: Vec<String>,
+    child: Option<Child>,
+}
+
+impl Postgres {
+    pub fn start() -> Postgres {
+        Self::start_with(&[])
+    }
+
+    /// A server with extra `-c name=value` settings.
+    pub fn start_with(settings: &[&str]) -> Postgres {
+        let dir = scratch("server");
+        let ok = Command::new("cp")
+            .arg("-a")
+            .arg(template())
+            .arg(dir.join("data"))
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "copying the template data directory failed");
+        hand_over(&dir);
+        Self::run_in(dir, settings)
+    }
+
+    /// A synchronous standby of `primary` (pg_basebackup), streaming as `name`.
+    pub fn standby_of(primary: &Postgres, name: &str) -> Postgres {
+        let dir = scratch("standby");
+        hand_over(&dir);
+        let out = as_server_user(&bin("pg_basebackup"))
+            .args([
+                "-h",
+                "127.0.0.1",
+                "-U",
+                "postgres",
+                "-X",
+                "stream",
+                "-R",
+                "--no-sync",
+            ])
+            .args(["-p", &primary.port.to_string()])
+            .arg("-D")
+            .arg(dir.join("data"))
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "pg_basebackup failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Self::run_in(dir, &[&format!("cluster_name={name}")])
+    }
+
+    fn run_in(dir: PathBuf, settings: &[&str]) -> Postgres {
+        let mut server = Postgres {
+            port: free_port(false),
+            dir,
+            settings: settings.iter().map(|s| s.to_string()).collect(),
+            child: None,
+        };
+        server.launch();
+        server
+    }
+
+    fn launch(&mut self) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join("server.log"))
+            .unwrap();
+        let mut cmd = as_server_user(&bin("postgres"));
+        cmd.arg("-D")
+            .arg(self.dir.join("data"))
+            .args(["-p", &self.port.to_string(), "-k"])
+            .arg(&self.dir)
+            .args([
+                "-c",
+                "listen_addresses=127.0.0.1",
+                "-c",
+                "shared_buffers=16MB",
+                "-c",
+                "dynamic_shared_memory_type=mmap",
+                "-c",
+                "max_connections=200",
+            ]);
+        for s in &self.settings {
+            cmd.args(["-c", s]);
+        }
+        let child = cmd
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start postgres: {e}"));
+        self.child = Some(child);
+        self.wait_ready();
+    }
+
+    // Blocking, as process management is here: called before a test's async part, or on drop.
+    #[allow(clippy::disallowed_methods)]
+    fn wait_ready(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let ready = Command::new(bin("pg_isready"))
+                .args(["-h", "127.0.0.1", "-p", &self.port.to_string(), "-t", "1"])
+                .stdout(Stdio::null())
+                .status()
+                .map(|s| s.success())
+                .unwrap_or(false);
+            if ready {
+                return;
+            }
+            if let Some(Ok(Some(status))) = self.child.as_mut().map(|c| c.try_wait()) {
+                panic!("postgres exited ({status}): {}", self.log());
+            }
+            assert!(
+                Instant::now() < deadline,
+                "postgres on port {} never became ready: {}",
+                self.port,
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("server.log")).unwrap_or_default()
+    }
+
+    /// `postgres://postgres@127.0.0.1:<port>/postgres`.
+    pub fn url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+
+    /// Runs `sql` with psql; its unaligned output, trimmed. Panics on an error.
+    pub fn psql(&self, sql: &str) -> String {
+        self.try_psql(sql)
+            .unwrap_or_else(|e| panic!("psql {sql:?} failed: {e}"))
+    }
+
+    pub fn try_psql(&self, sql: &str) -> Result<String, String> {
+        let out = Command::new(bin("psql"))
+            .args([
+                "-h",
+                "127.0.0.1",
+                "-U",
+                "postgres",
+                "-d",
+                "postgres",
+                "-At",
+                "-X",
+            ])
+            .args([
+                "-p",
+                &self.port.to_string(),
+                "-v",
+                "ON_ERROR_STOP=1",
+                "-c",
+                sql,
+            ])
+            .output()
+            .unwrap();
+        if out.status.success() {
+            Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+        } else {
+            Err(String::from_utf8_lossy(&out.stderr).to_string())
+        }
+    }
+
+    /// `kill -9` of the postmaster (its backends notice and exit).
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// A fast shutdown (SIGINT: sessions are ended, the server checkpoints and exits).
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            signal(&child, "INT");
+            let _ = child.wait();
+        }
+    }
+
+    /// Started again on the same port and data directory.
+    pub fn restart(&mut self) {
+        self.stop();
+        self.launch();
+    }
+
+    /// Starts it again after a [`Self::stop`] or [`Self::kill`].
+    pub fn start_again(&mut self) {
+        self.launch();
+    }
+
+    /// Promotes a standby (`pg_promote`, which waits until it is done).
+    pub fn promote(&self) {
+        assert_eq!(self.psql("SELECT pg_promote(true, 60)"), "t");
+    }
+
+    /// Makes `standby` (its `cluster_name`) the synchronous standby, and waits until it is.
+    // Blocking, as process management is here: called before a test's async part, or on drop.
+    #[allow(clippy::disallowed_methods)]
+    pub fn require_sync_standby(&self, name: &str) {
+        self.psql(&format!(
+            "ALTER SYSTEM SET synchronous_standby_names = '{name}'"
+        ));
+        self.psql("SELECT pg_reload_conf()");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let query =
+            format!("SELECT sync_state FROM pg_stat_replication WHERE application_name = '{name}'");
+        while self.psql(&query) != "sync" {
+            assert!(Instant::now() < deadline, "{name} never became synchronous");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+fn signal(child: &Child, name: &str) {
+    let _ = Command::new("kill")
+        .args([&format!("-{name}"), &child.id().to_string()])
+        .status();
+}
+
+impl Drop for Postgres {
+    // Blocking, as process management is here: called before a test's async part, or on drop.
+    #[allow(clippy::disallowed_methods)]
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            // Immediate shutdown: the postmaster ends its backends itself.
+            signal(&child, "QUIT");
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while matches!(child.try_wait(), Ok(None)) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
