@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use clap::{Parser, Subcommand};
 
-use crate::config::Config;
+use crate::config::{Config, StoreConfig};
 use crate::operator;
 use crate::server::{reload_on_sighup, shutdown_signal, Server};
 use crate::telemetry::{self, LogFormat};
@@ -48,6 +48,10 @@ pub enum Command {
         /// The TOML config file.
         #[arg(long, env = "IDEMGATE_CONFIG")]
         config: PathBuf,
+        /// Print only the SQL that creates the Postgres store's tables (backend = "postgres"),
+        /// for teams that apply schema changes themselves.
+        #[arg(long)]
+        print_ddl: bool,
     },
     /// GET a URL and exit 0 on 2xx, 1 otherwise: a health check for images without curl.
     Probe {
@@ -91,7 +95,20 @@ pub fn main() -> ExitCode {
     let cli = Cli::parse();
     telemetry::init(cli.log_format);
     match cli.command {
-        Command::Check { config } => match Config::load(&config) {
+        Command::Check { config, print_ddl } => match Config::load(&config) {
+            Ok(c) if print_ddl => match &c.store {
+                StoreConfig::Postgres(p) => {
+                    say(&crate::store::postgres::schema::ddl(&p.table));
+                    ExitCode::SUCCESS
+                }
+                _ => {
+                    eprintln!(
+                        "idemgate: {}: --print-ddl is for store.backend = \"postgres\"",
+                        config.display()
+                    );
+                    ExitCode::from(EXIT_BAD_CONFIG)
+                }
+            },
             Ok(c) => {
                 say(&describe(&c));
                 say("config OK\n");

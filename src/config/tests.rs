@@ -363,6 +363,94 @@ fn redis_store_settings() {
 }
 
 #[test]
+fn postgres_store_settings() {
+    let c = store("backend = \"postgres\"\nurl = \"postgres://app:s3cret@db:5432/pay\"").unwrap();
+    assert_eq!(
+        c.store,
+        StoreConfig::Postgres(PostgresSettings {
+            url: "postgres://app:s3cret@db:5432/pay".into(),
+            table: "idemgate_records".into(),
+            pool_size: 16,
+            command_timeout: Duration::from_secs(1),
+            tls_ca_file: None,
+            tls_client: None,
+        })
+    );
+    assert!(!format!("{:?}", c.store).contains("s3cret"));
+    let c = store(
+        "backend = \"postgres\"\nurl = \"postgresql://a:5432,b:5433/pay?target_session_attrs=read-write&sslmode=require\"\ntable = \"billing.keys\"\npool_size = 40\ncommand_timeout = \"3s\"",
+    )
+    .unwrap();
+    let StoreConfig::Postgres(p) = c.store else {
+        panic!()
+    };
+    assert_eq!((p.table.as_str(), p.pool_size), ("billing.keys", 40));
+    assert_eq!(p.command_timeout, Duration::from_secs(3));
+}
+
+#[test]
+fn bad_postgres_settings_are_refused() {
+    let pg = |rest: &str| store(&format!("backend = \"postgres\"\n{rest}"));
+    assert!(
+        matches!(pg(""), Err(ConfigError::Missing { field }) if field.starts_with("store.url"))
+    );
+    assert_eq!(
+        invalid_field(pg("url = \"redis://u:pw@a:1\"")),
+        ("store.url".into(), "redis://u:***@a:1".into())
+    );
+    // The driver's own parser: a bad option, with the password still hidden.
+    let (field, value) = invalid_field(pg("url = \"postgres://u:pw@a:1/db?sslmode=sometimes\""));
+    assert_eq!(
+        (field.as_str(), value.as_str()),
+        ("store.url", "postgres://u:***@a:1/db?sslmode=sometimes")
+    );
+    for table in [
+        "Records",
+        "1st",
+        "a;drop table x",
+        "a.b.c",
+        "\"quoted\"",
+        "",
+    ] {
+        assert_eq!(
+            invalid_field(pg(&format!("url = \"postgres://a/db\"\ntable = {table:?}"))).0,
+            "store.table",
+            "{table}"
+        );
+    }
+    assert_eq!(
+        invalid_field(pg("url = \"postgres://a/db\"\npool_size = 0")).0,
+        "store.pool_size"
+    );
+    assert_eq!(
+        invalid_field(pg("url = \"postgres://a/db\"\ncommand_timeout = \"2m\"")).0,
+        "store.command_timeout"
+    );
+    // Redis's own settings are not Postgres's, and Postgres's not Redis's.
+    for other in [
+        "key_prefix = \"x:\"",
+        "min_replicas = 1",
+        "cluster = [\"redis://a:1\"]",
+    ] {
+        let (field, _) = invalid_field(pg(&format!("url = \"postgres://a/db\"\n{other}")));
+        assert!(
+            other.starts_with(field.trim_start_matches("store.")),
+            "{field}"
+        );
+    }
+    assert_eq!(
+        invalid_field(store(
+            "backend = \"redis\"\nurl = \"redis://a:1\"\ntable = \"t\""
+        )),
+        ("store.table".into(), "(set)".into())
+    );
+    assert_eq!(
+        invalid_field(store("backend = \"disk\"\npath = \"d\"\npool_size = 4")).0,
+        "store.pool_size"
+    );
+}
+
+#[test]
 fn bad_redis_settings_are_refused() {
     assert_eq!(
         store("backend = \"redis\"").unwrap_err(),

@@ -189,3 +189,67 @@ fn check_names_a_missing_signing_secret_and_never_prints_one() {
     }
     assert!(!out.contains("MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"));
 }
+
+/// A Postgres config: `check` shows the store without its password, and `--print-ddl` prints
+/// the statements that create its tables (and refuses other backends).
+#[test]
+fn check_on_postgres_hides_the_password_and_prints_the_ddl() {
+    let dir = TempDir::new("cli-pg");
+    let path = dir.path.join("proxy.toml");
+    let text = TomlConfig::parse(
+        "[server]\nlisten = \"127.0.0.1:0\"\n[upstream]\nurl = \"http://127.0.0.1:1\"\n[[routes]]\npath = \"/p\"\n",
+    )
+    .set("store.backend", "postgres")
+    .set(
+        "store.url",
+        "postgres://app:s3cret-pw@db1:5432,db2:5432/pay?target_session_attrs=read-write",
+    )
+    .set("store.table", "billing.idem_keys")
+    .text();
+    std::fs::write(&path, text).unwrap();
+    let check = Command::new(BIN)
+        .args(["check", "--config"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    let shown = String::from_utf8_lossy(&check.stdout);
+    assert!(check.status.success(), "{shown}");
+    assert!(
+        shown.contains("store postgres postgres://app:***@db1:5432,db2:5432/pay"),
+        "{shown}"
+    );
+    assert!(!shown.contains("s3cret-pw"), "{shown}");
+    let ddl = Command::new(BIN)
+        .args(["check", "--print-ddl", "--config"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    let sql = String::from_utf8_lossy(&ddl.stdout);
+    assert!(ddl.status.success());
+    assert!(
+        sql.contains("CREATE TABLE IF NOT EXISTS billing.idem_keys ("),
+        "{sql}"
+    );
+    assert!(
+        sql.contains(
+            "CREATE INDEX IF NOT EXISTS idem_keys_expires ON billing.idem_keys (expires_ms);"
+        ),
+        "{sql}"
+    );
+    assert!(sql.contains("billing.idem_keys_schema"), "{sql}");
+
+    let memory = dir.path.join("memory.toml");
+    std::fs::write(
+        &memory,
+        "[server]\nlisten = \"127.0.0.1:0\"\n[upstream]\nurl = \"http://127.0.0.1:1\"\n",
+    )
+    .unwrap();
+    let refused = Command::new(BIN)
+        .args(["check", "--print-ddl", "--config"])
+        .arg(&memory)
+        .output()
+        .unwrap();
+    assert_eq!(refused.status.code(), Some(64));
+    assert!(String::from_utf8_lossy(&refused.stderr)
+        .contains("--print-ddl is for store.backend = \"postgres\""));
+}

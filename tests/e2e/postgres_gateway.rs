@@ -1,0 +1,485 @@
+//! The gateway on Postgres: real servers (started as an unprivileged user), real upstream, real
+//! gateways in process and as processes; duplicates woken by NOTIFY, several instances on one
+//! database, a gateway killed mid-flight, Postgres restarted under traffic, a failover to a
+//! synchronous standby, expiry, and the schema's creation and version.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use idemgate::config::{Config, PostgresSettings, StoreConfig};
+use idemgate::server::Running;
+use idemgate::store::postgres::PostgresStore;
+use idemgate::store::Store;
+use tokio::sync::Semaphore;
+
+use crate::support::postgres::Postgres;
+use crate::support::redis::free_port;
+use crate::support::*;
+
+fn settings(url: String) -> PostgresSettings {
+    PostgresSettings {
+        url,
+        table: "idemgate_records".into(),
+        pool_size: 8,
+        command_timeout: Duration::from_secs(2),
+        tls_ca_file: None,
+        tls_client: None,
+    }
+}
+
+/// A typed gateway config on Postgres at `url`.
+fn pg_config(upstream: &str, url: String, extra: &str) -> Config {
+    let mut config = config(upstream, extra);
+    config.store = StoreConfig::Postgres(settings(url));
+    config
+}
+
+/// The same as a file for the binary.
+fn pg_config_text(upstream: &str, url: &str, extra: &str) -> String {
+    TomlConfig::parse(&format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\nshutdown_grace = \"5s\"\n[upstream]\nurl = \"{upstream}\"\n{extra}"
+    ))
+    .set("store.backend", "postgres")
+    .set("store.url", url)
+    .set("store.command_timeout", "2s")
+    .text()
+}
+
+async fn in_process(upstream: &str, url: String, extra: &str) -> Running {
+    Running::start(pg_config(upstream, url, extra))
+        .await
+        .unwrap()
+}
+
+/// Executions per `Idempotency-Key` the upstream saw.
+fn executions_per_key(up: &Upstream) -> HashMap<String, usize> {
+    let mut per_key: HashMap<String, usize> = HashMap::new();
+    for s in up.seen() {
+        if let Some(k) = s.headers.get("idempotency-key") {
+            *per_key.entry(k.to_str().unwrap().to_string()).or_default() += 1;
+        }
+    }
+    per_key
+}
+
+fn assert_at_most_once(up: &Upstream) {
+    for (k, n) in executions_per_key(up) {
+        assert_eq!(n, 1, "key {k} executed {n} times");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn executes_once_replays_byte_for_byte_and_refuses_other_parameters() {
+    let pg = Postgres::start();
+    let up = Upstream::counting().await;
+    let gw = in_process(&up.url(), pg.url(), PAYMENTS).await;
+    let http = Http::new(gw.addr());
+    let first = http.post("/payments", "k1", r#"{"amount":100}"#).await;
+    assert_eq!(first.status, 201);
+    assert!(!first.is_replay());
+    let again = http.post("/payments", "k1", r#"{"amount":100}"#).await;
+    assert!(again.is_replay(), "{again:?}");
+    assert_eq!(again.status, first.status);
+    assert_eq!(again.body, first.body, "byte for byte");
+    assert_eq!(again.header("set-cookie"), first.header("set-cookie"));
+    let other = http.post("/payments", "k1", r#"{"amount":999}"#).await;
+    assert_eq!(other.status, 409);
+    assert_eq!(other.problem_type(), "key-reused");
+    // The stored result stays.
+    let after = http.post("/payments", "k1", r#"{"amount":100}"#).await;
+    assert_eq!(after.body, first.body);
+    assert_eq!(up.executions(), 1);
+    // The record is a row of the table, completed.
+    assert_eq!(
+        pg.psql("SELECT count(*), min(state) FROM idemgate_records"),
+        "1|2"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn duplicates_wait_and_are_woken_by_notify() {
+    let pg = Postgres::start();
+    let (up, gate) = Upstream::gated().await;
+    let gw = in_process(
+        &up.url(),
+        pg.url(),
+        &format!("{PAYMENTS}wait = \"20s\"\nlock_timeout = \"30s\"\n"),
+    )
+    .await;
+    let http = Http::new(gw.addr());
+    let original = {
+        let http = http.clone();
+        tokio::spawn(async move { http.post("/payments", "held", "{}").await })
+    };
+    up.next_arrival().await;
+    let mut duplicates = Vec::new();
+    for _ in 0..5 {
+        let http = http.clone();
+        duplicates.push(tokio::spawn(async move {
+            let got = http.post("/payments", "held", "{}").await;
+            (got, Instant::now())
+        }));
+    }
+    // Every duplicate is waiting once the row is flagged by a waiter.
+    let flagged =
+        eventually(|| async { pg.psql("SELECT watched FROM idemgate_records") == "t" }).await;
+    assert!(flagged, "a waiter flagged the pending row");
+    gate.add_permits(1);
+    let first = original.await.unwrap();
+    let answered = Instant::now();
+    assert_eq!(first.status, 201);
+    let mut latencies = Vec::new();
+    for d in duplicates {
+        let (got, at) = d.await.unwrap();
+        assert!(got.is_replay(), "{got:?}");
+        assert_eq!(got.body, first.body);
+        latencies.push(at.saturating_duration_since(answered));
+    }
+    latencies.sort();
+    let slowest = latencies[latencies.len() - 1];
+    println!("NOTIFY wake-up after the original's answer: {latencies:?}");
+    // The fallback re-read is once a second; woken by NOTIFY, they answer at once.
+    assert!(
+        slowest < Duration::from_millis(500),
+        "duplicates woke {slowest:?} after the original's answer"
+    );
+    assert_eq!(up.executions(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_gateway_processes_on_one_database_execute_once() {
+    let pg = Postgres::start();
+    let gate = Arc::new(Semaphore::new(0));
+    let g = Arc::clone(&gate);
+    let up =
+        Upstream::start(move |_, n| Reply::json(201, &format!("{{\"execution\":{n}}}")).gated(&g))
+            .await;
+    let admins: [std::net::SocketAddr; 2] =
+        std::array::from_fn(|_| format!("127.0.0.1:{}", free_port(false)).parse().unwrap());
+    let config = pg_config_text(&up.url(), &pg.url(), PAYMENTS);
+    let with_admin = |admin: std::net::SocketAddr| {
+        TomlConfig::parse(&config)
+            .set("server.admin", admin.to_string())
+            .text()
+    };
+    let gw1 = GatewayProcess::start(&with_admin(admins[0]));
+    let gw2 = GatewayProcess::start(&with_admin(admins[1]));
+    let mut calls = Vec::new();
+    for i in 0..40 {
+        let http = Http::new(if i % 2 == 0 { gw1.addr } else { gw2.addr });
+        calls.push(tokio::spawn(async move {
+            http.post("/payments", "across-instances", r#"{"amount":100}"#)
+                .await
+        }));
+    }
+    up.next_arrival().await;
+    let in_flight = || async {
+        let mut total = 0.0;
+        for admin in admins {
+            total += scrape(admin).await["idemgate_requests_in_flight"];
+        }
+        total
+    };
+    assert!(eventually(|| async { in_flight().await >= 40.0 }).await);
+    gate.add_permits(100);
+    let mut bodies = Vec::new();
+    for c in calls {
+        let got = c.await.unwrap();
+        assert_eq!(got.status, 201, "{got:?}");
+        bodies.push(got.body);
+    }
+    assert_eq!(up.executions(), 1, "one execution across both instances");
+    assert!(bodies.iter().all(|b| b == &bodies[0]));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_killed_mid_flight_never_executes_again() {
+    let pg = Postgres::start();
+    let (up, gate) = Upstream::gated().await;
+    let config = pg_config_text(
+        &up.url(),
+        &pg.url(),
+        "[[routes]]\nname = \"payments\"\npath = \"/payments\"\nlock_timeout = \"3s\"\nwait = \"0s\"\n",
+    );
+    let gw = GatewayProcess::start(&config);
+    let doomed = spawn_post_to_be_killed(&Http::new(gw.addr), "k");
+    up.next_arrival().await;
+    gw.signal_and_wait("-KILL");
+    assert!(
+        doomed.await.unwrap().is_none(),
+        "the client lost its connection"
+    );
+
+    let gw = GatewayProcess::start(&config);
+    let http = Http::new(gw.addr);
+    let late = retry_while_in_flight(&http, "k").await;
+    assert_eq!(late.status, 502, "{late:?}");
+    assert_eq!(late.problem_type(), "outcome-unknown");
+    gate.add_permits(10);
+    assert_eq!(
+        http.post("/payments", "k", "{}").await.problem_type(),
+        "outcome-unknown"
+    );
+    assert_eq!(up.executions(), 1, "never executed a second time");
+}
+
+/// A client's keys, each with every answer it got.
+type Client = tokio::task::JoinHandle<Vec<(String, Vec<Got>)>>;
+
+/// Clients working through keys, each retried until a final answer (201 or outcome-unknown),
+/// until `stop`: what every key got, in order.
+fn clients(http: &Http, n: usize, stop: &Arc<AtomicBool>) -> Vec<Client> {
+    (0..n)
+        .map(|c| {
+            let (http, stop) = (http.clone(), Arc::clone(stop));
+            tokio::spawn(async move {
+                let mut results = Vec::new();
+                for j in 0..500 {
+                    if stop.load(Ordering::SeqCst) {
+                        break;
+                    }
+                    let key = format!("during-{c}-{j}");
+                    let mut answers = Vec::new();
+                    for _ in 0..1000 {
+                        let got = http.post("/payments", &key, "{}").await;
+                        let done = got.status == 201 || got.problem_type() == "outcome-unknown";
+                        answers.push(got);
+                        if done {
+                            break;
+                        }
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                    results.push((key, answers));
+                }
+                results
+            })
+        })
+        .collect()
+}
+
+/// Every key got a final answer, its 2xx answers all alike; whether any 503 was seen.
+async fn settled(clients: Vec<Client>) -> (bool, usize) {
+    let (mut saw_503, mut keys) = (false, 0);
+    for c in clients {
+        for (key, answers) in c.await.unwrap() {
+            keys += 1;
+            saw_503 |= answers.iter().any(|a| a.status == 503);
+            let last = answers.last().unwrap();
+            assert!(
+                last.status == 201 || last.problem_type() == "outcome-unknown",
+                "{key} never got a final answer: {last:?}"
+            );
+            let oks: Vec<_> = answers.iter().filter(|a| a.status == 201).collect();
+            assert!(
+                oks.iter().all(|a| a.body == oks[0].body),
+                "{key}: different 2xx bodies"
+            );
+        }
+    }
+    (saw_503, keys)
+}
+
+async fn executions_reach(up: &Upstream, n: usize) {
+    let reached =
+        eventually_within(Duration::from_secs(60), || async { up.executions() >= n }).await;
+    assert!(
+        reached,
+        "the upstream executed {} requests, not {n}",
+        up.executions()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_restarted_under_traffic_fails_closed_then_recovers() {
+    let mut pg = Postgres::start();
+    let up = Upstream::counting().await;
+    let gw = in_process(
+        &up.url(),
+        pg.url(),
+        &format!("{PAYMENTS}lock_timeout = \"1s\"\nwait = \"1s\"\n"),
+    )
+    .await;
+    let http = Http::new(gw.addr());
+    let mut before = HashMap::new();
+    for i in 0..5 {
+        let got = http.post("/payments", &format!("before-{i}"), "{}").await;
+        assert_eq!(got.status, 201);
+        before.insert(i, got.body);
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let running = clients(&http, 8, &stop);
+    executions_reach(&up, up.executions() + 8).await;
+    pg.stop();
+    let during = http.post("/payments", "while-down", "{}").await;
+    assert_eq!(during.status, 503);
+    assert_eq!(during.problem_type(), "store-unavailable");
+    assert!(during.header("retry-after").is_some());
+    pg.start_again();
+    executions_reach(&up, up.executions() + 16).await;
+    stop.store(true, Ordering::SeqCst);
+    let (saw_503, keys) = settled(running).await;
+    assert!(saw_503, "the outage was visible to the clients as 503s");
+    assert!(
+        keys > 16,
+        "traffic ran before, during and after ({keys} keys)"
+    );
+    assert_at_most_once(&up);
+    for (i, body) in before {
+        let again = http.post("/payments", &format!("before-{i}"), "{}").await;
+        assert!(again.is_replay(), "before-{i} lost: {again:?}");
+        assert_eq!(again.body, body);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failover_to_a_synchronous_standby_serves_again_and_runs_nothing_twice() {
+    let mut primary = Postgres::start();
+    let standby = Postgres::standby_of(&primary, "standby1");
+    primary.require_sync_standby("standby1");
+    let up = Upstream::counting().await;
+    // Both hosts in one URL: the driver connects to whichever accepts writes.
+    let url = format!(
+        "postgres://postgres@127.0.0.1:{},127.0.0.1:{}/postgres?target_session_attrs=read-write",
+        primary.port, standby.port
+    );
+    let gw = in_process(
+        &up.url(),
+        url,
+        &format!("{PAYMENTS}lock_timeout = \"1s\"\nwait = \"1s\"\n"),
+    )
+    .await;
+    let http = Http::new(gw.addr());
+    let settled_before = http.post("/payments", "before", "{}").await;
+    assert_eq!(settled_before.status, 201);
+    let stop = Arc::new(AtomicBool::new(false));
+    let running = clients(&http, 8, &stop);
+    executions_reach(&up, up.executions() + 8).await;
+    primary.kill();
+    let killed = Instant::now();
+    standby.promote();
+    // The same gateway process serves new keys again, through the promoted standby.
+    let mut served = None;
+    while killed.elapsed() < Duration::from_secs(30) {
+        let got = http
+            .post(
+                "/payments",
+                &format!("after-{}", killed.elapsed().as_millis()),
+                "{}",
+            )
+            .await;
+        if got.status == 201 {
+            served = Some(killed.elapsed());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let served = served.expect("served again within 30 s of the failover");
+    println!("served again {served:?} after the primary was killed");
+    executions_reach(&up, up.executions() + 8).await;
+    stop.store(true, Ordering::SeqCst);
+    settled(running).await;
+    assert_at_most_once(&up);
+    // What was stored before the failover is on the standby, and replays.
+    let again = http.post("/payments", "before", "{}").await;
+    assert!(again.is_replay(), "{again:?}");
+    assert_eq!(again.body, settled_before.body);
+}
+
+async fn ready(settings: &PostgresSettings) -> Arc<PostgresStore> {
+    let store = Arc::new(PostgresStore::new(settings).unwrap());
+    let answered = eventually(|| async { store.ping().await.is_ok() }).await;
+    assert!(
+        answered,
+        "the store never answered: {:?}",
+        store.ping().await
+    );
+    store
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expiry_keeps_the_table_bounded() {
+    use idemgate::fingerprint::Fingerprint;
+    use idemgate::key::{ClientScope, StoreKey};
+    let pg = Postgres::start();
+    let store = ready(&settings(pg.url())).await;
+    let ttl = Duration::from_millis(500);
+    let rows = || {
+        pg.psql("SELECT count(*) FROM idemgate_records")
+            .parse::<u64>()
+            .unwrap()
+    };
+    let scope = ClientScope::from_value(b"expiry");
+    // A steady stream of short-lived keys, for many times their ttl plus the purge's period.
+    let mut most = 0;
+    for round in 0..8 {
+        for i in 0..300 {
+            let key = StoreKey::new(&scope, "route", &format!("{round}-{i}"));
+            store
+                .reserve(&key, Fingerprint([1; 32]), ttl, ttl)
+                .await
+                .unwrap();
+        }
+        most = most.max(rows());
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    // 2,400 keys went in; at most about 3 rounds' worth (ttl + purge period) are ever there.
+    assert!(most <= 1_200, "the table held {most} rows");
+    let emptied = eventually_within(Duration::from_secs(10), || async { rows() == 0 }).await;
+    assert!(emptied, "expired rows were purged: {} left", rows());
+    assert!(store.purged() >= 2_000, "purged {}", store.purged());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn instances_starting_together_create_the_schema_once_and_a_newer_one_is_refused() {
+    let pg = Postgres::start();
+    let mut stores = Vec::new();
+    for _ in 0..4 {
+        stores.push(tokio::spawn({
+            let settings = settings(pg.url());
+            async move { ready(&settings).await }
+        }));
+    }
+    for s in stores {
+        let store = s.await.unwrap();
+        assert!(store
+            .get(&idemgate::key::StoreKey::from_hex(&"0".repeat(64)).unwrap())
+            .await
+            .unwrap()
+            .is_none());
+    }
+    assert_eq!(pg.psql("SELECT version FROM idemgate_records_schema"), "1");
+    // A later gateway's layout: this one refuses to touch it, and says why in readiness.
+    pg.psql("UPDATE idemgate_records_schema SET version = 2");
+    let store = PostgresStore::new(&settings(pg.url())).unwrap();
+    let refused = store.ping().await.unwrap_err().to_string();
+    assert!(refused.contains("schema version 2"), "{refused}");
+    match store.readiness() {
+        idemgate::store::Readiness::NotReady(why) => assert!(why.contains("version 2"), "{why}"),
+        other => panic!("ready on a newer schema: {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_created_from_the_printed_ddl_is_used_as_it_is() {
+    let pg = Postgres::start();
+    pg.psql(&idemgate::store::postgres::schema::ddl("payments_keys"));
+    let store = ready(&PostgresSettings {
+        table: "payments_keys".into(),
+        ..settings(pg.url())
+    })
+    .await;
+    let up = Upstream::counting().await;
+    let mut config = pg_config(&up.url(), pg.url(), PAYMENTS);
+    config.store = StoreConfig::Postgres(PostgresSettings {
+        table: "payments_keys".into(),
+        ..settings(pg.url())
+    });
+    let gw = Running::start(config).await.unwrap();
+    let http = Http::new(gw.addr());
+    assert_eq!(http.post("/payments", "k", "{}").await.status, 201);
+    assert!(http.post("/payments", "k", "{}").await.is_replay());
+    assert_eq!(pg.psql("SELECT count(*) FROM payments_keys"), "1");
+    drop(store);
+}
