@@ -483,3 +483,94 @@ async fn a_table_created_from_the_printed_ddl_is_used_as_it_is() {
     assert_eq!(pg.psql("SELECT count(*) FROM payments_keys"), "1");
     drop(store);
 }
+
+/// What replication promises across a failover, measured: a standby that lags behind (the
+/// primary's WAL sender stopped) and is promoted after the primary is killed. Asynchronous: every key the
+/// gateway executed meanwhile is gone, and its retry executes again. Synchronous: the commit
+/// waits for the standby, the gateway answers 503 with nothing forwarded, and after the
+/// failover the retry executes once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn asynchronous_replication_loses_reservations_in_a_failover_synchronous_does_not() {
+    for synchronous in [false, true] {
+        let mut primary = Postgres::start();
+        let standby = Postgres::standby_of(&primary, "standby1");
+        if synchronous {
+            primary.require_sync_standby("standby1");
+        }
+        let up = Upstream::counting().await;
+        let url = format!(
+            "postgres://postgres@127.0.0.1:{},127.0.0.1:{}/postgres?target_session_attrs=read-write",
+            primary.port, standby.port
+        );
+        let gw = in_process(&up.url(), url, PAYMENTS).await;
+        let http = Http::new(gw.addr());
+        assert_eq!(http.post("/payments", "warm-up", "{}").await.status, 201);
+        primary.signal_wal_sender("STOP");
+        let keys: Vec<String> = (0..3).map(|i| format!("lagging-{i}")).collect();
+        for key in &keys {
+            let got = http.post("/payments", key, "{}").await;
+            if synchronous {
+                assert_eq!(got.status, 503, "{got:?}");
+                assert_eq!(got.problem_type(), "store-unavailable");
+            } else {
+                assert_eq!(got.status, 201, "{got:?}");
+            }
+        }
+        let before = up.executions();
+        primary.kill();
+        standby.promote();
+        for key in &keys {
+            let mut got = http.post("/payments", key, "{}").await;
+            for _ in 0..300 {
+                if got.status != 503 {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                got = http.post("/payments", key, "{}").await;
+            }
+            assert_eq!(got.status, 201, "{got:?}");
+        }
+        let per_key = executions_per_key(&up);
+        let twice = keys.iter().filter(|k| per_key.get(*k) == Some(&2)).count();
+        println!(
+            "synchronous = {synchronous}: {before} executions before the failover, {twice} of {} keys executed twice",
+            keys.len()
+        );
+        if synchronous {
+            assert_eq!(twice, 0);
+            assert_at_most_once(&up);
+        } else {
+            assert_eq!(twice, keys.len(), "an asynchronous standby lost them");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_postgres_routes_fail_closed_unless_they_pass() {
+    let up = Upstream::counting().await;
+    let url = format!(
+        "postgres://postgres@127.0.0.1:{}/postgres",
+        free_port(false)
+    );
+    let gw = Running::start(
+        pg_config(
+            &up.url(),
+            url,
+            "[[routes]]\npath = \"/payments\"\n[[routes]]\npath = \"/refunds\"\non_store_error = \"pass\"\n",
+        )
+        .with_admin(),
+    )
+    .await
+    .unwrap();
+    let http = Http::new(gw.addr());
+    let closed = http.post("/payments", "k", "{}").await;
+    assert_eq!(closed.status, 503);
+    assert_eq!(closed.problem_type(), "store-unavailable");
+    assert!(closed.header("retry-after").is_some());
+    assert_eq!(up.executions(), 0);
+    let passed = http.post("/refunds", "k", "{}").await;
+    assert_eq!(passed.status, 201);
+    assert_eq!(up.executions(), 1);
+    let (status, body) = admin_get(gw.admin_addr().unwrap(), "/readyz").await;
+    assert_eq!(status, 503, "{body}");
+}

@@ -714,3 +714,37 @@ async fn client_certificates_are_verified_and_their_subject_scopes_keys() {
     }
     assert_eq!(up.executions(), 2);
 }
+
+/// The Postgres store over TLS (`sslmode=require`): the server's certificate is verified against
+/// `store.tls_ca_file`, and one signed by another CA is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_postgres_store_verifies_the_servers_certificate() {
+    use idemgate::config::PostgresSettings;
+    use idemgate::store::postgres::PostgresStore;
+    use idemgate::store::Store;
+    let (ca, other) = (Ca::new("pg-ca"), Ca::new("another-ca"));
+    let (cert, key) = ca.leaf(&["127.0.0.1", "localhost"], false);
+    let pg = crate::support::postgres::Postgres::start_tls(&cert, &key);
+    let dir = TempDir::new("pg-tls");
+    write(&dir, "ca.pem", &ca.cert.pem());
+    write(&dir, "other.pem", &other.cert.pem());
+    let settings = |ca: &str| PostgresSettings {
+        url: format!("{}?sslmode=require", pg.url()),
+        table: "idemgate_records".into(),
+        pool_size: 2,
+        command_timeout: std::time::Duration::from_secs(2),
+        tls_ca_file: Some(dir.path.join(ca)),
+        tls_client: None,
+    };
+    let store = PostgresStore::new(&settings("ca.pem")).unwrap();
+    let answered = eventually(|| async { store.ping().await.is_ok() }).await;
+    assert!(answered, "{:?}", store.ping().await);
+    let encrypted = pg.psql(
+        "SELECT count(*) FROM pg_stat_ssl JOIN pg_stat_activity USING (pid) WHERE application_name = 'idemgate' AND ssl",
+    );
+    assert_ne!(encrypted, "0", "the store's connections use TLS");
+
+    let wrong = PostgresStore::new(&settings("other.pem")).unwrap();
+    let refused = wrong.ping().await.unwrap_err().to_string();
+    assert!(refused.to_lowercase().contains("certificate"), "{refused}");
+}

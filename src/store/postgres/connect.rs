@@ -82,10 +82,9 @@ pub(super) struct Lease(Option<Object>);
 
 impl Lease {
     pub(super) async fn take(pool: &Pool) -> Result<Lease, StoreError> {
-        pool.get()
-            .await
-            .map(|o| Lease(Some(o)))
-            .map_err(|e| StoreError::Unavailable(format!("no Postgres connection: {e}")))
+        pool.get().await.map(|o| Lease(Some(o))).map_err(|e| {
+            StoreError::Unavailable(format!("no Postgres connection: {}", explain(&e)))
+        })
     }
 
     pub(super) fn client(&mut self) -> Result<&mut Object, StoreError> {
@@ -107,4 +106,20 @@ impl Drop for Lease {
             drop(Object::take(object));
         }
     }
+}
+
+/// An error with its causes: the driver's own message is often only the step that failed
+/// ("error performing TLS handshake"), and the cause says why (an unknown issuer).
+pub(super) fn explain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        let text = c.to_string();
+        if !out.contains(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        cause = c.source();
+    }
+    out
 }

@@ -15,7 +15,7 @@ use std::time::Duration;
 use futures_util::StreamExt;
 use tokio_postgres::AsyncMessage;
 
-use super::connect::Connect;
+use super::connect::{explain, Connect};
 use crate::key::StoreKey;
 use crate::store::changes::Waiters;
 
@@ -55,7 +55,7 @@ async fn listen_once(
     let (client, mut connection) = tokio::time::timeout(timeout * 5, connect.open())
         .await
         .map_err(|_| "no connection within the timeout".to_string())?
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| explain(&e))?;
     let mut messages = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
     let statement = format!("LISTEN {channel}");
     let listen = client.batch_execute(&statement);
@@ -68,7 +68,7 @@ async fn listen_once(
     loop {
         tokio::select! {
             done = &mut listen, if !started => {
-                done.map_err(|e| e.to_string())?;
+                done.map_err(|e| explain(&e))?;
                 started = true;
                 listening.store(true, Ordering::Release);
                 // Whatever was notified before now was missed: every waiter reads again.
@@ -81,7 +81,7 @@ async fn listen_once(
                     }
                 }
                 Some(Ok(_)) => {}
-                Some(Err(e)) => return finished(started, e.to_string()),
+                Some(Err(e)) => return finished(started, explain(&e)),
                 None => return finished(started, "connection closed".into()),
             },
             _ = check.tick(), if started && probe.is_none() => {

@@ -34,7 +34,7 @@ use tokio::task::AbortHandle;
 use tokio_postgres::types::ToSql;
 use tokio_postgres::Row;
 
-use self::connect::{Connect, Lease};
+use self::connect::{explain, Connect, Lease};
 use self::rows::{count, millis, record_at, Expected, Giveback};
 use self::sql::Sql;
 use super::changes::Waiters;
@@ -196,7 +196,7 @@ impl Shared {
                     if healthy && e.as_db_error().is_some() {
                         lease.keep();
                     }
-                    Err(StoreError::Unavailable(format!("{what}: {e}")))
+                    Err(StoreError::Unavailable(format!("{what}: {}", explain(&e))))
                 }
             }
         };

@@ -125,6 +125,8 @@ pub struct Postgres {
     dir: PathBuf,
     settings: Vec<String>,
     child: Option<Child>,
+    /// A WAL sender this test signalled ([`Self::signal_wal_sender`]).
+    wal_sender: Option<String>,
 }
 
 impl Postgres {
@@ -145,6 +147,37 @@ impl Postgres {
         assert!(ok, "copying the template data directory failed");
         hand_over(&dir);
         Self::run_in(dir, settings)
+    }
+
+    /// A server that speaks TLS with this certificate and key (PEM), besides plain TCP.
+    pub fn start_tls(cert: &str, key: &str) -> Postgres {
+        let dir = scratch("server");
+        let ok = Command::new("cp")
+            .arg("-a")
+            .arg(template())
+            .arg(dir.join("data"))
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "copying the template data directory failed");
+        let (cert_path, key_path) = (dir.join("server.crt"), dir.join("server.key"));
+        std::fs::write(&cert_path, cert).unwrap();
+        std::fs::write(&key_path, key).unwrap();
+        // Postgres refuses a key others can read.
+        assert!(Command::new("chmod")
+            .arg("600")
+            .arg(&key_path)
+            .status()
+            .unwrap()
+            .success());
+        hand_over(&dir);
+        let settings = [
+            "ssl=on".to_string(),
+            format!("ssl_cert_file={}", cert_path.display()),
+            format!("ssl_key_file={}", key_path.display()),
+        ];
+        let settings: Vec<&str> = settings.iter().map(String::as_str).collect();
+        Self::run_in(dir, &settings)
     }
 
     /// A synchronous standby of `primary` (pg_basebackup), streaming as `name`.
@@ -181,6 +214,7 @@ impl Postgres {
             dir,
             settings: settings.iter().map(|s| s.to_string()).collect(),
             child: None,
+            wal_sender: None,
         };
         server.launch();
         server
@@ -290,11 +324,15 @@ impl Postgres {
         }
     }
 
-    /// `kill -9` of the postmaster (its backends notice and exit).
+    /// `kill -9` of the postmaster (its backends notice and exit; a stopped WAL sender is
+    /// killed too).
     pub fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {
             let _ = child.kill();
             let _ = child.wait();
+        }
+        if let Some(pid) = self.wal_sender.take() {
+            signal_pid(&pid, "KILL");
         }
     }
 
@@ -315,6 +353,15 @@ impl Postgres {
     /// Starts it again after a [`Self::stop`] or [`Self::kill`].
     pub fn start_again(&mut self) {
         self.launch();
+    }
+
+    /// Signals a primary's WAL sender (`STOP`: the standby falls behind, nothing more is sent;
+    /// `KILL`: it goes, also while stopped, which it would not notice of a killed primary).
+    pub fn signal_wal_sender(&mut self, signal_name: &str) {
+        let pid = self.psql("SELECT pid FROM pg_stat_replication");
+        assert!(!pid.is_empty(), "no WAL sender on port {}", self.port);
+        self.wal_sender = Some(pid.clone());
+        signal_pid(&pid, signal_name);
     }
 
     /// Promotes a standby (`pg_promote`, which waits until it is done).
@@ -338,6 +385,12 @@ impl Postgres {
             std::thread::sleep(Duration::from_millis(50));
         }
     }
+}
+
+fn signal_pid(pid: &str, name: &str) {
+    let _ = Command::new("kill")
+        .args([&format!("-{name}"), pid])
+        .status();
 }
 
 fn signal(child: &Child, name: &str) {
