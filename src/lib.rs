@@ -16,8 +16,9 @@
 //! - [`key`] - the `Idempotency-Key` header, client scoping, the hashed store key.
 //! - [`fingerprint`] - "same request?": SHA-256 over method, path, query and canonical body.
 //! - [`store`] - the store contract and records; backends [`store::disk`] (durable, embedded),
-//!   [`store::memory`] (volatile) and [`store::redis`] (connections, Lua scripts, pub/sub
-//!   subscriber); the record codec; waiting.
+//!   [`store::memory`] (volatile), [`store::redis`] (connections, Lua scripts, pub/sub
+//!   subscriber) and [`store::postgres`] (statements, pool, LISTEN/NOTIFY, purge, schema);
+//!   the record codec; waiting.
 //!   A new backend goes here: one module, one arm in [`store::open`], one more contract run.
 //! - [`upstream`] - the per-worker connection pool, request rewriting, failure classification.
 //!   A new upstream protocol goes here.
