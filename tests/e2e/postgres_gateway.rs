@@ -574,3 +574,55 @@ async fn without_postgres_routes_fail_closed_unless_they_pass() {
     let (status, body) = admin_get(gw.admin_addr().unwrap(), "/readyz").await;
     assert_eq!(status, 503, "{body}");
 }
+
+/// Statements a request costs, as the server logs them (`log_statement = all`): a new key is its
+/// reservation and its result, a replay only the reservation, which reads the existing row in
+/// the same statement (the background purge is left out of the count).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_key_costs_two_statements_and_a_replay_one() {
+    let pg = Postgres::start_with(&["log_statement=all"]);
+    let up = Upstream::counting().await;
+    let gw = in_process(&up.url(), pg.url(), PAYMENTS).await;
+    let http = Http::new(gw.addr());
+    assert_eq!(http.post("/payments", "warm-up", "{}").await.status, 201);
+    let statements = || {
+        pg.log()
+            .lines()
+            .filter(|l| {
+                l.contains("LOG:  execute")
+                    && !l.contains("DELETE FROM idemgate_records WHERE key IN (")
+            })
+            .count()
+    };
+    let start = statements();
+    for i in 0..20 {
+        assert_eq!(
+            http.post("/payments", &format!("new-{i}"), "{}")
+                .await
+                .status,
+            201
+        );
+    }
+    let counted = eventually(|| async { statements() >= start + 40 }).await;
+    assert!(
+        counted,
+        "{} statements for 20 new keys",
+        statements() - start
+    );
+    let after_new = statements();
+    assert_eq!(after_new - start, 40, "two statements per new key");
+    for i in 0..20 {
+        assert!(http
+            .post("/payments", &format!("new-{i}"), "{}")
+            .await
+            .is_replay());
+    }
+    let counted = eventually(|| async { statements() >= after_new + 20 }).await;
+    assert!(
+        counted,
+        "{} statements for 20 replays",
+        statements() - after_new
+    );
+    assert_eq!(statements() - after_new, 20, "one statement per replay");
+    assert_eq!(up.executions(), 21);
+}
