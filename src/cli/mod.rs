@@ -58,7 +58,7 @@ pub enum Command {
         /// For example http://127.0.0.1:9090/readyz
         url: String,
     },
-    /// Inspect or release one stored key (shared store only).
+    /// Inspect or release one stored key (Redis or Postgres beside the running gateway; disk with it stopped).
     Keys {
         #[command(subcommand)]
         action: KeysAction,

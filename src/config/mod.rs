@@ -232,8 +232,12 @@ pub struct PostgresSettings {
     pub url: String,
     /// The records' table, perhaps schema-qualified; checked to be a plain identifier.
     pub table: String,
-    /// Connections in the pool (besides the one that listens for notifications).
+    /// Connections of one gateway process, shared out among its worker threads (each has a pool
+    /// of `pool_size / workers`, at least 2), besides one for the background purge and one that
+    /// listens for notifications.
     pub pool_size: usize,
+    /// The gateway's worker threads (`server.workers`), among which `pool_size` is shared out.
+    pub workers: usize,
     /// Upper bound for one statement, and for waiting on a connection from the pool.
     pub command_timeout: Duration,
     /// PEM file of the CA that signed the server's certificate; `None` trusts the system's roots.
@@ -248,6 +252,7 @@ impl std::fmt::Debug for PostgresSettings {
             .field("url", &redact_url(&self.url))
             .field("table", &self.table)
             .field("pool_size", &self.pool_size)
+            .field("workers", &self.workers)
             .field("command_timeout", &self.command_timeout)
             .field("tls_ca_file", &self.tls_ca_file)
             .field("tls_client", &self.tls_client)

@@ -371,6 +371,7 @@ fn postgres_store_settings() {
             url: "postgres://app:s3cret@db:5432/pay".into(),
             table: "idemgate_records".into(),
             pool_size: 16,
+            workers: c.server.workers,
             command_timeout: Duration::from_secs(1),
             tls_ca_file: None,
             tls_client: None,

@@ -777,3 +777,47 @@ mod nats {
         assert_eq!(consumer.info().await.unwrap().num_redelivered, 0);
     }
 }
+
+/// The records in Postgres, the stream in Redis: two instances in one group apply 300 messages
+/// with duplicates once each, and every entry is acknowledged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_the_postgres_store_two_instances_apply_each_message_once() {
+    let redis = RedisServer::start();
+    let pg = crate::support::postgres::Postgres::start();
+    let up = Upstream::counting().await;
+    let source = format!(
+        "{{ redis_stream = \"{STREAM}\", group = \"{GROUP}\", claim_idle = \"1s\", url = \"{}\" }}",
+        redis.url()
+    );
+    let store = format!("backend = \"postgres\"\nurl = \"{}\"", pg.url());
+    let (a, b) = (free_addr(), free_addr());
+    let _gws = [a, b].map(|admin| {
+        GatewayProcess::start(&gateway_config(
+            &store,
+            &source,
+            &up.url(),
+            admin,
+            "concurrency = 16",
+        ))
+    });
+    let mut ids = BTreeSet::new();
+    let mut entries = 0;
+    for i in 0..300 {
+        let id = format!("m-{}", i % 240);
+        publish(&redis, &format!(r#"{{"messageId": "{id}"}}"#));
+        ids.insert(id);
+        entries += 1;
+    }
+    wait_all_acked(&redis, entries).await;
+    let mut applied = applied(&up);
+    applied.sort();
+    assert_eq!(
+        applied,
+        ids.into_iter().collect::<Vec<_>>(),
+        "each message once"
+    );
+    assert_eq!(
+        pg.psql("SELECT count(*) FROM idemgate_records WHERE state = 2"),
+        "240"
+    );
+}

@@ -23,6 +23,7 @@ fn settings(url: String) -> PostgresSettings {
         url,
         table: "idemgate_records".into(),
         pool_size: 8,
+        workers: 2,
         command_timeout: Duration::from_secs(2),
         tls_ca_file: None,
         tls_client: None,
@@ -223,6 +224,27 @@ async fn a_gateway_killed_mid_flight_never_executes_again() {
         "outcome-unknown"
     );
     assert_eq!(up.executions(), 1, "never executed a second time");
+
+    // The operator reads the record from the database while the gateway runs, then releases
+    // it: the next retry executes.
+    let get = keys_cmd(&gw.config_path, "get", "payments", &["k"]);
+    let shown = String::from_utf8_lossy(&get.stdout);
+    assert!(
+        get.status.success(),
+        "{shown}{}",
+        String::from_utf8_lossy(&get.stderr)
+    );
+    assert!(shown.contains("lease expired"), "{shown}");
+    let del = keys_cmd(&gw.config_path, "delete", "payments", &["k"]);
+    assert!(del.status.success());
+    assert_eq!(
+        keys_cmd(&gw.config_path, "get", "payments", &["k"])
+            .status
+            .code(),
+        Some(1)
+    );
+    assert_eq!(http.post("/payments", "k", "{}").await.status, 201);
+    assert_eq!(up.executions(), 2);
 }
 
 /// A client's keys, each with every answer it got.

@@ -676,6 +676,7 @@ mod postgres {
             url: server.url(),
             table: "idemgate_records".into(),
             pool_size: 8,
+            workers: 2,
             command_timeout: Duration::from_secs(2),
             tls_ca_file: None,
             tls_client: None,

@@ -732,6 +732,7 @@ async fn the_postgres_store_verifies_the_servers_certificate() {
         url: format!("{}?sslmode=require", pg.url()),
         table: "idemgate_records".into(),
         pool_size: 2,
+        workers: 2,
         command_timeout: std::time::Duration::from_secs(2),
         tls_ca_file: Some(dir.path.join(ca)),
         tls_client: None,

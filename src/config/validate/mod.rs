@@ -30,7 +30,7 @@ const DEFAULT_UPSTREAM_CONNECTIONS: usize = 1024;
 impl RawConfig {
     pub(super) fn validate(self) -> Result<Config, ConfigError> {
         let server = server::validate_server(self.server)?;
-        let store = store::validate_store(self.store)?;
+        let store = store::validate_store(self.store, server.workers)?;
         let raw_upstream = self.upstream.ok_or_else(|| ConfigError::Missing {
             field: "upstream.url".into(),
         })?;

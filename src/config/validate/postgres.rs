@@ -8,7 +8,7 @@ use super::{pem_file, pem_pair, shown, whole_number, Pem};
 use crate::config::raw::RawStore;
 use crate::config::{redact_url, ConfigError, PostgresSettings};
 
-pub(super) fn postgres(raw: RawStore) -> Result<PostgresSettings, ConfigError> {
+pub(super) fn postgres(raw: RawStore, workers: usize) -> Result<PostgresSettings, ConfigError> {
     let url = raw.url.ok_or_else(|| ConfigError::Missing {
         field: "store.url (postgres://user:password@host:5432/database)".into(),
     })?;
@@ -43,6 +43,7 @@ pub(super) fn postgres(raw: RawStore) -> Result<PostgresSettings, ConfigError> {
         url,
         table,
         pool_size,
+        workers,
         command_timeout,
         tls_ca_file,
         tls_client,

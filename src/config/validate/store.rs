@@ -13,7 +13,8 @@ use crate::config::{
 /// Largest accepted `max_disk` (1 PiB): counts stay far from overflowing.
 const MAX_DISK: u64 = 1 << 50;
 
-pub(super) fn validate_store(raw: RawStore) -> Result<StoreConfig, ConfigError> {
+/// `workers`: the gateway's worker threads, among which a Postgres pool is shared out.
+pub(super) fn validate_store(raw: RawStore, workers: usize) -> Result<StoreConfig, ConfigError> {
     match raw.backend.unwrap_or(Backend::Memory) {
         Backend::Disk => {
             not_redis(&raw)?;
@@ -37,7 +38,7 @@ pub(super) fn validate_store(raw: RawStore) -> Result<StoreConfig, ConfigError> 
             not_disk(&raw)?;
             not_memory(&raw)?;
             not_redis_only(&raw)?;
-            postgres(raw).map(StoreConfig::Postgres)
+            postgres(raw, workers).map(StoreConfig::Postgres)
         }
     }
 }

@@ -12,9 +12,12 @@
 //!   at once and removed in small batches ([`purge`]).
 //! - The table is created at first use if missing, under an advisory lock, at a recorded
 //!   schema version ([`schema`]).
-//! - Statements run on a pool of connections ([`connect`]), each bounded by `command_timeout`;
-//!   a connection that failed or timed out is closed, never reused. The database down at
-//!   startup is not fatal: calls answer `Unavailable` until it is back.
+//! - Statements run on pools of connections ([`connect`]), each bounded by `command_timeout`;
+//!   a connection that failed or timed out is closed, never reused. Each worker thread has a
+//!   pool of its own, made on its runtime, which drives its connections: no statement hops
+//!   threads, and a worker that stops at shutdown takes no other worker's connection with it.
+//!   `pool_size` is shared out among the workers. The database down at startup is not fatal:
+//!   calls answer `Unavailable` until it is back.
 
 mod connect;
 mod listen;
@@ -48,13 +51,17 @@ use crate::key::StoreKey;
 
 type Params<'a> = [&'a (dyn ToSql + Sync)];
 
-/// A handle to the store; every worker shares the same one.
+/// A handle to the store: what every handle shares, and this handle's own pool.
 pub struct PostgresStore {
     shared: Arc<Shared>,
+    /// `Err` only if a worker's pool could not be made (settings that worked at open).
+    pool: Result<Pool, StoreError>,
 }
 
 struct Shared {
-    pool: Pool,
+    connect: Connect,
+    /// Connections in each handle's pool.
+    share: usize,
     sql: Sql,
     table: String,
     timeout: Duration,
@@ -81,22 +88,26 @@ impl PostgresStore {
     /// Creates the store. Never waits for the database: connections are made when needed.
     pub fn new(settings: &PostgresSettings) -> Result<Self, OpenError> {
         let connect = Connect::new(settings)?;
-        let pool = connect.pool(settings.pool_size, settings.command_timeout)?;
+        let share = settings.pool_size.div_ceil(settings.workers.max(1)).max(2);
+        let pool = connect.pool(share, settings.command_timeout)?;
+        // The purge's own connection, driven by the runtime it runs on.
+        let purge_pool = connect.pool(1, settings.command_timeout)?;
         let channel = format!("idemgate_{}", schema::unqualified(&settings.table));
         let waiters = Waiters::new();
         let listening = Arc::new(AtomicBool::new(false));
         let purged = Arc::new(AtomicU64::new(0));
         let shared = Arc::new_cyclic(|weak| {
             let listener = listen::listen(
-                connect,
+                connect.clone(),
                 channel.clone(),
                 waiters.clone(),
                 Arc::clone(&listening),
                 settings.command_timeout,
             );
-            let purge = purge::purge(weak.clone(), Arc::clone(&purged));
+            let purge = purge::purge(weak.clone(), purge_pool, Arc::clone(&purged));
             Shared {
-                pool,
+                connect,
+                share,
                 sql: Sql::new(&settings.table, &channel),
                 table: settings.table.clone(),
                 timeout: settings.command_timeout,
@@ -111,7 +122,14 @@ impl PostgresStore {
                 ],
             }
         });
-        Ok(PostgresStore { shared })
+        Ok(PostgresStore {
+            shared,
+            pool: Ok(pool),
+        })
+    }
+
+    fn pool(&self) -> Result<&Pool, StoreError> {
+        self.pool.as_ref().map_err(Clone::clone)
     }
 
     /// Whether the notification connection is listening: until it is, waiters learn of results
@@ -128,14 +146,14 @@ impl PostgresStore {
 
 impl Shared {
     /// The table at this gateway's schema version: checked (or created) once per process.
-    async fn ready(&self) -> Result<(), StoreError> {
+    async fn ready(&self, pool: &Pool) -> Result<(), StoreError> {
         if self.schema.initialized() {
             return Ok(());
         }
         let result = self
             .schema
             .get_or_try_init(|| async {
-                let mut lease = Lease::take(&self.pool).await?;
+                let mut lease = Lease::take(pool).await?;
                 // Creating the table may wait on another instance's lock: a few timeouts long.
                 let within = self.timeout * 5;
                 let ensured =
@@ -164,14 +182,15 @@ impl Shared {
     /// number of rows it changed.
     async fn run(
         &self,
+        pool: &Pool,
         what: &str,
         sql: &str,
         params: &Params<'_>,
         count: bool,
     ) -> Result<(Vec<Row>, u64), StoreError> {
-        self.ready().await?;
+        self.ready(pool).await?;
         let work = async {
-            let mut lease = Lease::take(&self.pool).await?;
+            let mut lease = Lease::take(pool).await?;
             let client = lease.client()?;
             let result = async {
                 let statement = client.prepare_cached(sql).await?;
@@ -209,20 +228,24 @@ impl Shared {
                 )))
             })
     }
+}
 
+impl PostgresStore {
+    /// Runs a statement on this handle's pool: its rows.
     async fn rows(
         &self,
         what: &str,
         sql: &str,
         params: &Params<'_>,
     ) -> Result<Vec<Row>, StoreError> {
-        self.run(what, sql, params, false)
-            .await
-            .map(|(rows, _)| rows)
+        let run = self.shared.run(self.pool()?, what, sql, params, false);
+        run.await.map(|(rows, _)| rows)
     }
 
+    /// Runs a statement on this handle's pool: the rows it changed.
     async fn execute(&self, what: &str, sql: &str, params: &Params<'_>) -> Result<u64, StoreError> {
-        self.run(what, sql, params, true).await.map(|(_, n)| n)
+        let run = self.shared.run(self.pool()?, what, sql, params, true);
+        run.await.map(|(_, n)| n)
     }
 
     /// The first row of a statement that always answers one.
@@ -242,11 +265,19 @@ impl Shared {
         }
     }
 
-    async fn get(&self, key: &StoreKey) -> Result<Option<Record>, StoreError> {
+    async fn read(&self, key: &StoreKey) -> Result<Option<Record>, StoreError> {
         let k: &[u8] = key.as_bytes();
-        match self.rows("get", &self.sql.get, &[&k]).await?.first() {
+        match self.rows("get", &self.shared.sql.get, &[&k]).await?.first() {
             Some(row) => record_at(row, 1, count(row, 0)?),
             None => Ok(None),
+        }
+    }
+
+    /// Another handle on the same pool (for work that outlives a call).
+    fn handle(&self) -> PostgresStore {
+        PostgresStore {
+            shared: Arc::clone(&self.shared),
+            pool: self.pool.clone(),
         }
     }
 }
@@ -271,9 +302,9 @@ impl Store for PostgresStore {
         let params: [&(dyn ToSql + Sync); 5] = [&k, &fp, &&token[..], &lease, &ttl];
         // If the insert committed but its answer was lost (a timeout, the caller gone), the
         // guard gives the row back: a key nobody owns would read as in flight, then unknown.
-        let guard = Giveback::new(shared, key, owner);
+        let guard = Giveback::new(self.handle(), key, owner);
         for _ in 0..TRIES {
-            let row = shared.row("reserve", &shared.sql.reserve, &params).await?;
+            let row = self.row("reserve", &shared.sql.reserve, &params).await?;
             if count(&row, 0)? == 1 {
                 guard.disarm();
                 return Ok(Reservation::Owner(owner));
@@ -287,7 +318,7 @@ impl Store for PostgresStore {
                 }
                 // Past its expiry but not purged yet: the key is free.
                 (Some(_), _) => {
-                    if shared
+                    if self
                         .execute("reserve", &shared.sql.replace_expired, &params)
                         .await?
                         == 1
@@ -298,7 +329,7 @@ impl Store for PostgresStore {
                 }
                 // Inserted by a transaction that committed after this statement's snapshot.
                 (None, _) => {
-                    if let Some(record) = shared.get(key).await? {
+                    if let Some(record) = self.read(key).await? {
                         guard.disarm();
                         return Ok(Reservation::Existing(record));
                     }
@@ -312,7 +343,7 @@ impl Store for PostgresStore {
     }
 
     async fn get(&self, key: &StoreKey) -> Result<Option<Record>, StoreError> {
-        self.shared.get(key).await
+        self.read(key).await
     }
 
     async fn watch(&self, key: &StoreKey) -> Result<Watch, StoreError> {
@@ -321,10 +352,7 @@ impl Store for PostgresStore {
         let k: &[u8] = key.as_bytes();
         let mut record = None;
         for _ in 0..TRIES {
-            let rows = self
-                .shared
-                .rows("get", &self.shared.sql.watch, &[&k])
-                .await?;
+            let rows = self.rows("get", &self.shared.sql.watch, &[&k]).await?;
             let Some(row) = rows.first() else {
                 return Ok(Watch {
                     record: None,
@@ -358,8 +386,7 @@ impl Store for PostgresStore {
         let (k, token, ttl): (&[u8], [u8; 16], i64) =
             (key.as_bytes(), codec::owner_bytes(owner), millis(ttl));
         let sql = &self.shared.sql.complete;
-        self.shared
-            .owned("complete", sql, &[&k, &&token[..], &&state[..], &ttl])
+        self.owned("complete", sql, &[&k, &&token[..], &&state[..], &ttl])
             .await
     }
 
@@ -375,15 +402,14 @@ impl Store for PostgresStore {
         });
         let (k, token): (&[u8], [u8; 16]) = (key.as_bytes(), codec::owner_bytes(owner));
         let sql = &self.shared.sql.mark_unknown;
-        self.shared
-            .owned("mark_unknown", sql, &[&k, &&token[..], &&state[..]])
+        self.owned("mark_unknown", sql, &[&k, &&token[..], &&state[..]])
             .await
     }
 
     async fn release(&self, key: &StoreKey, owner: OwnerToken) -> Result<(), StoreError> {
         let (k, token): (&[u8], [u8; 16]) = (key.as_bytes(), codec::owner_bytes(owner));
         let sql = &self.shared.sql.release;
-        self.shared.owned("release", sql, &[&k, &&token[..]]).await
+        self.owned("release", sql, &[&k, &&token[..]]).await
     }
 
     async fn renew(
@@ -396,7 +422,6 @@ impl Store for PostgresStore {
             (key.as_bytes(), codec::owner_bytes(owner), millis(lease));
         let sql = &self.shared.sql.renew;
         match self
-            .shared
             .execute("renew", sql, &[&k, &&token[..], &lease])
             .await?
         {
@@ -432,8 +457,8 @@ impl Store for PostgresStore {
             &lease,
             &ttl,
         ];
-        let guard = Giveback::new(shared, key, owner);
-        let changed = shared
+        let guard = Giveback::new(self.handle(), key, owner);
+        let changed = self
             .execute("take_over", &shared.sql.take_over, &params)
             .await?;
         guard.disarm();
@@ -442,18 +467,12 @@ impl Store for PostgresStore {
 
     async fn delete(&self, key: &StoreKey) -> Result<bool, StoreError> {
         let k: &[u8] = key.as_bytes();
-        let row = self
-            .shared
-            .row("delete", &self.shared.sql.delete, &[&k])
-            .await?;
+        let row = self.row("delete", &self.shared.sql.delete, &[&k]).await?;
         Ok(count(&row, 0)? == 1)
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
-        self.shared
-            .execute("ping", "SELECT 1", &[])
-            .await
-            .map(|_| ())
+        self.execute("ping", "SELECT 1", &[]).await.map(|_| ())
     }
 
     async fn flush(&self) -> Result<(), StoreError> {
@@ -487,8 +506,12 @@ impl Store for PostgresStore {
     }
 
     fn for_worker(&self) -> Arc<dyn Store> {
+        // Made here, on the worker's runtime, which then drives its connections.
+        let shared = &self.shared;
+        let pool = shared.connect.pool(shared.share, shared.timeout);
         Arc::new(PostgresStore {
-            shared: Arc::clone(&self.shared),
+            shared: Arc::clone(shared),
+            pool: pool.map_err(|e| StoreError::Unavailable(e.to_string())),
         })
     }
 }

@@ -6,6 +6,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
+use deadpool_postgres::Pool;
+
 use super::Shared;
 
 /// Rows removed per statement: small enough to hold few locks for a short time.
@@ -16,7 +18,7 @@ const BATCHES: usize = 40;
 pub(super) const EVERY: Duration = Duration::from_secs(1);
 
 /// Runs until the store is dropped: it holds the store only while it purges.
-pub(super) async fn purge(shared: Weak<Shared>, purged: Arc<AtomicU64>) {
+pub(super) async fn purge(shared: Weak<Shared>, pool: Pool, purged: Arc<AtomicU64>) {
     let mut tick = tokio::time::interval(EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -25,7 +27,8 @@ pub(super) async fn purge(shared: Weak<Shared>, purged: Arc<AtomicU64>) {
             return;
         };
         for _ in 0..BATCHES {
-            match shared.execute("purge", &shared.sql.purge, &[&BATCH]).await {
+            let run = shared.run(&pool, "purge", &shared.sql.purge, &[&BATCH], true);
+            match run.await.map(|(_, n)| n) {
                 Ok(n) => {
                     purged.fetch_add(n, Ordering::Relaxed);
                     if n < BATCH as u64 {

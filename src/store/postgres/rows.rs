@@ -2,14 +2,13 @@
 //! database's clock), the columns a compare-and-set expects, and the guard that gives back a
 //! reservation whose answer was lost.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use tokio_postgres::types::FromSql;
 use tokio_postgres::Row;
 
-use super::Shared;
+use super::PostgresStore;
 use crate::fingerprint::Fingerprint;
 use crate::key::StoreKey;
 use crate::store::{codec, OwnerToken, Record, RecordState, StoreError};
@@ -125,13 +124,13 @@ impl Expected {
 
 /// Gives back a new reservation unless disarmed: see [`super::PostgresStore::reserve`].
 pub(super) struct Giveback {
-    armed: Option<(Arc<Shared>, StoreKey, OwnerToken)>,
+    armed: Option<(PostgresStore, StoreKey, OwnerToken)>,
 }
 
 impl Giveback {
-    pub(super) fn new(shared: &Arc<Shared>, key: &StoreKey, owner: OwnerToken) -> Giveback {
+    pub(super) fn new(store: PostgresStore, key: &StoreKey, owner: OwnerToken) -> Giveback {
         Giveback {
-            armed: Some((Arc::clone(shared), *key, owner)),
+            armed: Some((store, *key, owner)),
         }
     }
 
@@ -142,7 +141,7 @@ impl Giveback {
 
 impl Drop for Giveback {
     fn drop(&mut self) {
-        let Some((shared, key, owner)) = self.armed.take() else {
+        let Some((store, key, owner)) = self.armed.take() else {
             return;
         };
         // Best effort, in the background: if the database is unreachable the row keeps its
@@ -151,7 +150,8 @@ impl Drop for Giveback {
             rt.spawn(async move {
                 let (k, token): (&[u8], [u8; 16]) = (key.as_bytes(), codec::owner_bytes(owner));
                 let params: [&(dyn tokio_postgres::types::ToSql + Sync); 2] = [&k, &&token[..]];
-                if let Ok(row) = shared.row("release", &shared.sql.release, &params).await {
+                let release = &store.shared.sql.release;
+                if let Ok(row) = store.row("release", release, &params).await {
                     if matches!(count(&row, 0), Ok(1)) {
                         tracing::info!("released a reservation whose answer was lost");
                     }
