@@ -38,7 +38,7 @@ pub async fn serve(
     let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
     // Admin connections are not drained at shutdown: the task is aborted.
     let never = CancellationToken::new();
-    let builder = conn::builder(4);
+    let builder = conn::builder(4, 64 << 10);
     loop {
         let Ok(slot) = Arc::clone(&slots).acquire_owned().await else {
             return;

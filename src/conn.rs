@@ -401,28 +401,30 @@ impl HttpBody for Tracked {
 /// The HTTP/2 keep-alive: a PING this often on a connection that sent nothing, closed if the
 /// answer takes longer than this too (a peer that vanished without a FIN).
 const H2_KEEPALIVE: Duration = Duration::from_secs(20);
-/// The largest request head accepted on HTTP/2 (the header block, decoded); HTTP/1.1 heads are
-/// bounded by hyper's read buffer (about 400 KiB) and 100 header fields.
-const MAX_H2_HEADER_LIST: u32 = 64 * 1024;
 
 /// How client connections speak HTTP: every deadline is ours ([`conn`]), so hyper's own
 /// HTTP/1.1 header timer (which cannot tell keep-alive from a slow head) is off.
 /// How a worker serves its connections (both protocols, with the limits below).
 pub type Builder = auto::Builder<TokioExecutor>;
 
-pub fn builder(max_streams: u32) -> Builder {
+/// `max_header_bytes` bounds a request head on both protocols: on HTTP/1.1 as hyper's read
+/// buffer (a head that does not fit in it is answered 431 by hyper, with 100 header fields at
+/// most), on HTTP/2 as the decoded header list (h2 answers 431).
+pub fn builder(max_streams: u32, max_header_bytes: usize) -> Builder {
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
         .http1()
         .timer(TokioTimer::new())
-        .header_read_timeout(None);
+        .header_read_timeout(None)
+        // hyper asserts at least 8 KiB; the config allows no less.
+        .max_buf_size(max_header_bytes.max(8192));
     // Each stream may buffer a body: cap them per connection. Against rapid reset (streams
     // opened and cancelled at once), h2's own bound on pending resets stays on (its default).
     builder
         .http2()
         .timer(TokioTimer::new())
         .max_concurrent_streams(max_streams)
-        .max_header_list_size(MAX_H2_HEADER_LIST)
+        .max_header_list_size(u32::try_from(max_header_bytes).unwrap_or(u32::MAX))
         // RFC 8441: WebSocket over HTTP/2, relayed to the upstream as an HTTP/1.1 upgrade.
         .enable_connect_protocol()
         .keep_alive_interval(H2_KEEPALIVE)

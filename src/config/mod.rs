@@ -162,6 +162,9 @@ pub struct ServerConfig {
     pub max_streams: u32,
     /// `server.max_buffered`: bytes of request bodies buffered at once, all requests together.
     pub max_buffered: usize,
+    /// `server.max_header_bytes`: the largest request head, on HTTP/1.1 (request line and
+    /// headers as sent) and HTTP/2 (the decoded header list); over it, 431.
+    pub max_header_bytes: usize,
     /// `server.tls_cert` and `server.tls_key`: the listener speaks TLS with this PEM chain and
     /// key (re-read on SIGHUP).
     pub tls: Option<(std::path::PathBuf, std::path::PathBuf)>,

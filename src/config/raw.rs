@@ -113,6 +113,8 @@ pub(super) struct RawServer {
     pub(super) max_streams: Option<i64>,
     #[serde(default, deserialize_with = "size")]
     pub(super) max_buffered: Option<Size>,
+    #[serde(default, deserialize_with = "size")]
+    pub(super) max_header_bytes: Option<Size>,
     pub(super) tls_cert: Option<String>,
     pub(super) tls_key: Option<String>,
     pub(super) tls_client_ca: Option<String>,

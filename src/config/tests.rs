@@ -363,6 +363,29 @@ fn redis_store_settings() {
 }
 
 #[test]
+fn max_header_bytes_is_bounded() {
+    let server = |line: &str| {
+        Config::parse(&format!(
+            "[server]\nlisten = \"127.0.0.1:0\"\n{line}\n[upstream]\nurl = \"http://127.0.0.1:1\"\n"
+        ))
+    };
+    assert_eq!(server("").unwrap().server.max_header_bytes, 64 << 10);
+    assert_eq!(
+        server("max_header_bytes = \"16KiB\"")
+            .unwrap()
+            .server
+            .max_header_bytes,
+        16 << 10
+    );
+    for bad in ["\"4KiB\"", "\"2MiB\""] {
+        assert_eq!(
+            invalid_field(server(&format!("max_header_bytes = {bad}"))).0,
+            "server.max_header_bytes"
+        );
+    }
+}
+
+#[test]
 fn postgres_store_settings() {
     let c = store("backend = \"postgres\"\nurl = \"postgres://app:s3cret@db:5432/pay\"").unwrap();
     assert_eq!(

@@ -220,6 +220,7 @@ async fn start_workers(
             grace: settings.shutdown_grace,
             deadlines: settings.deadlines,
             max_streams: settings.max_streams,
+            max_header_bytes: settings.max_header_bytes,
             tls: tls.clone(),
             verify_clients: settings.tls_client_ca.is_some(),
             _done: done.clone(),

@@ -58,6 +58,7 @@ pub(super) struct Worker {
     pub(super) grace: Duration,
     pub(super) deadlines: Deadlines,
     pub(super) max_streams: u32,
+    pub(super) max_header_bytes: usize,
     pub(super) tls: Option<Arc<ListenerTls>>,
     /// The listener verifies client certificates: their subjects name the clients.
     pub(super) verify_clients: bool,
@@ -96,6 +97,7 @@ impl Worker {
             grace,
             deadlines,
             max_streams,
+            max_header_bytes,
             tls,
             verify_clients,
             _done,
@@ -107,7 +109,7 @@ impl Worker {
             let serving = Serving {
                 gateway: Arc::clone(&gateway),
                 context,
-                builder: conn::builder(max_streams),
+                builder: conn::builder(max_streams, max_header_bytes),
                 deadlines,
                 stop: CancellationToken::new(),
                 tls,

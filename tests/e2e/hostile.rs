@@ -858,3 +858,54 @@ async fn unfinished_http2_bodies_stay_within_max_buffered() {
         "the budget was not given back when the streams went away"
     );
 }
+
+/// One attacker: a request head larger than `server.max_header_bytes` (64 KiB by default), on
+/// HTTP/1.1 and on HTTP/2: 431 from the gateway, nothing forwarded; a head under it passes.
+#[tokio::test]
+async fn an_oversized_request_head_gets_431_on_both_protocols() {
+    use http_body_util::Empty;
+    let up = Upstream::counting().await;
+    let gw = in_process(&up.url()).await;
+    let big = "x".repeat(100 * 1024);
+    let fits = "x".repeat(48 * 1024);
+
+    // HTTP/1.1, as raw bytes (no client library trims it).
+    let head = |value: &str| {
+        format!("GET /status HTTP/1.1\r\nhost: a\r\nx-big: {value}\r\nconnection: close\r\n\r\n")
+    };
+    let answer = raw(gw.addr(), head(&big).as_bytes()).await;
+    assert!(
+        answer.starts_with("HTTP/1.1 431"),
+        "{}",
+        &answer[..answer.len().min(200)]
+    );
+    assert_eq!(up.executions(), 0, "nothing forwarded");
+    let answer = raw(gw.addr(), head(&fits).as_bytes()).await;
+    assert!(
+        answer.starts_with("HTTP/1.1 201"),
+        "{}",
+        &answer[..answer.len().min(200)]
+    );
+    assert_eq!(up.executions(), 1);
+
+    // HTTP/2 (prior knowledge), the same headers.
+    let io = hyper_util::rt::TokioIo::new(connect(gw.addr()).await);
+    let (mut send, conn) =
+        hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+            .handshake::<_, Empty<Bytes>>(io)
+            .await
+            .unwrap();
+    tokio::spawn(conn);
+    let request = |value: &str| {
+        http::Request::get(format!("http://{}/status", gw.addr()))
+            .header("x-big", value)
+            .body(Empty::new())
+            .unwrap()
+    };
+    let refused = send.send_request(request(&big)).await.unwrap();
+    assert_eq!(refused.status(), 431);
+    assert_eq!(up.executions(), 1, "nothing forwarded");
+    let passed = send.send_request(request(&fits)).await.unwrap();
+    assert_eq!(passed.status(), 201);
+    assert_eq!(up.executions(), 2);
+}

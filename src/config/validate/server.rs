@@ -50,6 +50,7 @@ pub(super) fn validate_server(raw: Option<RawServer>) -> Result<ServerConfig, Co
     )? as usize;
     let max_streams = whole_number("server.max_streams", raw.max_streams, 100, 1..=1000)? as u32;
     let max_buffered = max_buffered(&raw)?;
+    let max_header_bytes = max_header_bytes(&raw)?;
     let deadlines = deadlines(&raw)?;
     let (tls, tls_client_ca, tls_recheck) = listener_tls(&raw)?;
     let trusted_proxies = trusted_proxies(raw.trusted_proxies.unwrap_or_default())?;
@@ -62,6 +63,7 @@ pub(super) fn validate_server(raw: Option<RawServer>) -> Result<ServerConfig, Co
         deadlines,
         max_streams,
         max_buffered,
+        max_header_bytes,
         tls,
         tls_client_ca,
         tls_recheck,
@@ -83,6 +85,23 @@ fn max_buffered(raw: &RawServer) -> Result<usize, ConfigError> {
         ));
     }
     Ok(max_buffered)
+}
+
+/// `server.max_header_bytes`: 64 KiB unless set; at least 8 KiB (hyper's smallest HTTP/1.1 read
+/// buffer, and nginx's default line limit), at most 1 MiB.
+fn max_header_bytes(raw: &RawServer) -> Result<usize, ConfigError> {
+    let bytes = match raw.max_header_bytes.clone() {
+        None => 64 << 10,
+        Some(n) => size_at_most("server.max_header_bytes", n, 1 << 20)? as usize,
+    };
+    if bytes < 8 << 10 {
+        return Err(ConfigError::invalid(
+            "server.max_header_bytes",
+            bytes.to_string(),
+            "from 8KiB to 1MiB (64KiB is the default)",
+        ));
+    }
+    Ok(bytes)
 }
 
 /// Every phase of a connection has a deadline, each from 100ms to 1h.
