@@ -34,7 +34,7 @@ use crate::error::BoxError;
 use crate::fingerprint::Fingerprint;
 use crate::key::StoreKey;
 use crate::metrics::Metrics;
-use crate::quota::{Quota, Quotas};
+use crate::quota::{Quota, Quotas, Share, SHARE_RETRY};
 use crate::store::{
     now_ms, OwnerToken, Record, RecordState, Reservation, Store, StoreError, StoreOp,
     StoredResponse, UnknownReason,
@@ -60,6 +60,8 @@ pub struct Rules {
     /// The caller's quota of stored records, if its route and scope have one (set by the
     /// front, which knows the scope).
     pub quota: Option<Quota>,
+    /// The caller's place on a store whose bound it shares ([`Share`]).
+    pub share: Share,
     pub store_server_errors: bool,
     pub on_store_error: OnStoreError,
     pub on_unknown: OnUnknown,
@@ -190,6 +192,18 @@ impl Core {
         &self.tasks
     }
 
+    /// When a new key of this caller would be refused for its quota or its share of the store:
+    /// how long until it may try again.
+    fn over_quota(&self, rules: &Rules, store: &Arc<dyn Store>) -> Option<Duration> {
+        let quotas = &self.shared.quotas;
+        if let Some(Err(over)) = rules.quota.map(|q| quotas.check(&q)) {
+            return Some(over.retry_after);
+        }
+        quotas
+            .share_refuses(rules.share, store.fill())
+            .then_some(SHARE_RETRY)
+    }
+
     /// One keyed operation, from reservation to decision. `store` is the calling worker's
     /// handle ([`Store::for_worker`]).
     pub async fn run<E: Execute>(
@@ -206,18 +220,14 @@ impl Core {
         };
         let wait_until = Instant::now() + rules.wait;
         for _ in 0..MAX_RESERVE_ROUNDS {
-            let reserved = match rules.quota.map(|q| self.shared.quotas.check(&q)) {
+            let reserved = match self.over_quota(&rules, store) {
                 // A scope at its quota may still get its replays, but not a new key.
-                Some(Err(over)) => match records.get(key).await {
+                Some(retry_after) => match records.get(key).await {
                     Ok(Some(record)) => Ok(Reservation::Existing(record)),
-                    Ok(None) => {
-                        return Decision::Refused(Refusal::OverQuota {
-                            retry_after: over.retry_after,
-                        })
-                    }
+                    Ok(None) => return Decision::Refused(Refusal::OverQuota { retry_after }),
                     Err(e) => Err(e),
                 },
-                _ => records.reserve(key, fingerprint, rules).await,
+                None => records.reserve(key, fingerprint, rules).await,
             };
             let reservation = match reserved {
                 Ok(r) => r,
@@ -471,11 +481,11 @@ impl Records {
                         .await;
                     match marked {
                         // Kept for ttl like a stored answer: it counts against the quota.
-                        Ok(()) => {
-                            if let Some(quota) = rules.quota {
-                                self.shared.quotas.stored(&quota);
-                            }
-                        }
+                        Ok(()) => self.shared.quotas.stored_by(
+                            rules.quota.as_ref(),
+                            rules.share,
+                            rules.ttl,
+                        ),
                         Err(e) => {
                             tracing::error!(key = key.short(), error = %e, "cannot mark outcome unknown; the lease will expire instead")
                         }
@@ -497,9 +507,8 @@ impl Records {
             .await;
         match stored {
             Ok(()) => {
-                if let Some(quota) = rules.quota {
-                    self.shared.quotas.stored(&quota);
-                }
+                let quotas = &self.shared.quotas;
+                quotas.stored_by(rules.quota.as_ref(), rules.share, rules.ttl);
             }
             // The caller still gets the real answer; retries will see the pending record,
             // then (lease expired) an unknown outcome: never a second execution.
@@ -641,6 +650,7 @@ mod tests {
             wait: Duration::from_secs(10),
             max_waiters: 64,
             quota: None,
+            share: Share::Unshared,
             store_server_errors: false,
             on_store_error: OnStoreError::Reject,
             on_unknown: OnUnknown::Reject,

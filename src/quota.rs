@@ -12,6 +12,12 @@
 //! The counts are kept in this instance's memory: with several instances each counts its own
 //! traffic, and a restart starts every count afresh. The check and the count are not one atomic
 //! step, so concurrent new keys of one scope can pass the quota by as many as run at once.
+//!
+//! Anonymous callers have no count by default (a sidecar whose callers send no client header must
+//! never be stopped by one): they have a [`Share`] of an embedded store's bound instead, which
+//! holds only while identified clients store records too. Then anonymous new keys are refused
+//! once the store is that full, and identified clients keep the rest; with nobody identified,
+//! the store's bounds are the only limit, as with `client_header = ""`.
 
 use std::collections::HashMap;
 use std::sync::{Mutex, PoisonError};
@@ -51,6 +57,23 @@ pub struct Quota {
     pub window: Duration,
 }
 
+/// Where a caller stands on a store whose bound it shares with other callers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Share {
+    /// An identified client: its stored records mark identified clients as present.
+    Identified,
+    /// An anonymous caller on a route that identifies clients: its new keys are refused once
+    /// the store is this many percent full, while identified clients are present.
+    Anonymous(u8),
+    /// One scope for every caller by choice, or a consumer's messages: the store's bounds are
+    /// the only limit.
+    Unshared,
+}
+
+/// When an anonymous caller refused for the store's share may try again: records expire all
+/// the time, and nothing tells when enough have.
+pub const SHARE_RETRY: Duration = Duration::from_secs(60);
+
 /// The scope is at its quota until `retry_after` has passed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct OverQuota {
@@ -69,6 +92,9 @@ struct Window {
 #[derive(Default)]
 pub struct Quotas {
     windows: Mutex<Table>,
+    /// Until when identified clients count as present: the end of the longest window in which
+    /// one of them stored a record.
+    identified_until: Mutex<Option<Instant>>,
 }
 
 #[derive(Default)]
@@ -94,6 +120,41 @@ impl Quotas {
                 })
             }
             _ => Ok(()),
+        }
+    }
+
+    /// Whether an anonymous new key is refused for the store's share: `fill` is how full the
+    /// store is ([`crate::store::Store::fill`]).
+    pub fn share_refuses(&self, share: Share, fill: Option<f64>) -> bool {
+        let Share::Anonymous(percent) = share else {
+            return false;
+        };
+        let Some(fill) = fill else {
+            return false;
+        };
+        let until = *self
+            .identified_until
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        percent < 100
+            && until.is_some_and(|t| Instant::now() < t)
+            && fill * 100.0 >= f64::from(percent)
+    }
+
+    /// Counts a record stored by a caller with these quota and share, for `window`.
+    pub fn stored_by(&self, quota: Option<&Quota>, share: Share, window: Duration) {
+        if let Some(quota) = quota {
+            self.stored(quota);
+        }
+        if share == Share::Identified {
+            let until = Instant::now() + window;
+            let mut present = self
+                .identified_until
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            if present.is_none_or(|t| t < until) {
+                *present = Some(until);
+            }
         }
     }
 
@@ -204,6 +265,26 @@ mod tests {
             q.stored(&quota(&i.to_be_bytes(), 1));
         }
         assert!(q.len() < 2000, "{} scopes still counted", q.len());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn anonymous_callers_keep_out_of_the_share_only_while_identified_clients_store() {
+        let q = Quotas::new();
+        let window = Duration::from_secs(60);
+        let half = Share::Anonymous(50);
+        // Nobody identified: anonymous callers may fill the store to its bound.
+        assert!(!q.share_refuses(half, Some(0.99)));
+        q.stored_by(None, Share::Identified, window);
+        assert!(!q.share_refuses(half, Some(0.49)));
+        assert!(q.share_refuses(half, Some(0.5)));
+        // Identified clients, a store without a known bound, 100 %, or not anonymous: no share.
+        assert!(!q.share_refuses(half, None));
+        assert!(!q.share_refuses(Share::Anonymous(100), Some(0.99)));
+        assert!(!q.share_refuses(Share::Identified, Some(0.99)));
+        assert!(!q.share_refuses(Share::Unshared, Some(0.99)));
+        // Once no identified client stored anything for a whole window, the share is lifted.
+        tokio::time::advance(window).await;
+        assert!(!q.share_refuses(half, Some(0.9)));
     }
 
     #[tokio::test(start_paused = true)]

@@ -121,7 +121,7 @@ fn route(out: &mut String, r: &RouteConfig) {
     let p = &r.policy;
     let _ = writeln!(
         out,
-        "route {:?}: {} {} -> {} (key from {}, require_key {}, ttl {}, lock_timeout {}, wait {}, max_waiters {}, mismatch {}, client scope {}, max_keys_per_client {}, max_keys_anonymous {}, max_body {}, max_stored_response {}, upstream_timeout {}, store_server_errors {}, on_store_error {:?}, on_unknown {:?})",
+        "route {:?}: {} {} -> {} (key from {}, require_key {}, ttl {}, lock_timeout {}, wait {}, max_waiters {}, mismatch {}, client scope {}, max_keys_per_client {}, max_keys_anonymous {}, anonymous_share {}%, max_body {}, max_stored_response {}, upstream_timeout {}, store_server_errors {}, on_store_error {:?}, on_unknown {:?})",
         r.name,
         methods.join(","),
         r.pattern,
@@ -136,6 +136,7 @@ fn route(out: &mut String, r: &RouteConfig) {
         client_scope(p),
         p.max_keys_per_client,
         p.max_keys_anonymous,
+        p.anonymous_share,
         p.max_body,
         p.max_stored_response,
         shown(p.upstream_timeout),

@@ -519,8 +519,12 @@ pub struct Policy {
     /// Records one client scope may store per `ttl` on this route, counted in this instance
     /// ([`crate::quota`]); 0: no quota.
     pub max_keys_per_client: u64,
-    /// The same for the one scope of requests that name no client.
+    /// The same for the one scope of requests that name no client (0 by default: a sidecar
+    /// whose callers send no client header must never be stopped by a count).
     pub max_keys_anonymous: u64,
+    /// Percent of an embedded store's bound that anonymous callers' new keys may fill while
+    /// identified clients store records too (100: no share kept for them).
+    pub anonymous_share: u8,
     pub max_body: usize,
     pub max_stored_response: usize,
     pub upstream_timeout: Duration,
@@ -544,7 +548,8 @@ impl Policy {
             client_headers: vec![http::header::AUTHORIZATION],
             require_client: false,
             max_keys_per_client: 0,
-            max_keys_anonymous: 10_000,
+            max_keys_anonymous: 0,
+            anonymous_share: 50,
             max_body: 1 << 20,
             max_stored_response: 1 << 20,
             upstream_timeout: Duration::from_secs(30),

@@ -188,6 +188,7 @@ pub(super) struct RawPolicy {
     pub(super) require_client: Option<bool>,
     pub(super) max_keys_per_client: Option<i64>,
     pub(super) max_keys_anonymous: Option<i64>,
+    pub(super) anonymous_share: Option<i64>,
     #[serde(default, deserialize_with = "size")]
     pub(super) max_body: Option<Size>,
     #[serde(default, deserialize_with = "size")]

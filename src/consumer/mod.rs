@@ -467,6 +467,7 @@ impl<S: Source> Consumer<S> {
             max_waiters: policy.max_waiters,
             // A message has no client to count records for.
             quota: None,
+            share: crate::quota::Share::Unshared,
             store_server_errors: policy.store_server_errors,
             on_store_error: policy.on_store_error,
             on_unknown: policy.on_unknown,

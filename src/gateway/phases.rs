@@ -17,7 +17,7 @@ use crate::idempotency::{Decision, Refusal, Rules, Settled};
 use crate::key::{ClientScope, StoreKey};
 use crate::metrics::Outcome;
 use crate::problem::Problem;
-use crate::quota::{Quota, QuotaId};
+use crate::quota::{Quota, QuotaId, Share};
 use crate::signature;
 
 /// What became of a request: the response, what to count it as, and its key if it had one.
@@ -47,11 +47,11 @@ impl Answer {
 
 /// How far the phases before the core took a request.
 enum Admitted {
-    /// A key, the whole body, and the client's quota: for the core.
+    /// A key, the whole body, and what the client may store: for the core.
     Keyed {
         key: StoreKey,
         body: (Bytes, Lease),
-        quota: Option<Quota>,
+        allowance: Allowance,
     },
     /// No key where none is required: forwarded as it is.
     Unkeyed(Body),
@@ -71,8 +71,12 @@ impl Gateway {
                 let response = self.pass_through_route(route, parts, body, conn).await;
                 Answer::of(response, Outcome::Passthrough)
             }
-            Ok(Admitted::Keyed { key, body, quota }) => {
-                let mut answer = self.keyed(route, parts, body, conn, &key, quota).await;
+            Ok(Admitted::Keyed {
+                key,
+                body,
+                allowance,
+            }) => {
+                let mut answer = self.keyed(route, parts, body, conn, &key, allowance).await;
                 answer.key = Some(key);
                 answer
             }
@@ -90,7 +94,7 @@ impl Gateway {
     ) -> Result<Admitted, Problem> {
         let config = &route.config;
         let policy = &config.policy;
-        let (scope, quota) = identify(config, &parts.headers)?;
+        let (scope, allowance) = identify(config, &parts.headers)?;
         let mut body = ReqBody::Unread(incoming);
         if config.key.needs_body() || config.signature.is_some() {
             let (b, lease) = body.read(policy.max_body, &self.budget).await?;
@@ -104,7 +108,11 @@ impl Gateway {
         // Only its hash is kept from here on.
         drop(raw_key);
         let body = body.read(policy.max_body, &self.budget).await?;
-        Ok(Admitted::Keyed { key, body, quota })
+        Ok(Admitted::Keyed {
+            key,
+            body,
+            allowance,
+        })
     }
 
     /// Phase `verify`: a delivery that its sender did not sign claims no key and reaches no
@@ -132,7 +140,7 @@ impl Gateway {
         (body, lease): (Bytes, Lease),
         conn: &Arc<ClientConn>,
         key: &StoreKey,
-        quota: Option<Quota>,
+        allowance: Allowance,
     ) -> Answer {
         let config = &route.config;
         let fp = fingerprint(
@@ -146,7 +154,7 @@ impl Gateway {
             },
             &config.fingerprint_ignore,
         );
-        let rules = rules(config, quota);
+        let rules = rules(config, allowance);
         let forward = Forward {
             route: Arc::clone(route),
             parts,
@@ -193,29 +201,40 @@ impl Gateway {
 fn identify(
     config: &RouteConfig,
     headers: &HeaderMap,
-) -> Result<(ClientScope, Option<Quota>), Problem> {
+) -> Result<(ClientScope, Allowance), Problem> {
     let policy = &config.policy;
-    let (scope, quota) = match ClientScope::identify(headers, &policy.client_headers) {
-        Some(scope) => (scope, policy.max_keys_per_client),
+    let (scope, quota, share) = match ClientScope::identify(headers, &policy.client_headers) {
+        Some(scope) => (scope, policy.max_keys_per_client, Share::Identified),
         None if policy.require_client => {
             return Err(Problem::ClientRequired {
                 what: describe_headers(&policy.client_headers),
             })
         }
         // One scope for every caller by the operator's choice: the store's bounds are its quota.
-        None if policy.client_headers.is_empty() => (ClientScope::shared(), 0),
-        None => (ClientScope::anonymous(), policy.max_keys_anonymous),
+        None if policy.client_headers.is_empty() => (ClientScope::shared(), 0, Share::Unshared),
+        None => (
+            ClientScope::anonymous(),
+            policy.max_keys_anonymous,
+            Share::Anonymous(policy.anonymous_share),
+        ),
     };
     let quota = (quota > 0).then(|| Quota {
         id: QuotaId::new(&config.name, &scope),
         limit: quota,
         window: policy.ttl,
     });
-    Ok((scope, quota))
+    Ok((scope, Allowance { quota, share }))
 }
 
-/// What the core applies to a route's operations: its policy, and the caller's quota.
-fn rules(config: &RouteConfig, quota: Option<Quota>) -> Rules {
+/// What a caller may store: its count per window, and its share of the store.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Allowance {
+    quota: Option<Quota>,
+    share: Share,
+}
+
+/// What the core applies to a route's operations: its policy, and what the caller may store.
+fn rules(config: &RouteConfig, allowance: Allowance) -> Rules {
     let policy = &config.policy;
     Rules {
         check_fingerprint: config.check_fingerprint,
@@ -223,7 +242,8 @@ fn rules(config: &RouteConfig, quota: Option<Quota>) -> Rules {
         ttl: policy.ttl,
         wait: policy.wait,
         max_waiters: policy.max_waiters,
-        quota,
+        quota: allowance.quota,
+        share: allowance.share,
         store_server_errors: policy.store_server_errors,
         on_store_error: policy.on_store_error,
         on_unknown: policy.on_unknown,

@@ -519,6 +519,15 @@ impl Store for MemoryStore {
         Ok(())
     }
 
+    fn fill(&self) -> Option<f64> {
+        let shared = &self.shared;
+        let keys =
+            shared.counts.keys.load(Ordering::Relaxed) as f64 / shared.max_keys.max(1) as f64;
+        let bytes =
+            shared.counts.bytes.load(Ordering::Relaxed) as f64 / shared.max_bytes.max(1) as f64;
+        Some(keys.max(bytes))
+    }
+
     fn stats(&self) -> StoreStats {
         StoreStats {
             purged: self.shared.counts.purged.load(Ordering::Relaxed),

@@ -402,6 +402,13 @@ pub trait Store: Send + Sync + 'static {
     /// Counters for `/metrics`.
     fn stats(&self) -> StoreStats;
 
+    /// How full an embedded store is, from 0 to 1 of its tightest bound (`max_keys`,
+    /// `max_bytes`, `max_disk`); `None` for a store without a bound the gateway knows (Redis,
+    /// Postgres). Kept current without I/O: read on every anonymous new key.
+    fn fill(&self) -> Option<f64> {
+        None
+    }
+
     /// What the store's own configuration means for readiness (`/readyz`), beyond reaching it.
     fn readiness(&self) -> Readiness {
         Readiness::Fine

@@ -909,3 +909,113 @@ async fn an_oversized_request_head_gets_431_on_both_protocols() {
     assert_eq!(passed.status(), 201);
     assert_eq!(up.executions(), 2);
 }
+
+/// Anonymous callers and identified clients on one bounded store (`max_keys = 20`, the default
+/// `anonymous_share = 50`): once an identified client stored a record, an anonymous flood stops
+/// at half the store (429, Retry-After 60) and the client keeps the rest; with nobody
+/// identified, anonymous callers may fill the store to its bound, as a sidecar's callers must.
+#[tokio::test]
+async fn an_anonymous_flood_stops_at_its_share_while_identified_clients_keep_the_rest() {
+    let up = Upstream::counting().await;
+    let config = format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\n[upstream]\nurl = \"{}\"\n[store]\nbackend = \"memory\"\nmax_keys = 20\n{PAYMENTS}",
+        up.url()
+    );
+    let anonymous_flood = |http: Http| async move {
+        let mut statuses = Vec::new();
+        for i in 0..30 {
+            let got = http.post("/payments", &format!("anon-{i}"), "{}").await;
+            if got.status == 429 {
+                assert_eq!(got.problem_type(), "key-quota");
+                assert_eq!(got.header("retry-after"), Some("60"));
+            }
+            statuses.push(got.status.as_u16());
+        }
+        statuses
+    };
+    let alice = |http: &Http, key: &str| {
+        http.request("POST", "/payments")
+            .header("idempotency-key", key)
+            .header("authorization", "Bearer alice")
+            .json("{}")
+            .send()
+    };
+
+    let gw = GatewayProcess::start(&config);
+    let http = Http::new(gw.addr);
+    assert_eq!(alice(&http, "alice-0").await.status, 201);
+    let statuses = anonymous_flood(http.clone()).await;
+    let count = |s: u16| statuses.iter().filter(|x| **x == s).count();
+    assert_eq!((count(201), count(429)), (9, 21), "{statuses:?}");
+    assert!(http.post("/payments", "anon-0", "{}").await.is_replay());
+    for i in 1..11 {
+        let got = alice(&http, &format!("alice-{i}")).await;
+        assert_eq!(
+            got.status, 201,
+            "alice's key {i}: the rest of the store is hers"
+        );
+    }
+    drop(gw);
+
+    // Nobody identified: the flood fills the store to its bound (then 503 store-full, as for
+    // everyone), never a quota of its own.
+    let gw = GatewayProcess::start(&config);
+    let statuses = anonymous_flood(Http::new(gw.addr)).await;
+    let count = |s: u16| statuses.iter().filter(|x| **x == s).count();
+    assert_eq!(
+        (count(201), count(503), count(429)),
+        (20, 10, 0),
+        "{statuses:?}"
+    );
+}
+
+/// The default config must not stop a healthy sidecar whose callers send no client header:
+/// 100,000 anonymous new keys on the shipped proxy.toml (disk store, `client_header` left at
+/// Authorization) all execute. (With the old default, `max_keys_anonymous = 10000` per day,
+/// every new key after the first 10,000 got 429.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_quick_start_config_serves_100000_anonymous_new_keys() {
+    let up = Upstream::counting().await;
+    let dir = TempDir::new("quick-start");
+    let mut config =
+        idemgate::config::Config::load(concat!(env!("CARGO_MANIFEST_DIR"), "/proxy.toml").as_ref())
+            .unwrap();
+    config.server.listen = "127.0.0.1:0".parse().unwrap();
+    config.server.admin = None;
+    let idemgate::config::StoreConfig::Disk(disk) = &mut config.store else {
+        panic!("the quick start runs on the disk store")
+    };
+    disk.path = dir.path.join("data");
+    // The demo upstream's port, as the routes took it from [upstream], is this test's.
+    let authority: http::uri::Authority = up.addr.to_string().parse().unwrap();
+    config.upstream.authority = authority.clone();
+    for route in &mut config.routes {
+        route.upstream.authority = authority.clone();
+    }
+    let gw = Running::start(config).await.unwrap();
+    let http = Http::new(gw.addr());
+    let clients: Vec<_> = (0..32)
+        .map(|c| {
+            let http = http.clone();
+            tokio::spawn(async move {
+                let mut refused = Vec::new();
+                for i in 0..3125 {
+                    let got = http.post("/payments", &format!("{c}-{i}"), "{}").await;
+                    if got.status != 201 {
+                        refused.push(got.status.as_u16());
+                    }
+                }
+                refused
+            })
+        })
+        .collect();
+    for c in clients {
+        let refused = c.await.unwrap();
+        assert!(
+            refused.is_empty(),
+            "refused: {:?}",
+            &refused[..refused.len().min(5)]
+        );
+    }
+    assert_eq!(up.executions(), 100_000);
+}

@@ -114,6 +114,18 @@ fn apply_limits(
     p: &mut Policy,
     raw: &RawPolicy,
 ) -> Result<(), ConfigError> {
+    if let Some(n) = raw.anonymous_share {
+        p.anonymous_share = u8::try_from(n)
+            .ok()
+            .filter(|n| (1..=100).contains(n))
+            .ok_or_else(|| {
+                ConfigError::invalid(
+                    f("anonymous_share"),
+                    n.to_string(),
+                    "a percent of the store's bound, from 1 to 100 (100: anonymous callers may fill it all)",
+                )
+            })?;
+    }
     for (name, raw, field) in [
         (
             "max_keys_per_client",

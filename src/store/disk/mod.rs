@@ -80,6 +80,8 @@ struct Shared {
     writer: mpsc::Sender<Job>,
     waiters: Waiters,
     counters: Arc<Counters>,
+    /// `max_disk`, for [`Store::fill`].
+    max_disk: u64,
     /// Joined when the last handle goes, so the file is released once the store is dropped
     /// (a process may open the directory again, as the restart tests do).
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
@@ -254,6 +256,7 @@ impl DiskStore {
                 writer: tx,
                 waiters,
                 counters,
+                max_disk: settings.max_disk,
                 thread: Mutex::new(Some(thread)),
             }),
         })
@@ -558,6 +561,10 @@ impl Store for DiskStore {
                 "disk: the final sync failed; see the log".into(),
             )),
         }
+    }
+
+    fn fill(&self) -> Option<f64> {
+        Some(self.used() as f64 / self.shared.max_disk.max(1) as f64)
     }
 
     fn stats(&self) -> StoreStats {
