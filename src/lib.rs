@@ -63,7 +63,7 @@ mod grpc;
 mod idempotency;
 pub mod key;
 mod metrics;
-mod operator;
+pub mod operator;
 mod problem;
 mod quota;
 pub mod route;

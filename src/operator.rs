@@ -10,7 +10,7 @@ use std::time::{Duration, UNIX_EPOCH};
 
 use crate::config::{Config, StoreConfig};
 use crate::key::{parse_key_value, ClientScope, KeySource, StoreKey};
-use crate::store::{self, now_ms, Record, RecordState, Store};
+use crate::store::{self, now_ms, Record, RecordState, Store, StoreError};
 
 /// How long a command waits for the store to answer its first command.
 const CONNECT_WAIT: Duration = Duration::from_secs(5);
@@ -146,4 +146,118 @@ fn timestamp(ms: u64) -> String {
 
 fn human_ms(ms: u64) -> String {
     humantime::format_duration(Duration::from_millis(ms / 1000 * 1000)).to_string()
+}
+
+/// How long an operator's change holds a record while it replaces it (it never waits).
+const OPERATOR_LEASE: Duration = Duration::from_secs(30);
+
+/// What an operator's change to a record came to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Change {
+    Done,
+    /// No record under this key (never used, expired or released).
+    NotFound,
+    /// A pending record whose lease still runs: its request may still be executing.
+    Live,
+    /// The record changed between the read and the change: read it again.
+    Changed,
+}
+
+/// Whether `record` is pending with its owner's lease still running.
+fn live(record: &Record) -> bool {
+    matches!(record.state, RecordState::Pending { .. })
+}
+
+/// Replaces the record the operator saw, and nothing else: a compare and set through the store
+/// contract (`take_over` of exactly that record, then `then` as its new owner), so that an owner
+/// completing meanwhile is never overwritten. A live pending record only with `force`. `ttl`
+/// bounds the replacement if `then` fails midway: it then reads as abandoned, never as free.
+async fn replace<F, Fut>(
+    store: &dyn Store,
+    key: &StoreKey,
+    force: bool,
+    ttl: Duration,
+    then: F,
+) -> Result<Change, StoreError>
+where
+    F: FnOnce(store::OwnerToken) -> Fut,
+    Fut: std::future::Future<Output = Result<(), StoreError>>,
+{
+    let Some(record) = store.get(key).await? else {
+        return Ok(Change::NotFound);
+    };
+    if live(&record) && !force {
+        return Ok(Change::Live);
+    }
+    let fingerprint = record.fingerprint;
+    match store
+        .take_over(key, &record, fingerprint, OPERATOR_LEASE, ttl)
+        .await?
+    {
+        None => Ok(Change::Changed),
+        Some(owner) => then(owner).await.map(|()| Change::Done),
+    }
+}
+
+/// Releases a record: the operator says its request did not happen, so the next retry executes.
+pub async fn release(
+    store: &dyn Store,
+    key: &StoreKey,
+    force: bool,
+    ttl: Duration,
+) -> Result<Change, StoreError> {
+    replace(store, key, force, ttl, |owner| store.release(key, owner)).await
+}
+
+/// Resolves a record as completed with `response`: retries replay exactly that, kept for `ttl`.
+pub async fn resolve(
+    store: &dyn Store,
+    key: &StoreKey,
+    response: store::StoredResponse,
+    force: bool,
+    ttl: Duration,
+) -> Result<Change, StoreError> {
+    replace(store, key, force, ttl, |owner| {
+        store.complete(key, owner, response, ttl)
+    })
+    .await
+}
+
+/// A record as the operator API shows it (JSON).
+pub fn view(key: &StoreKey, record: &Record) -> serde_json::Value {
+    use serde_json::json;
+    let mut out = json!({
+        "id": key.hex(),
+        "fingerprint": record.fingerprint.to_string(),
+        "created": timestamp(record.created_ms),
+    });
+    let fields = match &record.state {
+        RecordState::Pending { lease_until_ms, .. } => {
+            json!({"state": "pending", "lease_until": timestamp(*lease_until_ms)})
+        }
+        RecordState::Abandoned { lease_until_ms, .. } => json!({
+            "state": "unknown",
+            "reason": "abandoned",
+            "lease_until": timestamp(*lease_until_ms),
+        }),
+        RecordState::Unknown { since_ms, reason } => json!({
+            "state": "unknown",
+            "reason": reason.as_str(),
+            "since": timestamp(*since_ms),
+        }),
+        RecordState::Completed(r) => json!({
+            "state": "completed",
+            "completed": timestamp(r.completed_ms),
+            "status": r.status.as_u16(),
+            "headers": r.headers.iter()
+                .map(|(n, v)| [n.as_str().to_string(), String::from_utf8_lossy(v.as_bytes()).into_owned()])
+                .collect::<Vec<_>>(),
+            "body_bytes": r.body.len(),
+            "body_kept": r.body_kept,
+        }),
+    };
+    if let (Some(out), serde_json::Value::Object(fields)) = (out.as_object_mut(), fields) {
+        out.extend(fields);
+    }
+    out
 }

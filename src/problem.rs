@@ -90,6 +90,14 @@ pub enum Problem {
         reason: UnknownReason,
         retryable: bool,
     },
+    /// The operator API's own refusals on the admin listener (`unauthorized`, `no-record`,
+    /// `record-live`, `record-changed`, `bad-operator-request`): made in [`crate::admin`].
+    Operator {
+        slug: &'static str,
+        status: StatusCode,
+        title: &'static str,
+        detail: String,
+    },
 }
 
 impl Problem {
@@ -115,6 +123,7 @@ impl Problem {
             Problem::UpstreamTimeout => "upstream-timeout",
             Problem::UpstreamFailed => "upstream-failed",
             Problem::OutcomeUnknown { .. } => "outcome-unknown",
+            Problem::Operator { slug, .. } => slug,
         }
     }
 
@@ -142,6 +151,7 @@ impl Problem {
                 UnknownReason::Timeout => StatusCode::GATEWAY_TIMEOUT,
                 UnknownReason::Interrupted | UnknownReason::Abandoned => StatusCode::BAD_GATEWAY,
             },
+            Problem::Operator { status, .. } => *status,
         }
     }
 
@@ -168,6 +178,8 @@ impl Problem {
             }
             Problem::UpstreamTimeout => Code::DeadlineExceeded,
             Problem::UpstreamFailed | Problem::OutcomeUnknown { .. } => Code::Unknown,
+            // Never a gRPC client's: the admin listener speaks HTTP only.
+            Problem::Operator { .. } => Code::FailedPrecondition,
         }
     }
 
@@ -192,6 +204,7 @@ impl Problem {
             Problem::UpstreamTimeout => "Upstream timed out",
             Problem::UpstreamFailed => "Upstream connection failed",
             Problem::OutcomeUnknown { .. } => "Outcome of the original request unknown",
+            Problem::Operator { title, .. } => title,
         }
     }
 
@@ -254,6 +267,7 @@ impl Problem {
                     )
                 }
             }
+            Problem::Operator { detail, .. } => detail.clone(),
         }
     }
 

@@ -67,6 +67,9 @@ pub enum Command {
 
 #[derive(Debug, Subcommand)]
 pub enum KeysAction {
+    /// Print a key's id (the hex of its stored key), for the operator API's /keys/{id}. Opens
+    /// no store: works while the gateway runs, on every store.
+    Id(KeyArgs),
     /// Print a key's record: state, fingerprint, timestamps, status, body size. Exit 1 if none.
     Get(KeyArgs),
     /// Delete a key's record, so the next retry executes. Check the upstream's records first.
@@ -134,6 +137,27 @@ pub fn main() -> ExitCode {
     }
 }
 
+/// `idemgate keys id`: the key's id, computed from the config alone.
+fn key_id(args: &KeyArgs) -> ExitCode {
+    let config = match Config::load(&args.config) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("idemgate: {}: {e}", args.config.display());
+            return ExitCode::from(EXIT_BAD_CONFIG);
+        }
+    };
+    match operator::locate(&config, &args.route, &args.key, args.client.as_deref()) {
+        Ok(key) => {
+            say(&format!("{key}\n"));
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("idemgate: {e}");
+            ExitCode::from(EXIT_BAD_CONFIG)
+        }
+    }
+}
+
 /// Builds a runtime, or the exit status that says it could not be built.
 fn runtime(mut builder: tokio::runtime::Builder) -> Result<tokio::runtime::Runtime, ExitCode> {
     builder.enable_all().build().map_err(|e| {
@@ -184,6 +208,7 @@ fn run(path: PathBuf, config: Config) -> ExitCode {
 
 fn keys(action: KeysAction) -> ExitCode {
     let (args, delete) = match action {
+        KeysAction::Id(a) => return key_id(&a),
         KeysAction::Get(a) => (a, false),
         KeysAction::Delete(a) => (a, true),
     };

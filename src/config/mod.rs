@@ -150,6 +150,8 @@ impl Config {
 pub struct ServerConfig {
     pub listen: SocketAddr,
     pub admin: Option<SocketAddr>,
+    /// Where the operator API's bearer token is read from at startup; `None`: the API is off.
+    pub admin_token: Option<TokenSource>,
     /// How long in-flight requests get to finish (and store their results) after SIGTERM.
     pub shutdown_grace: Duration,
     /// Connections beyond this wait in the accept queue: with `max_body` this bounds buffered memory.
@@ -214,6 +216,16 @@ impl Default for Deadlines {
             send: Duration::from_secs(30),
         }
     }
+}
+
+/// Where a secret is read from at startup (never the secret itself: a config is printed and
+/// compared freely).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TokenSource {
+    /// The name of an environment variable (`server.admin_token_env`).
+    Env(String),
+    /// A file whose content, trimmed, is the token (`server.admin_token_file`).
+    File(std::path::PathBuf),
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -663,10 +675,15 @@ impl Config {
             reason: e.to_string(),
         })?;
         let mut config = Config::parse(&text)?;
-        if let StoreConfig::Disk(disk) = &mut config.store {
-            if disk.path.is_relative() {
-                if let Some(dir) = path.parent() {
+        if let Some(dir) = path.parent() {
+            if let StoreConfig::Disk(disk) = &mut config.store {
+                if disk.path.is_relative() {
                     disk.path = dir.join(&disk.path);
+                }
+            }
+            if let Some(TokenSource::File(file)) = &mut config.server.admin_token {
+                if file.is_relative() {
+                    *file = dir.join(&*file);
                 }
             }
         }

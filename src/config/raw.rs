@@ -98,6 +98,8 @@ pub(super) struct RawServer {
     pub(super) listen: Option<std::net::SocketAddr>,
     #[serde(default, deserialize_with = "typed")]
     pub(super) admin: Option<std::net::SocketAddr>,
+    pub(super) admin_token_env: Option<String>,
+    pub(super) admin_token_file: Option<String>,
     #[serde(default, deserialize_with = "duration")]
     pub(super) shutdown_grace: Option<Duration>,
     pub(super) max_connections: Option<i64>,

@@ -363,6 +363,42 @@ fn redis_store_settings() {
 }
 
 #[test]
+fn the_admin_token_is_named_never_written() {
+    let server = |lines: &str| {
+        Config::parse(&format!(
+            "[server]\nlisten = \"127.0.0.1:0\"\n{lines}\n[upstream]\nurl = \"http://127.0.0.1:1\"\n"
+        ))
+    };
+    let c =
+        server("admin = \"127.0.0.1:9090\"\nadmin_token_env = \"IDEMGATE_ADMIN_TOKEN\"").unwrap();
+    assert_eq!(
+        c.server.admin_token,
+        Some(TokenSource::Env("IDEMGATE_ADMIN_TOKEN".into()))
+    );
+    let c =
+        server("admin = \"127.0.0.1:9090\"\nadmin_token_file = \"/run/secrets/token\"").unwrap();
+    assert_eq!(
+        c.server.admin_token,
+        Some(TokenSource::File("/run/secrets/token".into()))
+    );
+    assert_eq!(server("").unwrap().server.admin_token, None);
+    // A token pasted where its variable's name goes, both at once, or no admin listener.
+    for (lines, field) in [
+        (
+            "admin = \"127.0.0.1:9090\"\nadmin_token_env = \"s3cr3t-t0ken!\"",
+            "server.admin_token_env",
+        ),
+        (
+            "admin = \"127.0.0.1:9090\"\nadmin_token_env = \"T\"\nadmin_token_file = \"f\"",
+            "server.admin_token_file",
+        ),
+        ("admin_token_env = \"T\"", "server.admin_token_env"),
+    ] {
+        assert_eq!(invalid_field(server(lines)).0, field, "{lines}");
+    }
+}
+
+#[test]
 fn max_header_bytes_is_bounded() {
     let server = |line: &str| {
         Config::parse(&format!(

@@ -359,7 +359,9 @@ pub(super) fn outcome_of(p: &Problem) -> Outcome {
         | Problem::MethodNotAllowed
         | Problem::ClientRequired { .. }
         | Problem::SignatureRejected { .. }
-        | Problem::UpgradeRefused => Outcome::BadRequest,
+        | Problem::UpgradeRefused
+        // Never made on the traffic port.
+        | Problem::Operator { .. } => Outcome::BadRequest,
         Problem::StoreUnavailable | Problem::StoreFull => Outcome::StoreError,
         Problem::KeyQuota { .. } | Problem::Overloaded { .. } => Outcome::Limited,
         Problem::UpstreamUnreachable | Problem::UpstreamTimeout | Problem::UpstreamFailed => {

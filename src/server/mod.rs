@@ -22,6 +22,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+use crate::admin::Operator;
 use crate::config::{Config, ConsumerConfig, ServerConfig};
 use crate::consumer::{self as consumers, AnySource, BrokerHealth, ConsumerError};
 use crate::gateway::{Gateway, GatewayParts, Routing};
@@ -51,12 +52,16 @@ pub enum ServerError {
     ListenerTls(#[from] ListenerTlsError),
     #[error("{0}")]
     Consumer(#[from] ConsumerError),
+    #[error("{0}")]
+    AdminToken(#[from] crate::admin::TokenError),
 }
 
 /// A bound, not yet serving gateway.
 pub struct Server {
     listener: TcpListener,
     admin: Option<TcpListener>,
+    /// The operator API on the admin listener, if a token is configured.
+    operator: Option<Arc<Operator>>,
     gateway: Arc<Gateway>,
     settings: ServerConfig,
     /// `[[consumers]]` and their sources, started with the workers.
@@ -76,6 +81,10 @@ impl Server {
         let listener = bind(config.server.listen).await?;
         let admin = match config.server.admin {
             Some(addr) => Some(bind(addr).await?),
+            None => None,
+        };
+        let operator = match &config.server.admin_token {
+            Some(source) => Some(Arc::new(Operator::load(source, config.defaults.ttl)?)),
             None => None,
         };
         let metrics = Arc::new(Metrics::new());
@@ -111,6 +120,7 @@ impl Server {
         Ok(Server {
             listener,
             admin,
+            operator,
             gateway,
             settings: config.server,
             consumers,
@@ -142,6 +152,7 @@ impl Server {
         let Server {
             listener,
             admin,
+            operator,
             gateway,
             settings,
             consumers,
@@ -151,12 +162,13 @@ impl Server {
         let consumers = start_consumers(consumers, &gateway, &settings);
         let admin_task = admin.map(|l| {
             if let Ok(addr) = l.local_addr() {
-                tracing::info!(%addr, "admin listening (/healthz /readyz /metrics)");
+                tracing::info!(%addr, operator_api = operator.is_some(), "admin listening (/healthz /readyz /metrics; /keys/{{id}} with operator_api)");
             }
             tokio::spawn(crate::admin::serve(
                 l,
                 Arc::clone(&gateway),
                 Arc::clone(&consumers.brokers),
+                operator,
                 settings.deadlines,
             ))
         });

@@ -19,6 +19,7 @@ mod gateway;
 mod grpc;
 mod hostile;
 mod operations;
+mod operator_api;
 mod postgres_gateway;
 mod redis_failover;
 mod redis_gateway;

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use super::{pem_file, pem_pair, shown, size_at_most, whole_number, Pem};
 use crate::config::raw::RawServer;
-use crate::config::{ConfigError, Deadlines, ServerConfig};
+use crate::config::{ConfigError, Deadlines, ServerConfig, TokenSource};
 
 /// Request bodies buffered at once across every connection when `server.max_buffered` is not
 /// set: about 64 thousand 1 KiB payment requests, or 64 at the 1 MiB `max_body`.
@@ -51,11 +51,13 @@ pub(super) fn validate_server(raw: Option<RawServer>) -> Result<ServerConfig, Co
     let max_streams = whole_number("server.max_streams", raw.max_streams, 100, 1..=1000)? as u32;
     let max_buffered = max_buffered(&raw)?;
     let max_header_bytes = max_header_bytes(&raw)?;
+    let admin_token = admin_token(&raw)?;
     let deadlines = deadlines(&raw)?;
     let (tls, tls_client_ca, tls_recheck) = listener_tls(&raw)?;
     let trusted_proxies = trusted_proxies(raw.trusted_proxies.unwrap_or_default())?;
     Ok(ServerConfig {
         listen,
+        admin_token,
         admin: raw.admin,
         shutdown_grace,
         max_connections,
@@ -85,6 +87,52 @@ fn max_buffered(raw: &RawServer) -> Result<usize, ConfigError> {
         ));
     }
     Ok(max_buffered)
+}
+
+/// `server.admin_token_env` or `admin_token_file` (not both), with `server.admin` set.
+fn admin_token(raw: &RawServer) -> Result<Option<TokenSource>, ConfigError> {
+    let source = match (&raw.admin_token_env, &raw.admin_token_file) {
+        (None, None) => return Ok(None),
+        (Some(_), Some(_)) => {
+            return Err(ConfigError::invalid(
+                "server.admin_token_file",
+                "(set together with server.admin_token_env)",
+                "one of server.admin_token_env (a variable's name) and server.admin_token_file",
+            ))
+        }
+        (Some(name), None) => {
+            let valid = !name.is_empty()
+                && name.len() <= 128
+                && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
+            if !valid {
+                return Err(ConfigError::invalid(
+                    "server.admin_token_env",
+                    name.clone(),
+                    "the name of an environment variable, such as \"IDEMGATE_ADMIN_TOKEN\" (the token itself never goes in the file)",
+                ));
+            }
+            TokenSource::Env(name.clone())
+        }
+        (None, Some(path)) if !path.trim().is_empty() => TokenSource::File(path.into()),
+        (None, Some(path)) => {
+            return Err(ConfigError::invalid(
+                "server.admin_token_file",
+                path.clone(),
+                "the path of a file holding the token",
+            ))
+        }
+    };
+    if raw.admin.is_none() {
+        return Err(ConfigError::invalid(
+            match source {
+                TokenSource::Env(_) => "server.admin_token_env",
+                TokenSource::File(_) => "server.admin_token_file",
+            },
+            "(set)",
+            "only with server.admin (the operator API is served on the admin listener)",
+        ));
+    }
+    Ok(Some(source))
 }
 
 /// `server.max_header_bytes`: 64 KiB unless set; at least 8 KiB (hyper's smallest HTTP/1.1 read

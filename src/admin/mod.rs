@@ -1,10 +1,15 @@
-//! The admin listener (`[server] admin`): `/healthz`, `/readyz` and `/metrics`.
+//! The admin listener (`[server] admin`): `/healthz`, `/readyz` and `/metrics`, and the
+//! operator API (`/keys/{id}`, [`keys`]) when a token is configured.
 //!
 //! Kept off the traffic port so probes and scrapes never compete with, or get mistaken for,
 //! client requests.
 
+mod keys;
+
 use std::sync::Arc;
 use std::time::Duration;
+
+pub use keys::{Operator, TokenError};
 
 use bytes::Bytes;
 use http::{header, HeaderValue, Method, Request, Response, StatusCode};
@@ -29,10 +34,12 @@ const MAX_CONNECTIONS: usize = 64;
 /// Serves admin requests until the task is aborted, each connection under the same deadlines as
 /// the traffic port's.
 /// `brokers`: the consumers' brokers, each of which must be reachable for `/readyz`.
+/// `operator`: the operator API's settings, `None` when it is off.
 pub async fn serve(
     listener: TcpListener,
     gateway: Arc<Gateway>,
     brokers: Arc<[Arc<BrokerHealth>]>,
+    operator: Option<Arc<Operator>>,
     deadlines: Deadlines,
 ) {
     let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
@@ -43,19 +50,26 @@ pub async fn serve(
         let Ok(slot) = Arc::clone(&slots).acquire_owned().await else {
             return;
         };
-        let Ok((stream, _)) = listener.accept().await else {
+        let Ok((stream, peer)) = listener.accept().await else {
             tokio::time::sleep(Duration::from_millis(50)).await;
             continue;
         };
         let gw = Arc::clone(&gateway);
         let brokers = Arc::clone(&brokers);
+        let operator = operator.clone();
         let builder = builder.clone();
         let never = never.clone();
         tokio::spawn(async move {
-            let handler = move |req| {
+            let handler = move |req: Request<ClientBody>| {
                 let gw = Arc::clone(&gw);
                 let brokers = Arc::clone(&brokers);
-                async move { handle(&gw, &brokers, req).await }
+                let operator = operator.clone();
+                async move {
+                    if req.uri().path().starts_with("/keys/") {
+                        return keys::handle(operator.as_deref(), &**gw.store(), req, peer).await;
+                    }
+                    handle(&gw, &brokers, req).await
+                }
             };
             conn::serve(stream, &builder, deadlines, &never, handler).await;
             drop(slot);
@@ -122,7 +136,7 @@ async fn handle(
         }
         _ => text(
             StatusCode::NOT_FOUND,
-            "not found: /healthz, /readyz, /metrics\n",
+            "not found: /healthz, /readyz, /metrics, /keys/{id}\n",
         ),
     }
 }

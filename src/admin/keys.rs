@@ -1,0 +1,298 @@
+//! The operator API on the admin listener: one record, by its id (the hex of its store key, as
+//! `idemgate keys get` prints it), read, released or resolved while the gateway runs, on every
+//! store. Off unless a bearer token is configured (`server.admin_token_env` or
+//! `admin_token_file`); only its SHA-256 is kept, compared in constant time, and never logged.
+//! Every change, and every refused token, is an audit line (target `idemgate::audit`): peer,
+//! action, key id, result.
+//!
+//! - `GET /keys/{id}`: the record (state, times; stored status, headers, body size).
+//! - `DELETE /keys/{id}[?force=true]`: release: the request did not happen, the next retry
+//!   executes. A pending record whose lease still runs needs `force`.
+//! - `PUT /keys/{id}[?force=true]` with `{"status", "headers", "body" | "body_base64"}`: resolve
+//!   as completed; retries replay exactly that.
+//!
+//! Both changes replace exactly the record read (compare and set, [`operator::release`]).
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use base64::Engine;
+use bytes::Bytes;
+use http::{header, HeaderName, HeaderValue, Method, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Limited};
+use sha2::{Digest, Sha256};
+use subtle::ConstantTimeEq;
+
+use crate::body::{self, Body};
+use crate::config::TokenSource;
+use crate::conn::ClientBody;
+use crate::key::StoreKey;
+use crate::operator::{self, Change};
+use crate::problem::Problem;
+use crate::store::{now_ms, Store, StoreError, StoredResponse};
+
+/// The largest `PUT` body: a stored response the operator types in.
+const MAX_RESOLUTION: usize = 1 << 20;
+/// A token shorter than this is no secret.
+const MIN_TOKEN: usize = 16;
+
+/// The operator API's settings, made at startup.
+pub struct Operator {
+    token: [u8; 32],
+    /// How long a resolved record is kept (the defaults' `ttl`).
+    ttl: Duration,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TokenError {
+    #[error("server.admin_token_env: the environment variable {0} is not set or empty")]
+    Env(String),
+    #[error("server.admin_token_file {path}: {reason}")]
+    File { path: String, reason: String },
+    #[error("the admin token is shorter than {MIN_TOKEN} characters: use a long random one (openssl rand -hex 32)")]
+    TooShort,
+}
+
+impl Operator {
+    /// Reads the token where the config says; keeps its hash only.
+    pub fn load(source: &TokenSource, ttl: Duration) -> Result<Operator, TokenError> {
+        let token = match source {
+            TokenSource::Env(name) => std::env::var(name)
+                .ok()
+                .filter(|t| !t.is_empty())
+                .ok_or_else(|| TokenError::Env(name.clone()))?,
+            TokenSource::File(path) => std::fs::read_to_string(path)
+                .map_err(|e| TokenError::File {
+                    path: path.display().to_string(),
+                    reason: e.to_string(),
+                })?
+                .trim()
+                .to_string(),
+        };
+        if token.len() < MIN_TOKEN {
+            return Err(TokenError::TooShort);
+        }
+        Ok(Operator {
+            token: Sha256::digest(token.as_bytes()).into(),
+            ttl,
+        })
+    }
+
+    /// Whether the request carries the token (`Authorization: Bearer <token>`).
+    fn admits(&self, req: &Request<ClientBody>) -> bool {
+        let presented = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .unwrap_or_default();
+        let hash: [u8; 32] = Sha256::digest(presented.as_bytes()).into();
+        bool::from(hash.ct_eq(&self.token))
+    }
+}
+
+/// Serves `/keys/...`; `None`: the API is off.
+pub(super) async fn handle(
+    operator: Option<&Operator>,
+    store: &dyn Store,
+    req: Request<ClientBody>,
+    peer: SocketAddr,
+) -> Response<Body> {
+    let Some(operator) = operator else {
+        return problem(
+            StatusCode::NOT_FOUND,
+            "no-record",
+            "Operator API off",
+            "The operator API is off: set server.admin_token_env or server.admin_token_file."
+                .into(),
+        );
+    };
+    let action = action(req.method());
+    if !operator.admits(&req) {
+        tracing::warn!(target: "idemgate::audit", %peer, action, path = req.uri().path(), "operator request refused: no valid token");
+        let mut resp = problem(
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+            "Operator token required",
+            "Send Authorization: Bearer <token> with the token the gateway was configured with."
+                .into(),
+        );
+        resp.headers_mut()
+            .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        return resp;
+    }
+    let Some(key) = req
+        .uri()
+        .path()
+        .strip_prefix("/keys/")
+        .and_then(StoreKey::from_hex)
+    else {
+        return bad("The path is /keys/{id}, the id being 64 lowercase hex digits, as `idemgate keys get` prints it.".into());
+    };
+    let force = req
+        .uri()
+        .query()
+        .is_some_and(|q| q.split('&').any(|p| p == "force=true"));
+    let answer = match *req.method() {
+        Method::GET | Method::HEAD => read(store, &key).await,
+        Method::DELETE => {
+            let done = operator::release(store, &key, force, operator.ttl).await;
+            changed(store, &key, done).await
+        }
+        Method::PUT => match resolution(req.into_body()).await {
+            Ok(response) => {
+                let done = operator::resolve(store, &key, response, force, operator.ttl).await;
+                changed(store, &key, done).await
+            }
+            Err(why) => return bad(why),
+        },
+        _ => return bad("Use GET, PUT or DELETE.".into()),
+    };
+    if action != "read" {
+        tracing::info!(target: "idemgate::audit", %peer, action, key_id = %key, force, status = answer.status().as_u16(), "operator change");
+    }
+    answer
+}
+
+fn action(method: &Method) -> &'static str {
+    match *method {
+        Method::DELETE => "release",
+        Method::PUT => "resolve",
+        _ => "read",
+    }
+}
+
+async fn read(store: &dyn Store, key: &StoreKey) -> Response<Body> {
+    match store.get(key).await {
+        Ok(Some(record)) => json(StatusCode::OK, &operator::view(key, &record)),
+        Ok(None) => no_record(),
+        Err(e) => store_failed(&e),
+    }
+}
+
+/// The answer to a change: the record as it is now (or that it is gone), or why not.
+async fn changed(
+    store: &dyn Store,
+    key: &StoreKey,
+    done: Result<Change, StoreError>,
+) -> Response<Body> {
+    match done {
+        Ok(Change::Done) => match store.get(key).await {
+            Ok(Some(record)) => json(StatusCode::OK, &operator::view(key, &record)),
+            Ok(None) => json(StatusCode::OK, &serde_json::json!({"id": key.hex(), "state": "released"})),
+            Err(e) => store_failed(&e),
+        },
+        Ok(Change::NotFound) => no_record(),
+        Ok(Change::Live) => problem(StatusCode::CONFLICT, "record-live", "Request still running", "The record is pending and its lease still runs: its request may still be executing. Wait, or add ?force=true.".into()),
+        Ok(Change::Changed) => problem(StatusCode::CONFLICT, "record-changed", "Record changed", "The record changed while it was being replaced, and was left as it is now: read it again.".into()),
+        Err(e) => store_failed(&e),
+    }
+}
+
+/// What `PUT` stores: `{"status": 201, "headers": [["name", "value"]], "body": "..."}`.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Resolution {
+    status: u16,
+    #[serde(default)]
+    headers: Vec<(String, String)>,
+    #[serde(default)]
+    body: Option<String>,
+    #[serde(default)]
+    body_base64: Option<String>,
+}
+
+/// The response a `PUT` stores, or why its body is refused.
+async fn resolution(body: ClientBody) -> Result<StoredResponse, String> {
+    let bytes = Limited::new(body, MAX_RESOLUTION)
+        .collect()
+        .await
+        .map_err(|e| format!("The body could not be read (at most {MAX_RESOLUTION} bytes): {e}"))?
+        .to_bytes();
+    let r: Resolution = serde_json::from_slice(&bytes).map_err(|e| {
+        format!("The body must be {{\"status\", \"headers\", \"body\" or \"body_base64\"}}: {e}")
+    })?;
+    let status = StatusCode::from_u16(r.status)
+        .ok()
+        .filter(|s| !s.is_informational())
+        .ok_or_else(|| format!("status {} is not a final HTTP status", r.status))?;
+    let headers = r
+        .headers
+        .iter()
+        .map(|(n, v)| {
+            let name =
+                HeaderName::from_bytes(n.as_bytes()).map_err(|_| format!("header name {n:?}"))?;
+            let value =
+                HeaderValue::from_str(v).map_err(|_| format!("header {n}: not a valid value"))?;
+            Ok((name, value))
+        })
+        .collect::<Result<Vec<_>, String>>()?;
+    let body = match (r.body, r.body_base64) {
+        (Some(_), Some(_)) => return Err("Give body or body_base64, not both.".into()),
+        (Some(text), None) => Bytes::from(text),
+        (None, Some(b64)) => Bytes::from(
+            base64::engine::general_purpose::STANDARD
+                .decode(b64)
+                .map_err(|e| format!("body_base64: {e}"))?,
+        ),
+        (None, None) => Bytes::new(),
+    };
+    Ok(StoredResponse {
+        status,
+        headers,
+        trailers: Vec::new(),
+        body,
+        body_kept: true,
+        completed_ms: now_ms(),
+    })
+}
+
+fn json(status: StatusCode, value: &serde_json::Value) -> Response<Body> {
+    let mut resp = Response::new(body::full(Bytes::from(value.to_string())));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    resp.headers_mut()
+        .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    resp
+}
+
+fn problem(
+    status: StatusCode,
+    slug: &'static str,
+    title: &'static str,
+    detail: String,
+) -> Response<Body> {
+    Problem::Operator {
+        slug,
+        status,
+        title,
+        detail,
+    }
+    .into_response()
+}
+
+fn bad(detail: String) -> Response<Body> {
+    problem(
+        StatusCode::BAD_REQUEST,
+        "bad-operator-request",
+        "Bad operator request",
+        detail,
+    )
+}
+
+fn no_record() -> Response<Body> {
+    problem(
+        StatusCode::NOT_FOUND,
+        "no-record",
+        "No record",
+        "No record under this id: never used, expired, or released.".into(),
+    )
+}
+
+fn store_failed(e: &StoreError) -> Response<Body> {
+    tracing::warn!(error = %e, "operator request: store failed");
+    Problem::StoreUnavailable.into_response()
+}

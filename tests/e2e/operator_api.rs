@@ -1,0 +1,183 @@
+//! The operator API (`/keys/{id}` on the admin listener) through the real binary while it runs:
+//! unknown outcomes left by a gateway killed mid-flight, resolved (PUT: retries replay that) or
+//! released (DELETE: the next retry executes once); a live request refused unless forced; no
+//! token or a wrong one refused with nothing changed; the token never in the log. On the disk
+//! store (held by the running gateway, so `idemgate keys` cannot open it) and on Redis.
+
+use std::net::SocketAddr;
+
+use idemgate::config::Config;
+
+use crate::support::redis::{free_port, RedisServer};
+use crate::support::*;
+
+const TOKEN: &str = "op-token-7c1b9e4d2f0a8e6b5c3d";
+
+/// A config on `store` (its `[store]` lines) with the admin listener at `admin`, the token in
+/// a file in `dir`, and a payments route whose leases run out in 1 s.
+fn config_text(upstream: &str, store: &str, admin: SocketAddr, dir: &TempDir) -> String {
+    let token_file = dir.path.join("admin-token");
+    std::fs::write(&token_file, format!("{TOKEN}\n")).unwrap();
+    TomlConfig::parse(&format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\n[store]\n{store}\n[upstream]\nurl = \"{upstream}\"\n[[routes]]\nname = \"payments\"\npath = \"/payments\"\nlock_timeout = \"1s\"\nwait = \"0s\"\n"
+    ))
+    .set("server.admin", admin.to_string())
+    .set("server.admin_token_file", token_file.display().to_string())
+    .text()
+}
+
+/// The id of the anonymous client's key `key` on the payments route, as `idemgate keys get`
+/// prints it.
+fn id(config: &str, key: &str) -> String {
+    let config = Config::parse(config).unwrap();
+    idemgate::operator::locate(&config, "payments", &[key.to_string()], None)
+        .unwrap()
+        .hex()
+}
+
+fn keys_request(admin: SocketAddr, method: &str, id: &str, token: Option<&str>) -> Req {
+    let req = Http::new(admin).request(method, &format!("/keys/{id}"));
+    match token {
+        Some(t) => req.header("authorization", &format!("Bearer {t}")),
+        None => req,
+    }
+}
+
+async fn state_of(admin: SocketAddr, id: &str) -> serde_json::Value {
+    let got = keys_request(admin, "GET", id, Some(TOKEN)).send().await;
+    assert_eq!(got.status, 200, "{}", got.text());
+    serde_json::from_slice(&got.body).unwrap()
+}
+
+async fn unknown_outcomes_resolved_while_the_gateway_runs(store: &str) {
+    let (up, gate) = Upstream::gated().await;
+    let dir = TempDir::new("operator");
+    let admin: SocketAddr = format!("127.0.0.1:{}", free_port(false)).parse().unwrap();
+    let config = config_text(&up.url(), store, admin, &dir);
+    let gw = GatewayProcess::start(&config);
+    let http = Http::new(gw.addr);
+    let k1 = spawn_post_to_be_killed(&http, "k1");
+    up.next_arrival().await;
+    let k2 = spawn_post_to_be_killed(&http, "k2");
+    up.next_arrival().await;
+    gw.signal_and_wait("-KILL");
+    assert!(k1.await.unwrap().is_none() && k2.await.unwrap().is_none());
+    gate.add_permits(100);
+
+    let gw = GatewayProcess::start(&config);
+    let http = Http::new(gw.addr);
+    let (id1, id2) = (id(&config, "k1"), id(&config, "k2"));
+    // What the operator runs to learn a key's id, beside the running gateway on every store.
+    let printed = keys_cmd(&gw.config_path, "id", "payments", &["k1"]);
+    assert_eq!(String::from_utf8_lossy(&printed.stdout).trim(), id1);
+    // Both are unknown outcomes once the dead owner's lease ran out.
+    for id in [&id1, &id2] {
+        let unknown =
+            eventually(|| async { state_of(admin, id).await["state"] == "unknown" }).await;
+        assert!(unknown, "{}", state_of(admin, id).await);
+    }
+    assert_eq!(state_of(admin, &id1).await["reason"], "abandoned");
+
+    // No token, or a wrong one: 401, and nothing changes.
+    for token in [None, Some("wrong-token-wrong-token")] {
+        let refused = keys_request(admin, "DELETE", &id1, token).send().await;
+        assert_eq!(refused.status, 401);
+        assert_eq!(refused.problem_type(), "unauthorized");
+        assert_eq!(refused.header("www-authenticate"), Some("Bearer"));
+    }
+    assert_eq!(state_of(admin, &id1).await["state"], "unknown");
+
+    // Resolved as completed: retries replay exactly that, nothing executes again.
+    let resolved = keys_request(admin, "PUT", &id1, Some(TOKEN))
+        .json(r#"{"status": 201, "headers": [["content-type", "application/json"]], "body": "{\"payment\":\"pay_1\"}"}"#)
+        .send()
+        .await;
+    assert_eq!(resolved.status, 200, "{}", resolved.text());
+    let view: serde_json::Value = serde_json::from_slice(&resolved.body).unwrap();
+    assert_eq!(
+        (view["state"].as_str(), view["status"].as_u64()),
+        (Some("completed"), Some(201))
+    );
+    let replay = http.post("/payments", "k1", "{}").await;
+    assert_eq!(replay.status, 201);
+    assert!(replay.is_replay());
+    assert_eq!(replay.body, "{\"payment\":\"pay_1\"}");
+    assert_eq!(replay.header("content-type"), Some("application/json"));
+    assert_eq!(up.executions(), 2);
+
+    // Released: the next retry executes, once.
+    let released = keys_request(admin, "DELETE", &id2, Some(TOKEN))
+        .send()
+        .await;
+    assert_eq!(released.status, 200, "{}", released.text());
+    assert_eq!(http.post("/payments", "k2", "{}").await.status, 201);
+    assert!(http.post("/payments", "k2", "{}").await.is_replay());
+    assert_eq!(up.executions(), 3);
+    let gone = keys_request(admin, "DELETE", &id(&config, "never-used"), Some(TOKEN))
+        .send()
+        .await;
+    assert_eq!(gone.status, 404);
+
+    // A request still running is not released unless forced.
+    let (held_up, held_gate) = (&up, &gate);
+    let _ = held_gate.acquire_many(100).await.map(|p| p.forget());
+    let k3 = spawn_post_to_be_killed(&http, "k3");
+    held_up.next_arrival().await;
+    let id3 = id(&config, "k3");
+    let live = keys_request(admin, "DELETE", &id3, Some(TOKEN))
+        .send()
+        .await;
+    assert_eq!(live.status, 409);
+    assert_eq!(live.problem_type(), "record-live");
+    assert_eq!(state_of(admin, &id3).await["state"], "pending");
+    let forced = Http::new(admin)
+        .request("DELETE", &format!("/keys/{id3}?force=true"))
+        .header("authorization", &format!("Bearer {TOKEN}"))
+        .send()
+        .await;
+    assert_eq!(forced.status, 200, "{}", forced.text());
+    gate.add_permits(100);
+    k3.await.unwrap();
+
+    // Every change is an audit line; the token is in none.
+    let logs = gw.drain_logs().join("\n");
+    assert!(logs.contains("operator change"), "{logs}");
+    assert!(
+        logs.contains("action=\"release\"") && logs.contains("action=\"resolve\""),
+        "{logs}"
+    );
+    assert!(logs.contains("operator request refused"), "{logs}");
+    assert!(!logs.contains(TOKEN), "the token reached the log");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_the_disk_store_while_the_gateway_runs() {
+    let dir = TempDir::new("operator-disk");
+    let store = format!("backend = \"disk\"\npath = \"{}\"", dir.path.display());
+    unknown_outcomes_resolved_while_the_gateway_runs(&store).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_redis_while_the_gateway_runs() {
+    let redis = RedisServer::start();
+    let store = format!("backend = \"redis\"\nurl = \"{}\"", redis.url());
+    unknown_outcomes_resolved_while_the_gateway_runs(&store).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_token_the_operator_api_is_off() {
+    let up = Upstream::counting().await;
+    let admin: SocketAddr = format!("127.0.0.1:{}", free_port(false)).parse().unwrap();
+    let config = TomlConfig::parse(&format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\n[store]\nbackend = \"memory\"\n[upstream]\nurl = \"{}\"\n{PAYMENTS}",
+        up.url()
+    ))
+    .set("server.admin", admin.to_string())
+    .text();
+    let _gw = GatewayProcess::start(&config);
+    let got = keys_request(admin, "DELETE", &"0".repeat(64), Some(TOKEN))
+        .send()
+        .await;
+    assert_eq!(got.status, 404);
+    assert!(got.text().contains("operator API is off"), "{}", got.text());
+}
