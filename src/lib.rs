@@ -6,7 +6,8 @@
 //! Data flows one way: config -> store and upstream -> the idempotency core -> the fronts
 //! (HTTP today) -> the server that runs them. No module imports one above it.
 //! - [`cli`] - the command line (`run`, `check`, `keys`); `main.rs` only calls it.
-//! - [`operator`] - `idemgate keys get|delete`: inspect and release one key.
+//! - [`operator`] - `idemgate keys id|get|delete` and the operator API's changes: name, inspect,
+//!   release or resolve one key.
 //! - [`config`] - `proxy.toml` -> raw ([`config`]'s `raw`) -> validated [`config::Config`]
 //!   (`validate`, a file per section); plain data, every rejection names field and value.
 //!   A new config key: a typed field in `raw.rs` (a duration, size or choice through its
@@ -40,8 +41,8 @@
 //! - [`tls`] - TLS on the traffic listener, its certificate reloaded on SIGHUP and when its
 //!   files change.
 //! - [`server`] - the acceptor, worker threads (one runtime and one context each), shutdown.
-//! - [`admin`] - the admin listener: `/healthz`, `/readyz`, `/metrics`. A new endpoint is one
-//!   more arm of its path `match`.
+//! - [`admin`] - the admin listener: `/healthz`, `/readyz`, `/metrics`, and the operator API
+//!   (`/keys/{id}`, with a token). A new endpoint is one more arm of its path `match`.
 //! - [`metrics`] - the Prometheus metrics and the outcome names they count.
 //! - [`telemetry`] - logging.
 //!
