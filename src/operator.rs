@@ -17,7 +17,7 @@ const CONNECT_WAIT: Duration = Duration::from_secs(5);
 
 #[derive(Debug, thiserror::Error)]
 pub enum OperatorError {
-    #[error("no route named {0:?} in the config (route names: {1})")]
+    #[error("no route or consumer named {0:?} in the config (names: {1})")]
     NoRoute(String, String),
     #[error("invalid key: {0}")]
     BadKey(crate::key::KeyError),
@@ -31,35 +31,40 @@ pub enum OperatorError {
 
 /// The stored key for (route, key parts, client), as the gateway derives it. A route keyed by
 /// one header takes one part, its value as sent; a route keyed by several headers or body fields
-/// takes one part per header and field, in the order the route lists them (headers first).
+/// takes one part per header and field, in the order the route lists them (headers first). A
+/// consumer's name works as well as a route's (its messages have no client).
 pub fn locate(
     config: &Config,
     route: &str,
     parts: &[String],
     client: Option<&str>,
 ) -> Result<StoreKey, OperatorError> {
-    let r = config
-        .routes
-        .iter()
-        .find(|r| r.name == route)
-        .ok_or_else(|| {
-            let names: Vec<&str> = config.routes.iter().map(|r| r.name.as_str()).collect();
-            OperatorError::NoRoute(route.to_string(), names.join(", "))
-        })?;
-    let expected = r.key.headers.len() + r.key.pointers.len();
+    let (source, client_headers) = match config.routes.iter().find(|r| r.name == route) {
+        Some(r) => (&r.key, r.policy.client_headers.as_slice()),
+        None => match config.consumers.iter().find(|c| c.name == route) {
+            Some(c) => (&c.key, &[][..]),
+            None => {
+                let names: Vec<&str> = (config.routes.iter().map(|r| r.name.as_str()))
+                    .chain(config.consumers.iter().map(|c| c.name.as_str()))
+                    .collect();
+                return Err(OperatorError::NoRoute(route.to_string(), names.join(", ")));
+            }
+        },
+    };
+    let expected = source.headers.len() + source.pointers.len();
     let key = match parts {
-        [one] if r.key.is_single_header() => {
+        [one] if source.is_single_header() => {
             parse_key_value(one.as_bytes()).map_err(OperatorError::BadKey)?
         }
-        parts if !r.key.is_single_header() && parts.len() == expected => KeySource::combine(parts),
-        _ => return Err(OperatorError::Parts(expected, r.key.describe())),
+        parts if !source.is_single_header() && parts.len() == expected => KeySource::combine(parts),
+        _ => return Err(OperatorError::Parts(expected, source.describe())),
     };
-    let scope = match (r.policy.client_headers.is_empty(), client) {
+    let scope = match (client_headers.is_empty(), client) {
         (true, _) => ClientScope::shared(),
         (false, Some(value)) => ClientScope::from_value(value.as_bytes()),
         (false, None) => ClientScope::anonymous(),
     };
-    Ok(StoreKey::new(&scope, &r.name, &key))
+    Ok(StoreKey::new(&scope, route, &key))
 }
 
 /// Opens the configured shared store and waits until it answers.

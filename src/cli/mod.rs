@@ -81,7 +81,7 @@ pub struct KeyArgs {
     /// The TOML config file of the gateways sharing the store.
     #[arg(long, env = "IDEMGATE_CONFIG")]
     pub config: PathBuf,
-    /// The route's `name`.
+    /// The route's `name` (or a consumer's).
     #[arg(long)]
     pub route: String,
     /// The idempotency key, as the client sent it. Routes keyed by several headers or body

@@ -181,3 +181,71 @@ async fn without_a_token_the_operator_api_is_off() {
     assert_eq!(got.status, 404);
     assert!(got.text().contains("operator API is off"), "{}", got.text());
 }
+
+/// A consumer's message whose handler call had no complete answer is dead-lettered as an unknown
+/// outcome and kept; the operator names it by the consumer and the message's key, and resolves
+/// it: a redelivery then replays what the operator stored, and the handler is not called again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumers_unknown_outcome_is_resolved_the_same_way() {
+    let redis = RedisServer::start();
+    // The first call hangs past upstream_timeout (an unknown outcome); any later one answers.
+    let up = Upstream::start(|_, n| {
+        if n == 1 {
+            Reply::Hang
+        } else {
+            Reply::json(201, "{\"handled\":true}")
+        }
+    })
+    .await;
+    let dir = TempDir::new("operator-consumer");
+    let admin: SocketAddr = format!("127.0.0.1:{}", free_port(false)).parse().unwrap();
+    let token_file = dir.path.join("admin-token");
+    std::fs::write(&token_file, TOKEN).unwrap();
+    let config = TomlConfig::parse(&format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\n[store]\nbackend = \"redis\"\nurl = \"{}\"\n[upstream]\nurl = \"{}\"\n[[consumers]]\nname = \"orders\"\nsource = {{ redis_stream = \"orders\", group = \"idemgate\" }}\nhandler = \"{}/orders\"\nkey = {{ json = \"/messageId\" }}\nupstream_timeout = \"1s\"\nbackoff = \"50ms\"\nmax_backoff = \"200ms\"\n",
+        redis.url(),
+        up.url(),
+        up.url()
+    ))
+    .set("server.admin", admin.to_string())
+    .set("server.admin_token_file", token_file.display().to_string())
+    .text();
+    let gw = GatewayProcess::start(&config);
+    let publish = || redis.cli(&["XADD", "orders", "*", "body", r#"{"messageId": "m-1"}"#]);
+    publish();
+    let printed = keys_cmd(&gw.config_path, "id", "orders", &["m-1"]);
+    let id = String::from_utf8_lossy(&printed.stdout).trim().to_string();
+    assert_eq!(id.len(), 64, "{}", String::from_utf8_lossy(&printed.stderr));
+    let unknown = eventually_within(std::time::Duration::from_secs(20), || async {
+        state_of(admin, &id).await["state"] == "unknown"
+    })
+    .await;
+    assert!(unknown, "{}", state_of(admin, &id).await);
+    let resolved = keys_request(admin, "PUT", &id, Some(TOKEN))
+        .json(r#"{"status": 200, "body": "resolved by an operator"}"#)
+        .send()
+        .await;
+    assert_eq!(resolved.status, 200, "{}", resolved.text());
+    // The producer sends it again: the stored answer is the result, the handler is not called.
+    publish();
+    let deduplicated =
+        "idemgate_consumer_messages_total{consumer=\"orders\",outcome=\"deduplicated\"}";
+    let replayed = eventually_within(std::time::Duration::from_secs(20), || async {
+        scrape(admin).await.get(deduplicated).copied() == Some(1.0)
+    })
+    .await;
+    assert!(replayed, "the second delivery got the stored answer");
+    let acked = eventually_within(std::time::Duration::from_secs(20), || async {
+        redis
+            .cli(&["XPENDING", "orders", "idemgate"])
+            .starts_with('0')
+    })
+    .await;
+    assert!(acked, "{}", redis.cli(&["XPENDING", "orders", "idemgate"]));
+    assert_eq!(
+        up.executions(),
+        1,
+        "the handler ran once, for the first delivery"
+    );
+    assert_eq!(state_of(admin, &id).await["status"], 200);
+}
