@@ -35,6 +35,7 @@ use crate::fingerprint::Fingerprint;
 use crate::key::StoreKey;
 use crate::metrics::Metrics;
 use crate::quota::{Quota, Quotas, Share, SHARE_RETRY};
+use crate::reconcile::{self, Lookup, Reconciled};
 use crate::store::{
     now_ms, OwnerToken, Record, RecordState, Reservation, Store, StoreError, StoreOp,
     StoredResponse, UnknownReason,
@@ -206,12 +207,14 @@ impl Core {
 
     /// One keyed operation, from reservation to decision. `store` is the calling worker's
     /// handle ([`Store::for_worker`]).
+    /// `lookup`: how to ask the upstream about this key when its outcome is unknown
+    /// ([`crate::reconcile`]).
     pub async fn run<E: Execute>(
         &self,
         store: &Arc<dyn Store>,
         key: &StoreKey,
         fingerprint: Fingerprint,
-        rules: Rules,
+        (rules, lookup): (Rules, Option<&Lookup>),
         exec: E,
     ) -> Decision<E> {
         let records = Records {
@@ -272,6 +275,24 @@ impl Core {
                     return Decision::Replay {
                         response,
                         waited: true,
+                    }
+                }
+                Err(Waited::Refused(Refusal::OutcomeUnknown(reason))) => {
+                    let unknown = Decision::Refused(Refusal::OutcomeUnknown(reason));
+                    let Some(lookup) = lookup else {
+                        return unknown;
+                    };
+                    let metrics = &self.shared.metrics;
+                    match reconcile::settle(&**store, key, lookup, rules.ttl, metrics).await {
+                        Reconciled::Replay(response) => {
+                            return Decision::Replay {
+                                response,
+                                waited: false,
+                            }
+                        }
+                        // The upstream says it did not happen: this call may run it now.
+                        Reconciled::Released => continue,
+                        Reconciled::Unknown => return unknown,
                     }
                 }
                 Err(Waited::Refused(r)) => return Decision::Refused(r),

@@ -31,6 +31,7 @@
 //!   decisions are pure functions with tests of their own (start here).
 //! - [`signature`] - webhook senders' signatures, verified before a delivery claims its key.
 //! - [`quota`] - records stored per client scope, so no client can fill the store for others.
+//! - [`reconcile`] - asking the upstream whether an unknown outcome happened (`reconcile`).
 //! - [`duplicates`] - duplicates waiting on one key: a capped room, one store read for all.
 //! - [`gateway`] - the HTTP front on the core, phase by phase.
 //! - [`consumer`] - the broker front on the same core: `[[consumers]]` read a Redis stream and
@@ -67,6 +68,7 @@ mod metrics;
 pub mod operator;
 mod problem;
 mod quota;
+mod reconcile;
 pub mod route;
 pub mod server;
 mod signature;

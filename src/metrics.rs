@@ -11,6 +11,8 @@
 //!   acceptor gives a new connection to the worker with the fewest).
 //! - `idemgate_connections_closed_total{reason}`: client connections closed by a deadline
 //!   (`header_timeout`, `idle_timeout`, `send_timeout`).
+//! - `idemgate_reconciliations_total{result}`: unknown outcomes asked of the upstream's lookup
+//!   ([`crate::reconcile`]): `reconciled`, `released`, `unknown`.
 //! - `idemgate_records_purged_total`: expired records removed by an embedded store.
 //! - `idemgate_store_replica_acks_missed_total{op}`: Redis writes acknowledged by fewer
 //!   replicas than `store.min_replicas` ([`crate::store::redis`]).
@@ -37,6 +39,11 @@ use crate::store::{StoreOp, StoreStats};
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ReasonLabel {
     reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResultLabel {
+    result: &'static str,
 }
 
 /// What became of a request, for logs and metrics (the `outcome` label).
@@ -233,6 +240,7 @@ pub struct Metrics {
     tunnels: Gauge,
     worker_connections: Family<WorkerLabel, Gauge>,
     connections_closed: Family<ReasonLabel, Counter>,
+    reconciliations: Family<ResultLabel, Counter>,
     signatures: Family<SignatureLabels, Counter>,
     records_purged: Counter,
     store_syncs: Counter,
@@ -290,6 +298,11 @@ impl Metrics {
         );
         let requests: Family<RequestLabels, Counter> =
             registered(r, "requests", "Requests by route and outcome");
+        let reconciliations: Family<ResultLabel, Counter> = registered(
+            r,
+            "reconciliations",
+            "Unknown outcomes asked of the upstream's lookup, by result (reconciled, released, unknown)",
+        );
         let upstream_seconds: HistogramFamily<RouteLabel> = histograms(
             r,
             "upstream_duration_seconds",
@@ -357,6 +370,7 @@ impl Metrics {
             tunnels,
             worker_connections,
             connections_closed,
+            reconciliations,
             signatures,
             records_purged,
             store_syncs,
@@ -444,6 +458,13 @@ impl Metrics {
     }
 
     /// The connection count of worker `index`; the acceptor balances on it.
+    /// One reconciliation and its result ([`crate::reconcile`]).
+    pub fn reconciliation(&self, result: &'static str) {
+        self.reconciliations
+            .get_or_create(&ResultLabel { result })
+            .inc();
+    }
+
     pub fn connection_closed(&self, why: Expiry) {
         self.connections_closed
             .get_or_create(&ReasonLabel {

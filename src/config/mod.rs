@@ -543,6 +543,18 @@ pub struct Policy {
     pub store_server_errors: bool,
     pub on_store_error: OnStoreError,
     pub on_unknown: OnUnknown,
+    /// How to ask the upstream whether an unknown outcome happened (`reconcile`).
+    pub reconcile: Option<Reconcile>,
+}
+
+/// A route's `reconcile`: the upstream's lookup by idempotency key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reconcile {
+    /// `http://host/path/{key}`: `{key}` is replaced by the client's key, percent-encoded.
+    pub url: String,
+    /// No lookup before this long after the request was last known to run; `None`: the
+    /// route's `upstream_timeout`.
+    pub after: Option<Duration>,
 }
 
 impl Policy {
@@ -568,6 +580,7 @@ impl Policy {
             store_server_errors: false,
             on_store_error: OnStoreError::Reject,
             on_unknown: OnUnknown::Reject,
+            reconcile: None,
         }
     }
 }

@@ -64,6 +64,7 @@ pub(super) struct RawConsumer {
     pub(super) store_server_errors: Option<bool>,
     #[serde(default, deserialize_with = "typed")]
     pub(super) on_unknown: Option<OnUnknown>,
+    pub(super) reconcile: Option<RawReconcile>,
 }
 
 /// `source = { redis_stream = "orders", group = "idemgate" }`.
@@ -172,6 +173,15 @@ pub(super) struct RawUpstream {
     pub(super) tls_server_name: Option<String>,
 }
 
+/// `reconcile = { url = "...{key}...", after = "30s" }`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawReconcile {
+    pub(super) url: String,
+    #[serde(default, deserialize_with = "duration")]
+    pub(super) after: Option<Duration>,
+}
+
 #[derive(Debug, Default, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct RawPolicy {
@@ -191,6 +201,7 @@ pub(super) struct RawPolicy {
     pub(super) max_keys_per_client: Option<i64>,
     pub(super) max_keys_anonymous: Option<i64>,
     pub(super) anonymous_share: Option<i64>,
+    pub(super) reconcile: Option<RawReconcile>,
     #[serde(default, deserialize_with = "size")]
     pub(super) max_body: Option<Size>,
     #[serde(default, deserialize_with = "size")]

@@ -399,6 +399,42 @@ fn the_admin_token_is_named_never_written() {
 }
 
 #[test]
+fn reconcile_names_an_http_lookup_with_the_key_in_it() {
+    let route = |reconcile: &str| {
+        Config::parse(&format!(
+            "[server]\nlisten = \"127.0.0.1:0\"\n[upstream]\nurl = \"http://127.0.0.1:1\"\n[[routes]]\npath = \"/p\"\nupstream_timeout = \"5s\"\nreconcile = {reconcile}\n"
+        ))
+    };
+    let c = route("{ url = \"http://pay:3000/payments/by-key/{key}\" }").unwrap();
+    let r = c.routes[0].policy.reconcile.clone().unwrap();
+    assert_eq!(
+        (r.url.as_str(), r.after),
+        ("http://pay:3000/payments/by-key/{key}", None)
+    );
+    let c = route("{ url = \"http://pay/p?key={key}\", after = \"30s\" }").unwrap();
+    assert_eq!(
+        c.routes[0].policy.reconcile.clone().unwrap().after,
+        Some(Duration::from_secs(30))
+    );
+    for bad in [
+        "{ url = \"http://pay/payments\" }",
+        "{ url = \"https://pay/{key}\" }",
+        "{ url = \"/by-key/{key}\" }",
+    ] {
+        assert_eq!(
+            invalid_field(route(bad)).0,
+            "routes[0].reconcile.url",
+            "{bad}"
+        );
+    }
+    assert_eq!(
+        invalid_field(route("{ url = \"http://pay/{key}\", after = \"2h\" }")).0,
+        "routes[0].reconcile.after"
+    );
+    assert!(route("{ url = \"http://pay/{key}\", retries = 3 }").is_err());
+}
+
+#[test]
 fn max_header_bytes_is_bounded() {
     let server = |line: &str| {
         Config::parse(&format!(

@@ -435,6 +435,7 @@ impl<S: Source> Consumer<S> {
             Err(e) => return Verdict::DeadLetter(format!("invalid-key: {e}")),
         };
         let store_key = StoreKey::new(&ClientScope::shared(), &config.name, &key);
+        let lookup = crate::reconcile::Lookup::of(&config.policy, &key);
         let mut headers = message.fields.clone();
         headers.insert(http::header::CONTENT_TYPE, config.content_type.clone());
         let fp = fingerprint(
@@ -472,10 +473,13 @@ impl<S: Source> Consumer<S> {
             on_store_error: policy.on_store_error,
             on_unknown: policy.on_unknown,
         };
-        let run = self
-            .ctx
-            .core
-            .run(&self.ctx.store, &store_key, fp, rules, call);
+        let run = self.ctx.core.run(
+            &self.ctx.store,
+            &store_key,
+            fp,
+            (rules, lookup.as_ref()),
+            call,
+        );
         tokio::pin!(run);
         // Claimed for as long as it runs, however long the handler takes.
         let every = (self.source.claim_after() / 3).max(Duration::from_millis(10));

@@ -18,6 +18,7 @@ use crate::key::{ClientScope, StoreKey};
 use crate::metrics::Outcome;
 use crate::problem::Problem;
 use crate::quota::{Quota, QuotaId, Share};
+use crate::reconcile::Lookup;
 use crate::signature;
 
 /// What became of a request: the response, what to count it as, and its key if it had one.
@@ -52,6 +53,9 @@ enum Admitted {
         key: StoreKey,
         body: (Bytes, Lease),
         allowance: Allowance,
+        /// How to ask the upstream about this key's unknown outcome (`reconcile`); boxed, as
+        /// few routes have one.
+        lookup: Option<Box<Lookup>>,
     },
     /// No key where none is required: forwarded as it is.
     Unkeyed(Body),
@@ -75,8 +79,10 @@ impl Gateway {
                 key,
                 body,
                 allowance,
+                lookup,
             }) => {
-                let mut answer = self.keyed(route, parts, body, conn, &key, allowance).await;
+                let caller = (allowance, lookup);
+                let mut answer = self.keyed(route, parts, body, conn, &key, caller).await;
                 answer.key = Some(key);
                 answer
             }
@@ -105,13 +111,15 @@ impl Gateway {
             return Ok(Admitted::Unkeyed(body.into_body()));
         };
         let key = StoreKey::new(&scope, &config.name, &raw_key);
-        // Only its hash is kept from here on.
+        // Only its hash is kept from here on (and the lookup URL, in memory, for this request).
+        let lookup = Lookup::of(policy, &raw_key).map(Box::new);
         drop(raw_key);
         let body = body.read(policy.max_body, &self.budget).await?;
         Ok(Admitted::Keyed {
             key,
             body,
             allowance,
+            lookup,
         })
     }
 
@@ -140,7 +148,7 @@ impl Gateway {
         (body, lease): (Bytes, Lease),
         conn: &Arc<ClientConn>,
         key: &StoreKey,
-        allowance: Allowance,
+        (allowance, lookup): (Allowance, Option<Box<Lookup>>),
     ) -> Answer {
         let config = &route.config;
         let fp = fingerprint(
@@ -166,7 +174,13 @@ impl Gateway {
         };
         let decision = self
             .core
-            .run(&conn.worker.store, key, fp, rules, forward)
+            .run(
+                &conn.worker.store,
+                key,
+                fp,
+                (rules, lookup.as_deref()),
+                forward,
+            )
             .await;
         match decision {
             Decision::Owned { settled, took } => {

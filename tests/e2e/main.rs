@@ -21,6 +21,7 @@ mod hostile;
 mod operations;
 mod operator_api;
 mod postgres_gateway;
+mod reconcile;
 mod redis_failover;
 mod redis_gateway;
 mod store_contract;

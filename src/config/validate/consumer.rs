@@ -288,6 +288,7 @@ pub(super) fn validate_consumer(
         upstream_timeout: raw.upstream_timeout,
         store_server_errors: raw.store_server_errors,
         on_unknown: raw.on_unknown,
+        reconcile: raw.reconcile,
         ..RawPolicy::default()
     };
     let mut policy =

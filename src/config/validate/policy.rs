@@ -7,8 +7,8 @@ use std::time::Duration;
 use http::StatusCode;
 
 use super::{parse_header_name, shown, size_at_most};
-use crate::config::raw::{OneOrMany, RawPolicy};
-use crate::config::{ConfigError, Policy};
+use crate::config::raw::{OneOrMany, RawPolicy, RawReconcile};
+use crate::config::{ConfigError, Policy, Reconcile};
 
 /// Largest accepted `max_body` / `max_stored_response`: both are buffered in memory per request.
 const MAX_BUFFER_LIMIT: u64 = 1 << 30;
@@ -159,7 +159,42 @@ fn apply_limits(
     p.store_server_errors = raw.store_server_errors.unwrap_or(p.store_server_errors);
     p.on_store_error = raw.on_store_error.unwrap_or(p.on_store_error);
     p.on_unknown = raw.on_unknown.unwrap_or(p.on_unknown);
+    if let Some(r) = &raw.reconcile {
+        p.reconcile = Some(reconcile(f, r)?);
+    }
     Ok(())
+}
+
+/// `reconcile`: an `http://` URL with `{key}` in it (https lookups are not made yet), and
+/// `after` from 0s to 1h.
+fn reconcile(f: &dyn Fn(&str) -> String, r: &RawReconcile) -> Result<Reconcile, ConfigError> {
+    let example = "an http:// URL with {key} where the client's key goes, such as \"http://payments:3000/payments/by-key/{key}\"";
+    let filled = r.url.replace("{key}", "k");
+    let valid = r.url.starts_with("http://")
+        && r.url.contains("{key}")
+        && filled
+            .parse::<http::Uri>()
+            .is_ok_and(|u| u.authority().is_some());
+    if !valid {
+        return Err(ConfigError::invalid(
+            f("reconcile.url"),
+            r.url.clone(),
+            example,
+        ));
+    }
+    if let Some(after) = r.after {
+        if after > Duration::from_secs(3600) {
+            return Err(ConfigError::invalid(
+                f("reconcile.after"),
+                shown(after),
+                "at most 1h (the default is the route's upstream_timeout)",
+            ));
+        }
+    }
+    Ok(Reconcile {
+        url: r.url.clone(),
+        after: r.after,
+    })
 }
 
 /// The rules between fields, on the merged policy.

@@ -89,10 +89,31 @@ fn scratch(tag: &str) -> PathBuf {
     dir
 }
 
+/// Templates of test processes that are gone (a static is never dropped, so each process leaves
+/// its own behind).
+fn remove_stale_templates() {
+    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(pid) = name
+            .strip_prefix("idemgate-pg-template-")
+            .and_then(|rest| rest.split('-').next())
+        else {
+            continue;
+        };
+        if !Path::new("/proc").join(pid).exists() {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
+}
+
 /// A data directory made by `initdb` once per test process; servers start from copies.
 fn template() -> &'static Path {
     static TEMPLATE: OnceLock<PathBuf> = OnceLock::new();
     TEMPLATE.get_or_init(|| {
+        remove_stale_templates();
         let dir = scratch("template");
         hand_over(&dir);
         let data = dir.join("data");

@@ -1,0 +1,205 @@
+//! Reconciliation: asking the upstream whether an unknown outcome happened, instead of leaving
+//! every such key to an operator (`reconcile = { url = ".../by-key/{key}", after = "30s" }` on a
+//! route). When a retry meets an unknown outcome (sent, no complete answer; or a gateway that
+//! stopped mid-flight, its lease run out), and `after` has passed since the request was last
+//! known to run, the gateway GETs the lookup URL with the client's key in it:
+//!
+//! - 2xx: it happened. That answer becomes the key's result (marked `idemgate-reconciled: true`),
+//!   and this retry and every later one replay it.
+//! - 404: it did not happen. The key is released, and this retry executes it.
+//! - anything else, or no answer: it stays unknown (the retry gets `outcome-unknown`); a later
+//!   retry asks again.
+//!
+//! Both changes replace exactly the record read ([`crate::operator::resolve`]), so an owner
+//! finishing meanwhile is never overwritten. A wrong 404 is a double charge: the lookup must be
+//! consistent with the upstream's own writes, and nothing may run after `after`
+//! (docs/lifecycle.md).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{header, HeaderName, HeaderValue, Request, StatusCode, Uri};
+use http_body_util::{BodyExt, Empty, Limited};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+
+use percent_encoding::{utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
+
+use crate::config::Policy;
+use crate::key::StoreKey;
+use crate::metrics::Metrics;
+use crate::operator::{self, Change};
+use crate::store::{now_ms, RecordState, Store, StoredResponse};
+
+/// Marks a result the gateway learned from the upstream's lookup rather than its own call.
+pub const RECONCILED_HEADER: HeaderName = HeaderName::from_static("idemgate-reconciled");
+
+/// What a key keeps as it is in the lookup's URL: RFC 3986's unreserved characters; everything
+/// else (`/`, `?`, `%`, spaces, ...) is percent-encoded, so a key is one path segment or value.
+const KEY_IN_PATH: &AsciiSet = &NON_ALPHANUMERIC
+    .remove(b'-')
+    .remove(b'.')
+    .remove(b'_')
+    .remove(b'~');
+
+/// One key's lookup, made by the front (which knows the client's key) for the core.
+#[derive(Debug, Clone)]
+pub struct Lookup {
+    /// The route's `reconcile.url` with `{key}` replaced by the client's key, percent-encoded.
+    pub url: Uri,
+    /// No lookup before this long after the request was last known to run.
+    pub after: Duration,
+    /// How long the lookup may take (the route's `upstream_timeout`).
+    pub timeout: Duration,
+    /// The largest answer kept as the key's result (`max_stored_response`).
+    pub max_body: usize,
+}
+
+impl Lookup {
+    /// The lookup for the client's key `raw_key` under `policy`, if the policy has one.
+    pub fn of(policy: &Policy, raw_key: &str) -> Option<Lookup> {
+        let reconcile = policy.reconcile.as_ref()?;
+        let key = utf8_percent_encode(raw_key, KEY_IN_PATH).to_string();
+        // Validated at load with a plain key; a client's key is percent-encoded, so it fits.
+        let url = reconcile.url.replace("{key}", &key).parse().ok()?;
+        Some(Lookup {
+            url,
+            after: reconcile.after.unwrap_or(policy.upstream_timeout),
+            timeout: policy.upstream_timeout,
+            max_body: policy.max_stored_response,
+        })
+    }
+}
+
+/// What a reconciliation came to.
+pub enum Reconciled {
+    /// It happened: the stored result, for this retry too.
+    Replay(Arc<StoredResponse>),
+    /// It did not: the key is free, and this retry may run it.
+    Released,
+    /// Still unknown (too early, the lookup did not say, or the record changed).
+    Unknown,
+}
+
+impl Reconciled {
+    fn as_str(&self) -> &'static str {
+        match self {
+            Reconciled::Replay(_) => "reconciled",
+            Reconciled::Released => "released",
+            Reconciled::Unknown => "unknown",
+        }
+    }
+}
+
+/// Asks the upstream about `key`'s unknown outcome and settles the record by its answer.
+pub async fn settle(
+    store: &dyn Store,
+    key: &StoreKey,
+    lookup: &Lookup,
+    ttl: Duration,
+    metrics: &Metrics,
+) -> Reconciled {
+    let settled = ask(store, key, lookup, ttl).await;
+    metrics.reconciliation(settled.as_str());
+    tracing::info!(
+        key = key.short(),
+        result = settled.as_str(),
+        "reconciliation"
+    );
+    settled
+}
+
+async fn ask(store: &dyn Store, key: &StoreKey, lookup: &Lookup, ttl: Duration) -> Reconciled {
+    let Ok(Some(record)) = store.get(key).await else {
+        return Reconciled::Unknown;
+    };
+    // When the request was last known to run: the original must be over before its lookup
+    // can be believed.
+    let last_ran = match record.state {
+        RecordState::Unknown { since_ms, .. } => since_ms,
+        RecordState::Abandoned { lease_until_ms, .. } => lease_until_ms,
+        _ => return Reconciled::Unknown,
+    };
+    let after = u64::try_from(lookup.after.as_millis()).unwrap_or(u64::MAX);
+    if now_ms() < last_ran.saturating_add(after) {
+        return Reconciled::Unknown;
+    }
+    match get(lookup).await {
+        Ok(Some(response)) => {
+            let stored = Arc::new(response.clone());
+            match operator::resolve(store, key, response, false, ttl).await {
+                Ok(Change::Done) => Reconciled::Replay(stored),
+                _ => Reconciled::Unknown,
+            }
+        }
+        Ok(None) => match operator::release(store, key, false, ttl).await {
+            Ok(Change::Done) => Reconciled::Released,
+            _ => Reconciled::Unknown,
+        },
+        Err(why) => {
+            tracing::warn!(key = key.short(), why = %why, "reconciliation: the lookup did not say; the outcome stays unknown");
+            Reconciled::Unknown
+        }
+    }
+}
+
+/// The lookup: `Some(answer)` for a 2xx, `None` for a 404, why not for anything else.
+async fn get(lookup: &Lookup) -> Result<Option<StoredResponse>, String> {
+    // A connection of its own, on this runtime: lookups are rare, and a pooled connection
+    // would be driven by whichever worker made it.
+    let client: Client<_, Empty<Bytes>> = Client::builder(TokioExecutor::new())
+        .pool_max_idle_per_host(0)
+        .build_http();
+    let request = Request::get(lookup.url.clone())
+        .header(header::ACCEPT, "application/json")
+        .body(Empty::new())
+        .map_err(|e| e.to_string())?;
+    let answer = async {
+        let response = client.request(request).await.map_err(|e| e.to_string())?;
+        let (parts, body) = response.into_parts();
+        if parts.status == StatusCode::NOT_FOUND {
+            return Ok(None);
+        }
+        if !parts.status.is_success() {
+            return Err(format!("the lookup answered {}", parts.status));
+        }
+        let body = Limited::new(body, lookup.max_body)
+            .collect()
+            .await
+            .map_err(|e| format!("the lookup's answer: {e}"))?
+            .to_bytes();
+        let mut headers: Vec<(HeaderName, HeaderValue)> = parts
+            .headers
+            .iter()
+            .filter(|(name, _)| !hop_by_hop(name))
+            .map(|(n, v)| (n.clone(), v.clone()))
+            .collect();
+        headers.push((RECONCILED_HEADER, HeaderValue::from_static("true")));
+        Ok(Some(StoredResponse {
+            status: parts.status,
+            headers,
+            trailers: Vec::new(),
+            body,
+            body_kept: true,
+            completed_ms: now_ms(),
+        }))
+    };
+    tokio::time::timeout(lookup.timeout, answer)
+        .await
+        .unwrap_or_else(|_| Err(format!("no answer within {:?}", lookup.timeout)))
+}
+
+fn hop_by_hop(name: &HeaderName) -> bool {
+    matches!(
+        name.as_str(),
+        "connection"
+            | "keep-alive"
+            | "proxy-connection"
+            | "transfer-encoding"
+            | "te"
+            | "trailer"
+            | "upgrade"
+            | "content-length"
+    )
+}

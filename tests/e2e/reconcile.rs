@@ -1,0 +1,168 @@
+//! Reconciliation with an upstream that can answer "did K happen?" (`reconcile` on a route): a
+//! request the upstream executed but whose answer never came back replays the looked-up result;
+//! one it never executed (404) is released and runs once; a lookup that fails leaves it unknown;
+//! a gateway killed mid-flight reconciles after its restart.
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use crate::support::*;
+
+/// An upstream whose first POST of each key never answers (it "executes" it, but the answer is
+/// lost), and whose lookup `GET /payments/by-key/{key}` answers by the key's prefix: `paid-`
+/// found (200), `none-` not found (404), anything else 500.
+async fn upstream() -> Upstream {
+    let first_seen = Arc::new(Mutex::new(HashSet::new()));
+    Upstream::start(move |seen, _| {
+        if let Some(key) = seen.path_and_query.strip_prefix("/payments/by-key/") {
+            return match key {
+                k if k.starts_with("paid-") => {
+                    Reply::json(200, &format!("{{\"payment\":\"pay_{k}\"}}"))
+                }
+                k if k.starts_with("none-") => Reply::json(404, "{}"),
+                _ => Reply::json(500, "{}"),
+            };
+        }
+        let key = seen.headers["idempotency-key"]
+            .to_str()
+            .unwrap()
+            .to_string();
+        if first_seen.lock().unwrap().insert(key) {
+            Reply::Hang
+        } else {
+            Reply::json(201, "{\"payment\":\"executed by the retry\"}")
+        }
+    })
+    .await
+}
+
+fn route(up: &Upstream) -> String {
+    format!(
+        "[[routes]]\nname = \"payments\"\npath = \"/payments\"\nmethods = [\"POST\"]\nupstream_timeout = \"500ms\"\nlock_timeout = \"1s\"\nwait = \"0s\"\nreconcile = {{ url = \"{}/payments/by-key/{{key}}\", after = \"300ms\" }}\n",
+        up.url()
+    )
+}
+
+/// POSTs of `key` the upstream received (lookups aside).
+fn posts(up: &Upstream, key: &str) -> usize {
+    up.seen()
+        .iter()
+        .filter(|s| s.method == http::Method::POST)
+        .filter(|s| s.headers["idempotency-key"] == key)
+        .count()
+}
+
+/// Whether `got` is the `outcome-unknown` problem.
+fn unknown(got: &Got) -> bool {
+    got.header("content-type") == Some("application/problem+json")
+        && got.problem_type() == "outcome-unknown"
+}
+
+/// Retries `key` until the answer is no longer `outcome-unknown` (bounded): the lookup is made
+/// only once `after` has passed.
+async fn retried(http: &Http, key: &str) -> Got {
+    for _ in 0..100 {
+        let got = http.post("/payments", key, "{}").await;
+        if !unknown(&got) {
+            return got;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("{key} stayed unknown");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_outcomes_are_settled_by_the_upstreams_lookup() {
+    let up = upstream().await;
+    let gw = Running::start(config(&up.url(), &route(&up)).with_admin())
+        .await
+        .unwrap();
+    let http = Http::new(gw.addr());
+
+    // Executed, the answer lost: the retry gets the looked-up payment, executed once.
+    let first = http.post("/payments", "paid-1", "{}").await;
+    assert_eq!(first.problem_type(), "outcome-unknown", "{first:?}");
+    let early = http.post("/payments", "paid-1", "{}").await;
+    assert_eq!(
+        early.problem_type(),
+        "outcome-unknown",
+        "no lookup before `after`"
+    );
+    let settled = retried(&http, "paid-1").await;
+    assert_eq!(settled.status, 200, "{settled:?}");
+    assert!(settled.is_replay());
+    assert_eq!(settled.header("idemgate-reconciled"), Some("true"));
+    assert_eq!(settled.body, "{\"payment\":\"pay_paid-1\"}");
+    let again = http.post("/payments", "paid-1", "{}").await;
+    assert_eq!(again.body, settled.body);
+    assert_eq!(posts(&up, "paid-1"), 1, "executed once");
+
+    // Never executed (404): released, and the retry executes it, once.
+    assert_eq!(
+        http.post("/payments", "none-1", "{}").await.problem_type(),
+        "outcome-unknown"
+    );
+    let ran = retried(&http, "none-1").await;
+    assert_eq!(ran.status, 201, "{ran:?}");
+    assert!(!ran.is_replay());
+    assert!(http.post("/payments", "none-1", "{}").await.is_replay());
+    assert_eq!(posts(&up, "none-1"), 2, "the lost call, then the retry");
+
+    // The lookup fails (500): it stays unknown, however often it is asked.
+    assert_eq!(
+        http.post("/payments", "err-1", "{}").await.problem_type(),
+        "outcome-unknown"
+    );
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    for _ in 0..3 {
+        let got = http.post("/payments", "err-1", "{}").await;
+        assert_eq!(got.problem_type(), "outcome-unknown");
+    }
+    assert_eq!(posts(&up, "err-1"), 1);
+
+    let m = scrape(gw.admin_addr().unwrap()).await;
+    let count = |result: &str| {
+        m.get(&format!(
+            "idemgate_reconciliations_total{{result=\"{result}\"}}"
+        ))
+        .copied()
+        .unwrap_or(0.0)
+    };
+    assert_eq!((count("reconciled"), count("released")), (1.0, 1.0));
+    assert!(count("unknown") >= 3.0, "{}", count("unknown"));
+}
+
+/// The gateway is killed while the upstream holds the request; after the restart, once the dead
+/// owner's lease and `after` ran out, the retry gets the looked-up result.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_killed_mid_flight_is_reconciled_after_its_restart() {
+    let up = upstream().await;
+    let dir = TempDir::new("reconcile");
+    let text = TomlConfig::parse(&format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\n[upstream]\nurl = \"{}\"\n{}",
+        up.url(),
+        route(&up)
+    ))
+    .set("store.backend", "disk")
+    .set("store.path", dir.path.display().to_string())
+    .text();
+    let gw = GatewayProcess::start(&text);
+    let doomed = spawn_post_to_be_killed(&Http::new(gw.addr), "paid-2");
+    up.next_arrival().await;
+    gw.signal_and_wait("-KILL");
+    assert!(doomed.await.unwrap().is_none());
+    let gw = GatewayProcess::start(&text);
+    let http = Http::new(gw.addr);
+    let mut settled = retry_while_in_flight(&http, "paid-2").await;
+    for _ in 0..100 {
+        if !unknown(&settled) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        settled = retry_while_in_flight(&http, "paid-2").await;
+    }
+    assert_eq!(settled.status, 200, "{settled:?}");
+    assert_eq!(settled.header("idemgate-reconciled"), Some("true"));
+    assert_eq!(posts(&up, "paid-2"), 1, "never executed again");
+}
