@@ -278,21 +278,10 @@ impl Core {
                     }
                 }
                 Err(Waited::Refused(Refusal::OutcomeUnknown(reason))) => {
-                    let unknown = Decision::Refused(Refusal::OutcomeUnknown(reason));
-                    let Some(lookup) = lookup else {
-                        return unknown;
-                    };
-                    let metrics = &self.shared.metrics;
-                    match reconcile::settle(&**store, key, lookup, rules.ttl, metrics).await {
-                        Reconciled::Replay(response) => {
-                            return Decision::Replay {
-                                response,
-                                waited: false,
-                            }
-                        }
+                    match self.reconciled(store, key, lookup, rules, reason).await {
+                        Some(decision) => return decision,
                         // The upstream says it did not happen: this call may run it now.
-                        Reconciled::Released => continue,
-                        Reconciled::Unknown => return unknown,
+                        None => continue,
                     }
                 }
                 Err(Waited::Refused(r)) => return Decision::Refused(r),
@@ -310,6 +299,31 @@ impl Core {
             }
         }
         Decision::Refused(Refusal::InFlight)
+    }
+
+    /// Phase `reconcile`: an unknown outcome, settled by the upstream's lookup if the caller has
+    /// one. `None`: it did not happen and the key is free again.
+    async fn reconciled<E: Execute>(
+        &self,
+        store: &Arc<dyn Store>,
+        key: &StoreKey,
+        lookup: Option<&Lookup>,
+        rules: Rules,
+        reason: UnknownReason,
+    ) -> Option<Decision<E>> {
+        let unknown = Decision::Refused(Refusal::OutcomeUnknown(reason));
+        let Some(lookup) = lookup else {
+            return Some(unknown);
+        };
+        let metrics = &self.shared.metrics;
+        match reconcile::settle(&**store, key, lookup, rules.ttl, metrics).await {
+            Reconciled::Replay(response) => Some(Decision::Replay {
+                response,
+                waited: false,
+            }),
+            Reconciled::Released => None,
+            Reconciled::Unknown => Some(unknown),
+        }
     }
 
     /// Phase `execute`: the owner runs the operation and stores the result. Runs in the caller's
