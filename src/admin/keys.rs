@@ -56,22 +56,7 @@ pub enum TokenError {
 impl Operator {
     /// Reads the token where the config says; keeps its hash only.
     pub fn load(source: &TokenSource, ttl: Duration) -> Result<Operator, TokenError> {
-        let token = match source {
-            TokenSource::Env(name) => std::env::var(name)
-                .ok()
-                .filter(|t| !t.is_empty())
-                .ok_or_else(|| TokenError::Env(name.clone()))?,
-            TokenSource::File(path) => std::fs::read_to_string(path)
-                .map_err(|e| TokenError::File {
-                    path: path.display().to_string(),
-                    reason: e.to_string(),
-                })?
-                .trim()
-                .to_string(),
-        };
-        if token.len() < MIN_TOKEN {
-            return Err(TokenError::TooShort);
-        }
+        let token = read_token(source)?;
         Ok(Operator {
             token: Sha256::digest(token.as_bytes()).into(),
             ttl,
@@ -89,6 +74,27 @@ impl Operator {
         let hash: [u8; 32] = Sha256::digest(presented.as_bytes()).into();
         bool::from(hash.ct_eq(&self.token))
     }
+}
+
+/// The operator token, where the config says it is (for the gateway, and for `idemgate keys`).
+pub fn read_token(source: &TokenSource) -> Result<String, TokenError> {
+    let token = match source {
+        TokenSource::Env(name) => std::env::var(name)
+            .ok()
+            .filter(|t| !t.is_empty())
+            .ok_or_else(|| TokenError::Env(name.clone()))?,
+        TokenSource::File(path) => std::fs::read_to_string(path)
+            .map_err(|e| TokenError::File {
+                path: path.display().to_string(),
+                reason: e.to_string(),
+            })?
+            .trim()
+            .to_string(),
+    };
+    if token.len() < MIN_TOKEN {
+        return Err(TokenError::TooShort);
+    }
+    Ok(token)
 }
 
 /// Serves `/keys/...`; `None`: the API is off.
@@ -209,7 +215,12 @@ async fn resolution(body: ClientBody) -> Result<StoredResponse, String> {
         .await
         .map_err(|e| format!("The body could not be read (at most {MAX_RESOLUTION} bytes): {e}"))?
         .to_bytes();
-    let r: Resolution = serde_json::from_slice(&bytes).map_err(|e| {
+    resolution_of(&bytes)
+}
+
+/// A `PUT` body (`{"status", "headers", "body" | "body_base64"}`) as the response to store.
+pub fn resolution_of(bytes: &[u8]) -> Result<StoredResponse, String> {
+    let r: Resolution = serde_json::from_slice(bytes).map_err(|e| {
         format!("The body must be {{\"status\", \"headers\", \"body\" or \"body_base64\"}}: {e}")
     })?;
     let status = StatusCode::from_u16(r.status)

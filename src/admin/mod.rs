@@ -9,7 +9,7 @@ mod keys;
 use std::sync::Arc;
 use std::time::Duration;
 
-pub use keys::{Operator, TokenError};
+pub use keys::{read_token, resolution_of, Operator, TokenError};
 
 use bytes::Bytes;
 use http::{header, HeaderValue, Method, Request, Response, StatusCode};

@@ -2,6 +2,7 @@
 //! `idemgate probe`.
 
 mod describe;
+mod keys;
 
 pub use describe::describe;
 
@@ -12,7 +13,6 @@ use std::sync::Arc;
 use clap::{Parser, Subcommand};
 
 use crate::config::{Config, StoreConfig};
-use crate::operator;
 use crate::server::{reload_on_sighup, shutdown_signal, Server};
 use crate::telemetry::{self, LogFormat};
 
@@ -58,7 +58,9 @@ pub enum Command {
         /// For example http://127.0.0.1:9090/readyz
         url: String,
     },
-    /// Inspect or release one stored key (Redis or Postgres beside the running gateway; disk with it stopped).
+    /// Inspect, release or resolve one stored key: through the running gateway's operator API
+    /// when the config has one, else by opening the store (the disk store with the gateway
+    /// stopped).
     Keys {
         #[command(subcommand)]
         action: KeysAction,
@@ -72,8 +74,26 @@ pub enum KeysAction {
     Id(KeyArgs),
     /// Print a key's record: state, fingerprint, timestamps, status, body size. Exit 1 if none.
     Get(KeyArgs),
-    /// Delete a key's record, so the next retry executes. Check the upstream's records first.
+    /// Release a key's record, so the next retry executes. Check the upstream's records first.
+    #[command(alias = "release")]
     Delete(KeyArgs),
+    /// Resolve a key's unknown outcome as completed with this answer: every retry replays it.
+    Resolve(ResolveArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct ResolveArgs {
+    #[command(flatten)]
+    pub key: KeyArgs,
+    /// The HTTP status retries get.
+    #[arg(long)]
+    pub status: u16,
+    /// A header of the answer, as "name: value"; once per header.
+    #[arg(long = "header")]
+    pub headers: Vec<String>,
+    /// The body retries get.
+    #[arg(long, default_value = "")]
+    pub body: String,
 }
 
 #[derive(Debug, clap::Args)]
@@ -91,6 +111,10 @@ pub struct KeyArgs {
     /// The client header's value (e.g. "Bearer ..."), for routes that scope keys per client.
     #[arg(long)]
     pub client: Option<String>,
+    /// Release or resolve a pending record whose lease still runs (its request may still be
+    /// executing).
+    #[arg(long)]
+    pub force: bool,
 }
 
 /// Parses the command line and runs the command.
@@ -122,7 +146,7 @@ pub fn main() -> ExitCode {
                 ExitCode::from(EXIT_BAD_CONFIG)
             }
         },
-        Command::Keys { action } => keys(action),
+        Command::Keys { action } => keys::keys(action),
         Command::Probe { url } => probe(&url),
         Command::Run { config: path } => {
             let config = match Config::load(&path) {
@@ -133,27 +157,6 @@ pub fn main() -> ExitCode {
                 }
             };
             run(path, config)
-        }
-    }
-}
-
-/// `idemgate keys id`: the key's id, computed from the config alone.
-fn key_id(args: &KeyArgs) -> ExitCode {
-    let config = match Config::load(&args.config) {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("idemgate: {}: {e}", args.config.display());
-            return ExitCode::from(EXIT_BAD_CONFIG);
-        }
-    };
-    match operator::locate(&config, &args.route, &args.key, args.client.as_deref()) {
-        Ok(key) => {
-            say(&format!("{key}\n"));
-            ExitCode::SUCCESS
-        }
-        Err(e) => {
-            eprintln!("idemgate: {e}");
-            ExitCode::from(EXIT_BAD_CONFIG)
         }
     }
 }
@@ -203,64 +206,6 @@ fn run(path: PathBuf, config: Config) -> ExitCode {
                 ExitCode::from(EXIT_CANNOT_START)
             }
         }
-    })
-}
-
-fn keys(action: KeysAction) -> ExitCode {
-    let (args, delete) = match action {
-        KeysAction::Id(a) => return key_id(&a),
-        KeysAction::Get(a) => (a, false),
-        KeysAction::Delete(a) => (a, true),
-    };
-    let config = match Config::load(&args.config) {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("idemgate: {}: {e}", args.config.display());
-            return ExitCode::from(EXIT_BAD_CONFIG);
-        }
-    };
-    let runtime = match runtime(tokio::runtime::Builder::new_current_thread()) {
-        Ok(rt) => rt,
-        Err(code) => return code,
-    };
-    runtime.block_on(async move {
-        let key = match operator::locate(&config, &args.route, &args.key, args.client.as_deref()) {
-            Ok(k) => k,
-            Err(e) => {
-                eprintln!("idemgate: {e}");
-                return ExitCode::from(EXIT_BAD_CONFIG);
-            }
-        };
-        let store = match operator::open_store(&config).await {
-            Ok(s) => s,
-            Err(e) => {
-                eprintln!("idemgate: {e}");
-                return ExitCode::from(EXIT_CANNOT_START);
-            }
-        };
-        let record = match store.get(&key).await {
-            Ok(r) => r,
-            Err(e) => {
-                eprintln!("idemgate: {e}");
-                return ExitCode::from(EXIT_CANNOT_START);
-            }
-        };
-        let Some(record) = record else {
-            say("no record for this key (never used, expired, or deleted)\n");
-            return ExitCode::from(1);
-        };
-        say(&operator::describe(&key, &args.route, &record));
-        if delete {
-            match store.delete(&key).await {
-                Ok(true) => say("deleted: the next request with this key executes\n"),
-                Ok(false) => say("already gone\n"),
-                Err(e) => {
-                    eprintln!("idemgate: {e}");
-                    return ExitCode::from(EXIT_CANNOT_START);
-                }
-            }
-        }
-        ExitCode::SUCCESS
     })
 }
 

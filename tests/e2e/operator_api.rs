@@ -77,6 +77,16 @@ async fn unknown_outcomes_resolved_while_the_gateway_runs(store: &str) {
         assert!(unknown, "{}", state_of(admin, id).await);
     }
     assert_eq!(state_of(admin, &id1).await["reason"], "abandoned");
+    // `idemgate keys get` goes through the running gateway's API (the disk store is the
+    // gateway's while it runs).
+    let got = keys_cmd(&gw.config_path, "get", "payments", &["k1"]);
+    let shown = String::from_utf8_lossy(&got.stdout);
+    assert!(
+        got.status.success(),
+        "{shown}{}",
+        String::from_utf8_lossy(&got.stderr)
+    );
+    assert!(shown.contains("\"state\":\"unknown\""), "{shown}");
 
     // No token, or a wrong one: 401, and nothing changes.
     for token in [None, Some("wrong-token-wrong-token")] {
@@ -105,11 +115,15 @@ async fn unknown_outcomes_resolved_while_the_gateway_runs(store: &str) {
     assert_eq!(replay.header("content-type"), Some("application/json"));
     assert_eq!(up.executions(), 2);
 
-    // Released: the next retry executes, once.
-    let released = keys_request(admin, "DELETE", &id2, Some(TOKEN))
-        .send()
-        .await;
-    assert_eq!(released.status, 200, "{}", released.text());
+    // Released, here with `idemgate keys release` through the API: the next retry executes,
+    // once.
+    let released = keys_cmd(&gw.config_path, "release", "payments", &["k2"]);
+    assert!(
+        released.status.success(),
+        "{}",
+        String::from_utf8_lossy(&released.stderr)
+    );
+    assert!(String::from_utf8_lossy(&released.stdout).contains("\"state\":\"released\""));
     assert_eq!(http.post("/payments", "k2", "{}").await.status, 201);
     assert!(http.post("/payments", "k2", "{}").await.is_replay());
     assert_eq!(up.executions(), 3);
@@ -122,7 +136,8 @@ async fn unknown_outcomes_resolved_while_the_gateway_runs(store: &str) {
     let (held_up, held_gate) = (&up, &gate);
     let _ = held_gate.acquire_many(100).await.map(|p| p.forget());
     let k3 = spawn_post_to_be_killed(&http, "k3");
-    held_up.next_arrival().await;
+    // Arrivals of earlier keys may still be queued: wait for k3's.
+    while held_up.next_arrival().await.headers["idempotency-key"] != "k3" {}
     let id3 = id(&config, "k3");
     let live = keys_request(admin, "DELETE", &id3, Some(TOKEN))
         .send()

@@ -1,0 +1,243 @@
+//! `idemgate keys`: one key, named as its client sent it (route or consumer, key parts, client).
+//! Through the running gateway's operator API when the config has one (`server.admin` and a
+//! token the command can read too) and the gateway answers there: the record as JSON. Otherwise
+//! by opening the store itself, which the disk store allows only while no gateway holds it.
+
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{header, Method, Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+
+use super::{runtime, say, KeyArgs, KeysAction, EXIT_BAD_CONFIG, EXIT_CANNOT_START};
+use crate::config::Config;
+use crate::key::StoreKey;
+use crate::operator::{self, Change};
+
+/// How long a call to the gateway's API may take.
+const API_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// What the command does to the key.
+enum Op {
+    Get,
+    Release,
+    /// The answer to store, as the API's `PUT` body.
+    Resolve(String),
+}
+
+pub(super) fn keys(action: KeysAction) -> ExitCode {
+    match action {
+        KeysAction::Id(a) => key_id(&a),
+        KeysAction::Get(a) => with_key(&a, Op::Get),
+        KeysAction::Delete(a) => with_key(&a, Op::Release),
+        KeysAction::Resolve(r) => {
+            let headers: Option<Vec<(String, String)>> = r
+                .headers
+                .iter()
+                .map(|h| {
+                    let (n, v) = h.split_once(':')?;
+                    Some((n.trim().to_string(), v.trim().to_string()))
+                })
+                .collect();
+            let Some(headers) = headers else {
+                eprintln!("idemgate: --header takes \"name: value\"");
+                return ExitCode::from(EXIT_BAD_CONFIG);
+            };
+            let body = serde_json::json!({"status": r.status, "headers": headers, "body": r.body});
+            with_key(&r.key, Op::Resolve(body.to_string()))
+        }
+    }
+}
+
+/// `idemgate keys id`: the key's id, computed from the config alone.
+fn key_id(args: &KeyArgs) -> ExitCode {
+    match located(args) {
+        Ok((_, key)) => {
+            say(&format!("{key}\n"));
+            ExitCode::SUCCESS
+        }
+        Err(code) => code,
+    }
+}
+
+fn located(args: &KeyArgs) -> Result<(Config, StoreKey), ExitCode> {
+    let config = Config::load(&args.config).map_err(|e| {
+        eprintln!("idemgate: {}: {e}", args.config.display());
+        ExitCode::from(EXIT_BAD_CONFIG)
+    })?;
+    let key =
+        operator::locate(&config, &args.route, &args.key, args.client.as_deref()).map_err(|e| {
+            eprintln!("idemgate: {e}");
+            ExitCode::from(EXIT_BAD_CONFIG)
+        })?;
+    Ok((config, key))
+}
+
+fn with_key(args: &KeyArgs, op: Op) -> ExitCode {
+    let (config, key) = match located(args) {
+        Ok(found) => found,
+        Err(code) => return code,
+    };
+    let runtime = match runtime(tokio::runtime::Builder::new_current_thread()) {
+        Ok(rt) => rt,
+        Err(code) => return code,
+    };
+    runtime.block_on(async move {
+        if let Some((addr, token)) = api(&config) {
+            match call(addr, &token, &key, &op, args.force).await {
+                Ok(answer) => return answered(answer),
+                // Nobody listens: no gateway runs, so the store can be opened.
+                Err(Call::Unreachable) => {}
+                Err(Call::Failed(why)) => {
+                    eprintln!("idemgate: the gateway's operator API at {addr}: {why}");
+                    return ExitCode::from(EXIT_CANNOT_START);
+                }
+            }
+        }
+        direct(&config, &key, &args.route, op, args.force).await
+    })
+}
+
+/// The operator API's address (a listener on every address is asked on loopback) and token,
+/// if the config has one and its token can be read here.
+fn api(config: &Config) -> Option<(SocketAddr, String)> {
+    let mut addr = config.server.admin?;
+    let source = config.server.admin_token.as_ref()?;
+    let token = match crate::admin::read_token(source) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("idemgate: not using the operator API: {e}");
+            return None;
+        }
+    };
+    if addr.ip().is_unspecified() {
+        addr.set_ip(match addr {
+            SocketAddr::V4(_) => std::net::Ipv4Addr::LOCALHOST.into(),
+            SocketAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
+        });
+    }
+    Some((addr, token))
+}
+
+enum Call {
+    Unreachable,
+    Failed(String),
+}
+
+async fn call(
+    addr: SocketAddr,
+    token: &str,
+    key: &StoreKey,
+    op: &Op,
+    force: bool,
+) -> Result<(StatusCode, Bytes), Call> {
+    let (method, body) = match op {
+        Op::Get => (Method::GET, String::new()),
+        Op::Release => (Method::DELETE, String::new()),
+        Op::Resolve(json) => (Method::PUT, json.clone()),
+    };
+    let query = if force { "?force=true" } else { "" };
+    let request = Request::builder()
+        .method(method)
+        .uri(format!("http://{addr}/keys/{key}{query}"))
+        .header(header::AUTHORIZATION, format!("Bearer {token}"))
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Full::new(Bytes::from(body)))
+        .map_err(|e| Call::Failed(e.to_string()))?;
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<Full<Bytes>>();
+    let exchange = async {
+        let response = client.request(request).await.map_err(|e| {
+            if e.is_connect() {
+                Call::Unreachable
+            } else {
+                Call::Failed(e.to_string())
+            }
+        })?;
+        let status = response.status();
+        let body = response.into_body().collect().await;
+        let body = body.map_err(|e| Call::Failed(e.to_string()))?.to_bytes();
+        Ok((status, body))
+    };
+    tokio::time::timeout(API_TIMEOUT, exchange)
+        .await
+        .unwrap_or_else(|_| Err(Call::Failed(format!("no answer within {API_TIMEOUT:?}"))))
+}
+
+/// The API's answer: the record (or problem) as it says, and 0 only for a 2xx.
+fn answered((status, body): (StatusCode, Bytes)) -> ExitCode {
+    let text = String::from_utf8_lossy(&body);
+    if status.is_success() {
+        say(&format!("{text}\n"));
+        ExitCode::SUCCESS
+    } else {
+        eprintln!("idemgate: {status}: {text}");
+        ExitCode::from(1)
+    }
+}
+
+/// Without a gateway's API: the store itself.
+async fn direct(config: &Config, key: &StoreKey, route: &str, op: Op, force: bool) -> ExitCode {
+    let store = match operator::open_store(config).await {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("idemgate: {e}");
+            return ExitCode::from(EXIT_CANNOT_START);
+        }
+    };
+    let ttl = config.defaults.ttl;
+    let done = match op {
+        Op::Resolve(_) => "resolved: every request with this key replays that answer\n",
+        _ => "deleted: the next request with this key executes\n",
+    };
+    let changed = match op {
+        Op::Get => {
+            return match store.get(key).await {
+                Ok(Some(record)) => {
+                    say(&operator::describe(key, route, &record));
+                    ExitCode::SUCCESS
+                }
+                Ok(None) => {
+                    say("no record for this key (never used, expired, or deleted)\n");
+                    ExitCode::from(1)
+                }
+                Err(e) => {
+                    eprintln!("idemgate: {e}");
+                    ExitCode::from(EXIT_CANNOT_START)
+                }
+            }
+        }
+        Op::Release => operator::release(&*store, key, force, ttl).await,
+        Op::Resolve(json) => match crate::admin::resolution_of(json.as_bytes()) {
+            Ok(response) => operator::resolve(&*store, key, response, force, ttl).await,
+            Err(why) => {
+                eprintln!("idemgate: {why}");
+                return ExitCode::from(EXIT_BAD_CONFIG);
+            }
+        },
+    };
+    match changed {
+        Ok(Change::Done) => {
+            say(done);
+            ExitCode::SUCCESS
+        }
+        Ok(Change::NotFound) => {
+            say("no record for this key (never used, expired, or deleted)\n");
+            ExitCode::from(1)
+        }
+        Ok(Change::Live) => {
+            eprintln!("idemgate: the record is pending and its lease still runs (its request may still be executing): wait, or add --force");
+            ExitCode::from(1)
+        }
+        Ok(Change::Changed) => {
+            eprintln!("idemgate: the record changed meanwhile and was left as it is: look again");
+            ExitCode::from(1)
+        }
+        Err(e) => {
+            eprintln!("idemgate: {e}");
+            ExitCode::from(EXIT_CANNOT_START)
+        }
+    }
+}
