@@ -201,7 +201,7 @@ impl Core {
             return Some(over.retry_after);
         }
         quotas
-            .share_refuses(rules.share, store.fill())
+            .share_refuses(rules.share, || store.fill())
             .then_some(SHARE_RETRY)
     }
 

@@ -123,13 +123,13 @@ impl Quotas {
         }
     }
 
-    /// Whether an anonymous new key is refused for the store's share: `fill` is how full the
-    /// store is ([`crate::store::Store::fill`]).
-    pub fn share_refuses(&self, share: Share, fill: Option<f64>) -> bool {
+    /// Whether an anonymous new key is refused for the store's share: `fill` says how full the
+    /// store is ([`crate::store::Store::fill`]), asked only for an anonymous caller.
+    pub fn share_refuses(&self, share: Share, fill: impl FnOnce() -> Option<f64>) -> bool {
         let Share::Anonymous(percent) = share else {
             return false;
         };
-        let Some(fill) = fill else {
+        let Some(fill) = fill() else {
             return false;
         };
         let until = *self
@@ -273,18 +273,18 @@ mod tests {
         let window = Duration::from_secs(60);
         let half = Share::Anonymous(50);
         // Nobody identified: anonymous callers may fill the store to its bound.
-        assert!(!q.share_refuses(half, Some(0.99)));
+        assert!(!q.share_refuses(half, || Some(0.99)));
         q.stored_by(None, Share::Identified, window);
-        assert!(!q.share_refuses(half, Some(0.49)));
-        assert!(q.share_refuses(half, Some(0.5)));
+        assert!(!q.share_refuses(half, || Some(0.49)));
+        assert!(q.share_refuses(half, || Some(0.5)));
         // Identified clients, a store without a known bound, 100 %, or not anonymous: no share.
-        assert!(!q.share_refuses(half, None));
-        assert!(!q.share_refuses(Share::Anonymous(100), Some(0.99)));
-        assert!(!q.share_refuses(Share::Identified, Some(0.99)));
-        assert!(!q.share_refuses(Share::Unshared, Some(0.99)));
+        assert!(!q.share_refuses(half, || None));
+        assert!(!q.share_refuses(Share::Anonymous(100), || Some(0.99)));
+        assert!(!q.share_refuses(Share::Identified, || Some(0.99)));
+        assert!(!q.share_refuses(Share::Unshared, || Some(0.99)));
         // Once no identified client stored anything for a whole window, the share is lifted.
         tokio::time::advance(window).await;
-        assert!(!q.share_refuses(half, Some(0.9)));
+        assert!(!q.share_refuses(half, || Some(0.9)));
     }
 
     #[tokio::test(start_paused = true)]

@@ -54,23 +54,6 @@ async fn in_process(upstream: &str, url: String, extra: &str) -> Running {
         .unwrap()
 }
 
-/// Executions per `Idempotency-Key` the upstream saw.
-fn executions_per_key(up: &Upstream) -> HashMap<String, usize> {
-    let mut per_key: HashMap<String, usize> = HashMap::new();
-    for s in up.seen() {
-        if let Some(k) = s.headers.get("idempotency-key") {
-            *per_key.entry(k.to_str().unwrap().to_string()).or_default() += 1;
-        }
-    }
-    per_key
-}
-
-fn assert_at_most_once(up: &Upstream) {
-    for (k, n) in executions_per_key(up) {
-        assert_eq!(n, 1, "key {k} executed {n} times");
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn executes_once_replays_byte_for_byte_and_refuses_other_parameters() {
     let pg = Postgres::start();
@@ -347,7 +330,7 @@ async fn postgres_restarted_under_traffic_fails_closed_then_recovers() {
         keys > 16,
         "traffic ran before, during and after ({keys} keys)"
     );
-    assert_at_most_once(&up);
+    up.assert_at_most_once();
     for (i, body) in before {
         let again = http.post("/payments", &format!("before-{i}"), "{}").await;
         assert!(again.is_replay(), "before-{i} lost: {again:?}");
@@ -402,7 +385,7 @@ async fn a_failover_to_a_synchronous_standby_serves_again_and_runs_nothing_twice
     executions_reach(&up, up.executions() + 8).await;
     stop.store(true, Ordering::SeqCst);
     settled(running).await;
-    assert_at_most_once(&up);
+    up.assert_at_most_once();
     // What was stored before the failover is on the standby, and replays.
     let again = http.post("/payments", "before", "{}").await;
     assert!(again.is_replay(), "{again:?}");
@@ -552,7 +535,7 @@ async fn asynchronous_replication_loses_reservations_in_a_failover_synchronous_d
             }
             assert_eq!(got.status, 201, "{got:?}");
         }
-        let per_key = executions_per_key(&up);
+        let per_key = up.executions_per_key();
         let twice = keys.iter().filter(|k| per_key.get(*k) == Some(&2)).count();
         println!(
             "synchronous = {synchronous}: {before} executions before the failover, {twice} of {} keys executed twice",
@@ -560,7 +543,7 @@ async fn asynchronous_replication_loses_reservations_in_a_failover_synchronous_d
         );
         if synchronous {
             assert_eq!(twice, 0);
-            assert_at_most_once(&up);
+            up.assert_at_most_once();
         } else {
             assert_eq!(twice, keys.len(), "an asynchronous standby lost them");
         }

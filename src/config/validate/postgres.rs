@@ -4,11 +4,13 @@
 use std::str::FromStr;
 use std::time::Duration;
 
-use super::{pem_file, pem_pair, shown, whole_number, Pem};
+use super::whole_number;
 use crate::config::raw::RawStore;
 use crate::config::{redact_url, ConfigError, PostgresSettings};
 
 pub(super) fn postgres(raw: RawStore, workers: usize) -> Result<PostgresSettings, ConfigError> {
+    let (command_timeout, tls_ca_file, tls_client) =
+        super::store::connection(&raw, Duration::from_secs(1))?;
     let url = raw.url.ok_or_else(|| ConfigError::Missing {
         field: "store.url (postgres://user:password@host:5432/database)".into(),
     })?;
@@ -22,23 +24,6 @@ pub(super) fn postgres(raw: RawStore, workers: usize) -> Result<PostgresSettings
         ));
     }
     let pool_size = whole_number("store.pool_size", raw.pool_size, 16, 1..=1000)? as usize;
-    let command_timeout = raw.command_timeout.unwrap_or(Duration::from_secs(1));
-    if command_timeout.is_zero() || command_timeout > Duration::from_secs(60) {
-        return Err(ConfigError::invalid(
-            "store.command_timeout",
-            shown(command_timeout),
-            "more than 0s and at most 60s",
-        ));
-    }
-    let tls_ca_file = raw
-        .tls_ca_file
-        .map(|p| pem_file("store.tls_ca_file", p, Pem::Certificate))
-        .transpose()?;
-    let tls_client = pem_pair(
-        ("store.tls_client_cert", "store.tls_client_key"),
-        raw.tls_client_cert,
-        raw.tls_client_key,
-    )?;
     Ok(PostgresSettings {
         url,
         table,

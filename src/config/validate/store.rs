@@ -1,6 +1,7 @@
 //! `[store]`: which backend, and the settings of that one (a setting of another backend is an
 //! error, not silently ignored).
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use super::postgres::postgres;
@@ -171,6 +172,7 @@ fn memory(raw: RawStore) -> Result<StoreConfig, ConfigError> {
 }
 
 fn redis(raw: RawStore) -> Result<RedisSettings, ConfigError> {
+    let (command_timeout, tls_ca_file, tls_client) = connection(&raw, Duration::from_millis(500))?;
     let target = redis_target(raw.url, raw.cluster, raw.sentinels, raw.master)?;
     let key_prefix = raw.key_prefix.unwrap_or_else(|| "idemgate:".into());
     if key_prefix.contains(['{', '}']) || key_prefix.len() > 64 {
@@ -180,23 +182,6 @@ fn redis(raw: RawStore) -> Result<RedisSettings, ConfigError> {
             "up to 64 characters without \"{\" or \"}\" (the gateway adds its own hash tag)",
         ));
     }
-    let command_timeout = raw.command_timeout.unwrap_or(Duration::from_millis(500));
-    if command_timeout.is_zero() || command_timeout > Duration::from_secs(60) {
-        return Err(ConfigError::invalid(
-            "store.command_timeout",
-            shown(command_timeout),
-            "more than 0s and at most 60s",
-        ));
-    }
-    let tls_ca_file = raw
-        .tls_ca_file
-        .map(|p| pem_file("store.tls_ca_file", p, Pem::Certificate))
-        .transpose()?;
-    let tls_client = pem_pair(
-        ("store.tls_client_cert", "store.tls_client_key"),
-        raw.tls_client_cert,
-        raw.tls_client_key,
-    )?;
     Ok(RedisSettings {
         target,
         key_prefix,
@@ -206,6 +191,32 @@ fn redis(raw: RawStore) -> Result<RedisSettings, ConfigError> {
         tls_client,
         replicas: replica_acks(raw.min_replicas, raw.replica_timeout)?,
     })
+}
+
+/// What Redis and Postgres connections share: `command_timeout` (`default` unless set; more
+/// than 0s, at most 60s) and the TLS files (`tls_ca_file`, `tls_client_cert` with its key).
+pub(super) type Connection = (Duration, Option<PathBuf>, Option<(PathBuf, PathBuf)>);
+
+pub(super) fn connection(raw: &RawStore, default: Duration) -> Result<Connection, ConfigError> {
+    let command_timeout = raw.command_timeout.unwrap_or(default);
+    if command_timeout.is_zero() || command_timeout > Duration::from_secs(60) {
+        return Err(ConfigError::invalid(
+            "store.command_timeout",
+            shown(command_timeout),
+            "more than 0s and at most 60s",
+        ));
+    }
+    let tls_ca_file = raw
+        .tls_ca_file
+        .clone()
+        .map(|p| pem_file("store.tls_ca_file", p, Pem::Certificate))
+        .transpose()?;
+    let tls_client = pem_pair(
+        ("store.tls_client_cert", "store.tls_client_key"),
+        raw.tls_client_cert.clone(),
+        raw.tls_client_key.clone(),
+    )?;
+    Ok((command_timeout, tls_ca_file, tls_client))
 }
 
 /// `min_replicas` (0, the default: no acknowledgement asked) and its `replica_timeout`.

@@ -50,7 +50,12 @@ pub(super) fn record_at(row: &Row, at: usize, now_ms: i64) -> Result<Option<Reco
         // Completed or unknown: the whole record, in the codec's form.
         let outcome: Vec<u8> = get(row, at + 5)?;
         let record = codec::decode(&Bytes::from(outcome))?;
-        if i16::from(codec::encode(&record)[1]) != state {
+        let held = match record.state {
+            RecordState::Completed(_) => codec::STATE_COMPLETED,
+            RecordState::Unknown { .. } => codec::STATE_UNKNOWN,
+            _ => codec::STATE_PENDING,
+        };
+        if i16::from(held) != state {
             return Err(StoreError::Corrupt(format!(
                 "state {state} holds another record"
             )));

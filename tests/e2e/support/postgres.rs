@@ -140,6 +140,20 @@ fn template() -> &'static Path {
     })
 }
 
+/// A scratch directory holding a copy of the template's data directory (`data`).
+fn from_template() -> PathBuf {
+    let dir = scratch("server");
+    let ok = Command::new("cp")
+        .arg("-a")
+        .arg(template())
+        .arg(dir.join("data"))
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "copying the template data directory failed");
+    dir
+}
+
 /// One Postgres server on a free port. Stopped (immediately) and removed on drop.
 pub struct Postgres {
     pub port: u16,
@@ -157,30 +171,14 @@ impl Postgres {
 
     /// A server with extra `-c name=value` settings.
     pub fn start_with(settings: &[&str]) -> Postgres {
-        let dir = scratch("server");
-        let ok = Command::new("cp")
-            .arg("-a")
-            .arg(template())
-            .arg(dir.join("data"))
-            .status()
-            .unwrap()
-            .success();
-        assert!(ok, "copying the template data directory failed");
+        let dir = from_template();
         hand_over(&dir);
         Self::run_in(dir, settings)
     }
 
     /// A server that speaks TLS with this certificate and key (PEM), besides plain TCP.
     pub fn start_tls(cert: &str, key: &str) -> Postgres {
-        let dir = scratch("server");
-        let ok = Command::new("cp")
-            .arg("-a")
-            .arg(template())
-            .arg(dir.join("data"))
-            .status()
-            .unwrap()
-            .success();
-        assert!(ok, "copying the template data directory failed");
+        let dir = from_template();
         let (cert_path, key_path) = (dir.join("server.crt"), dir.join("server.key"));
         std::fs::write(&cert_path, cert).unwrap();
         std::fs::write(&key_path, key).unwrap();

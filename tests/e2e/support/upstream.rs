@@ -190,6 +190,24 @@ impl Upstream {
         self.seen.lock().unwrap().clone()
     }
 
+    /// Executions per `Idempotency-Key` (requests without one aside).
+    pub fn executions_per_key(&self) -> std::collections::HashMap<String, usize> {
+        let mut per_key = std::collections::HashMap::new();
+        for s in self.seen.lock().unwrap().iter() {
+            if let Some(k) = s.headers.get("idempotency-key") {
+                *per_key.entry(k.to_str().unwrap().to_string()).or_default() += 1;
+            }
+        }
+        per_key
+    }
+
+    /// Fails naming the first key the upstream executed more than once.
+    pub fn assert_at_most_once(&self) {
+        for (k, n) in self.executions_per_key() {
+            assert_eq!(n, 1, "key {k} executed {n} times");
+        }
+    }
+
     /// Waits until the next request reaches the upstream (at most 10 s).
     pub async fn next_arrival(&self) -> Seen {
         tokio::time::timeout(Duration::from_secs(10), self.arrivals.lock().await.recv())
