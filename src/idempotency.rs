@@ -37,7 +37,7 @@ use crate::metrics::Metrics;
 use crate::quota::{Quota, Quotas, Share, SHARE_RETRY};
 use crate::reconcile::{self, Lookup, Reconciled};
 use crate::store::{
-    now_ms, OwnerToken, Record, RecordState, Reservation, Store, StoreError, StoreOp,
+    now_ms, Claim, OwnerToken, Record, RecordState, Reservation, Store, StoreError, StoreOp,
     StoredResponse, UnknownReason,
 };
 
@@ -213,7 +213,7 @@ impl Core {
         &self,
         store: &Arc<dyn Store>,
         key: &StoreKey,
-        fingerprint: Fingerprint,
+        claim: Claim,
         (rules, lookup): (Rules, Option<&Lookup>),
         exec: E,
     ) -> Decision<E> {
@@ -230,7 +230,7 @@ impl Core {
                     Ok(None) => return Decision::Refused(Refusal::OverQuota { retry_after }),
                     Err(e) => Err(e),
                 },
-                None => records.reserve(key, fingerprint, rules).await,
+                None => records.reserve(key, &claim, rules).await,
             };
             let reservation = match reserved {
                 Ok(r) => r,
@@ -259,7 +259,7 @@ impl Core {
                 Reservation::Existing(record) => record,
             };
             let old = match records
-                .resolve(key, fingerprint, rules, record, wait_until)
+                .resolve(key, claim.fingerprint, rules, record, wait_until)
                 .await
             {
                 Ok(Some(Resolved::Replay(response))) => {
@@ -286,7 +286,7 @@ impl Core {
                 }
                 Err(Waited::Refused(r)) => return Decision::Refused(r),
             };
-            let taken = match records.take_over(key, &old, fingerprint, rules).await {
+            let taken = match records.take_over(key, &old, &claim, rules).await {
                 Ok(taken) => taken,
                 Err(e) => return Decision::Refused(store_refusal(key, e)),
             };
@@ -386,12 +386,12 @@ impl Records {
     async fn reserve(
         &self,
         key: &StoreKey,
-        fingerprint: Fingerprint,
+        claim: &Claim,
         rules: Rules,
     ) -> Result<Reservation, StoreError> {
         self.timed(
             StoreOp::Reserve,
-            self.store.reserve(key, fingerprint, rules.lease, rules.ttl),
+            self.store.reserve(key, claim, rules.lease, rules.ttl),
         )
         .await
     }
@@ -400,13 +400,13 @@ impl Records {
         &self,
         key: &StoreKey,
         old: &Record,
-        fingerprint: Fingerprint,
+        claim: &Claim,
         rules: Rules,
     ) -> Result<Option<OwnerToken>, StoreError> {
         self.timed(
             StoreOp::TakeOver,
             self.store
-                .take_over(key, old, fingerprint, rules.lease, rules.ttl),
+                .take_over(key, old, claim, rules.lease, rules.ttl),
         )
         .await
     }
@@ -704,6 +704,7 @@ mod tests {
             fingerprint: FP,
             created_ms: 1,
             state,
+            origin: None,
         }
     }
 

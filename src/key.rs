@@ -336,6 +336,11 @@ impl StoreKey {
         out
     }
 
+    /// A key as a store keeps it ([`StoreKey::as_bytes`]).
+    pub fn from_bytes(bytes: [u8; 32]) -> Self {
+        StoreKey(bytes)
+    }
+
     /// A key as [`StoreKey::hex`] printed it, e.g. from a pub/sub message.
     pub fn from_hex(s: &str) -> Option<Self> {
         if s.len() != 64 || !s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {

@@ -1,4 +1,5 @@
-//! Operator commands: look at one key's record, or release it (`idemgate keys get|delete`).
+//! Operator commands: list the unknown outcomes, look at one key's record, release or resolve
+//! it (`idemgate keys list|get|release|resolve`, and the operator API's `/keys`).
 //!
 //! Keys are stored hashed, so the operator names them the way a client sent them: route name,
 //! key and (if the route scopes keys per client) the client header's value. Deleting is for
@@ -10,7 +11,7 @@ use std::time::{Duration, UNIX_EPOCH};
 
 use crate::config::{Config, StoreConfig};
 use crate::key::{parse_key_value, ClientScope, KeySource, StoreKey};
-use crate::store::{self, now_ms, Record, RecordState, Store, StoreError};
+use crate::store::{self, now_ms, OriginKind, Record, RecordState, Scanned, Store, StoreError};
 
 /// How long a command waits for the store to answer its first command.
 const CONNECT_WAIT: Duration = Duration::from_secs(5);
@@ -99,6 +100,9 @@ pub fn describe(key: &StoreKey, route: &str, record: &Record) -> String {
     let mut out = String::new();
     let _ = writeln!(out, "key          {key}");
     let _ = writeln!(out, "route        {route}");
+    if let Some(origin) = record.origin.as_deref() {
+        let _ = writeln!(out, "client key   {}", origin.key);
+    }
     let now = now_ms();
     match &record.state {
         RecordState::Pending { lease_until_ms, .. } => {
@@ -194,9 +198,13 @@ where
     if live(&record) && !force {
         return Ok(Change::Live);
     }
-    let fingerprint = record.fingerprint;
+    // The origin stays with the record, so that it is still listed if `then` fails midway.
+    let claim = store::Claim {
+        fingerprint: record.fingerprint,
+        origin: record.origin.clone(),
+    };
     match store
-        .take_over(key, &record, fingerprint, OPERATOR_LEASE, ttl)
+        .take_over(key, &record, &claim, OPERATOR_LEASE, ttl)
         .await?
     {
         None => Ok(Change::Changed),
@@ -228,6 +236,66 @@ pub async fn resolve(
     .await
 }
 
+/// The most records a listing page holds.
+pub const MAX_LIST: usize = 1000;
+/// Store pages one listing page reads at most ([`store::SCAN_BUDGET`] records each) before it
+/// answers with what it found and a cursor: a large store is listed over several pages, each
+/// of bounded cost.
+const LIST_ROUNDS: usize = 8;
+
+/// Which unknown outcomes a listing wants.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Filter {
+    /// Only this route's (`Route`) or consumer's (`Consumer`).
+    pub from: Option<(OriginKind, String)>,
+}
+
+impl Filter {
+    fn admits(&self, found: &Scanned) -> bool {
+        let Some((kind, name)) = &self.from else {
+            return true;
+        };
+        found
+            .record
+            .origin
+            .as_deref()
+            .is_some_and(|o| o.kind == *kind && o.name == *name)
+    }
+}
+
+/// One page of unknown outcomes (marked unknown, or abandoned mid-flight): up to `limit`
+/// (at most [`MAX_LIST`]), from `cursor` (a previous page's `next`). A short page with a
+/// cursor means the page's read budget ran out first: go on with the cursor.
+pub async fn list_unknown(
+    store: &dyn Store,
+    filter: &Filter,
+    mut cursor: Option<String>,
+    limit: usize,
+) -> Result<(Vec<Scanned>, Option<String>), StoreError> {
+    let limit = limit.clamp(1, MAX_LIST);
+    let mut found = Vec::new();
+    for _ in 0..LIST_ROUNDS {
+        let page = store
+            .scan_unknown(cursor.as_deref(), limit - found.len())
+            .await?;
+        found.extend(page.records.into_iter().filter(|s| filter.admits(s)));
+        cursor = page.cursor;
+        if found.len() == limit || cursor.is_none() {
+            break;
+        }
+    }
+    Ok((found, cursor))
+}
+
+/// A listed record as the operator API shows it (JSON): [`view`] and its expiry.
+pub fn listed(found: &Scanned) -> serde_json::Value {
+    let mut out = view(&found.key, &found.record);
+    if let (Some(out), Some(ms)) = (out.as_object_mut(), found.expires_ms) {
+        out.insert("expires".into(), timestamp(ms).into());
+    }
+    out
+}
+
 /// A record as the operator API shows it (JSON).
 pub fn view(key: &StoreKey, record: &Record) -> serde_json::Value {
     use serde_json::json;
@@ -236,6 +304,10 @@ pub fn view(key: &StoreKey, record: &Record) -> serde_json::Value {
         "fingerprint": record.fingerprint.to_string(),
         "created": timestamp(record.created_ms),
     });
+    if let (Some(out), Some(origin)) = (out.as_object_mut(), record.origin.as_deref()) {
+        out.insert(origin.kind.as_str().into(), origin.name.clone().into());
+        out.insert("key".into(), origin.key.clone().into());
+    }
     let fields = match &record.state {
         RecordState::Pending { lease_until_ms, .. } => {
             json!({"state": "pending", "lease_until": timestamp(*lease_until_ms)})

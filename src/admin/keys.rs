@@ -5,6 +5,10 @@
 //! Every change, and every refused token, is an audit line (target `idemgate::audit`): peer,
 //! action, key id, result.
 //!
+//! - `GET /keys?state=unknown[&route=NAME|&consumer=NAME][&limit=N][&cursor=C]`: the unknown
+//!   outcomes (marked unknown, or abandoned mid-flight), each with its id, route or consumer
+//!   and the key the client sent; `next_cursor` goes on, `null` at the end
+//!   ([`operator::list_unknown`]).
 //! - `GET /keys/{id}`: the record (state, times; stored status, headers, body size).
 //! - `DELETE /keys/{id}[?force=true]`: release: the request did not happen, the next retry
 //!   executes. A pending record whose lease still runs needs `force`.
@@ -27,9 +31,9 @@ use crate::body::{self, Body};
 use crate::config::TokenSource;
 use crate::conn::ClientBody;
 use crate::key::StoreKey;
-use crate::operator::{self, Change};
+use crate::operator::{self, Change, Filter};
 use crate::problem::Problem;
-use crate::store::{now_ms, Store, StoreError, StoredResponse};
+use crate::store::{now_ms, OriginKind, Store, StoreError, StoredResponse};
 
 /// The largest `PUT` body: a stored response the operator types in.
 const MAX_RESOLUTION: usize = 1 << 20;
@@ -127,6 +131,12 @@ pub(super) async fn handle(
             .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         return resp;
     }
+    if req.uri().path() == "/keys" {
+        if !matches!(*req.method(), Method::GET | Method::HEAD) {
+            return bad("The listing is GET /keys?state=unknown.".into());
+        }
+        return list(store, req.uri().query().unwrap_or_default()).await;
+    }
     let Some(key) = req
         .uri()
         .path()
@@ -158,6 +168,62 @@ pub(super) async fn handle(
         tracing::info!(target: "idemgate::audit", %peer, action, key_id = %key, force, status = answer.status().as_u16(), "operator change");
     }
     answer
+}
+
+/// `GET /keys?...`: one page of the unknown outcomes.
+async fn list(store: &dyn Store, query: &str) -> Response<Body> {
+    let (filter, cursor, limit) = match listing(query) {
+        Ok(l) => l,
+        Err(why) => return bad(why),
+    };
+    match operator::list_unknown(store, &filter, cursor, limit).await {
+        Ok((found, next)) => json(
+            StatusCode::OK,
+            &serde_json::json!({
+                "keys": found.iter().map(operator::listed).collect::<Vec<_>>(),
+                "next_cursor": next,
+            }),
+        ),
+        Err(StoreError::BadCursor) => {
+            bad("cursor: not one this gateway's store handed out; start without it.".into())
+        }
+        Err(e) => store_failed(&e),
+    }
+}
+
+/// The listing's query: its filter, cursor and limit (default 100).
+fn listing(query: &str) -> Result<(Filter, Option<String>, usize), String> {
+    let (mut filter, mut cursor, mut limit) = (Filter::default(), None, 100);
+    let mut state = None;
+    for (name, value) in form_urlencoded::parse(query.as_bytes()) {
+        match &*name {
+            "state" => state = Some(value.into_owned()),
+            "route" | "consumer" if filter.from.is_some() => {
+                return Err("Give route or consumer once, not both.".into())
+            }
+            "route" => filter.from = Some((OriginKind::Route, value.into_owned())),
+            "consumer" => filter.from = Some((OriginKind::Consumer, value.into_owned())),
+            "cursor" => cursor = Some(value.into_owned()),
+            "limit" => {
+                limit = value
+                    .parse()
+                    .ok()
+                    .filter(|n| (1..=operator::MAX_LIST).contains(n))
+                    .ok_or_else(|| format!("limit: a number from 1 to {}", operator::MAX_LIST))?;
+            }
+            other => {
+                return Err(format!(
+                    "Unknown parameter {other:?}: state, route, consumer, limit, cursor."
+                ))
+            }
+        }
+    }
+    if state.as_deref() != Some("unknown") {
+        return Err(
+            "The listing needs state=unknown (the records nobody knows the outcome of).".into(),
+        );
+    }
+    Ok((filter, cursor, limit))
 }
 
 fn action(method: &Method) -> &'static str {

@@ -1,5 +1,5 @@
 //! The admin listener (`[server] admin`): `/healthz`, `/readyz` and `/metrics`, and the
-//! operator API (`/keys/{id}`, [`keys`]) when a token is configured.
+//! operator API (`/keys`, `/keys/{id}`, [`keys`]) when a token is configured.
 //!
 //! Kept off the traffic port so probes and scrapes never compete with, or get mistaken for,
 //! client requests.
@@ -65,7 +65,7 @@ pub async fn serve(
                 let brokers = Arc::clone(&brokers);
                 let operator = operator.clone();
                 async move {
-                    if req.uri().path().starts_with("/keys/") {
+                    if req.uri().path() == "/keys" || req.uri().path().starts_with("/keys/") {
                         return keys::handle(operator.as_deref(), &**gw.store(), req, peer).await;
                     }
                     handle(&gw, &brokers, req).await
@@ -136,7 +136,7 @@ async fn handle(
         }
         _ => text(
             StatusCode::NOT_FOUND,
-            "not found: /healthz, /readyz, /metrics, /keys/{id}\n",
+            "not found: /healthz, /readyz, /metrics, /keys, /keys/{id}\n",
         ),
     }
 }

@@ -1,7 +1,8 @@
-//! `idemgate keys`: one key, named as its client sent it (route or consumer, key parts, client).
-//! Through the running gateway's operator API when the config has one (`server.admin` and a
-//! token the command can read too) and the gateway answers there: the record as JSON. Otherwise
-//! by opening the store itself, which the disk store allows only while no gateway holds it.
+//! `idemgate keys`: one key, named as its client sent it (route or consumer, key parts, client),
+//! or the list of unknown outcomes. Through the running gateway's operator API when the config
+//! has one (`server.admin` and a token the command can read too) and the gateway answers
+//! there: records as JSON. Otherwise by opening the store itself, which the disk store allows
+//! only while no gateway holds it.
 
 use std::net::SocketAddr;
 use std::process::ExitCode;
@@ -11,10 +12,11 @@ use bytes::Bytes;
 use http::{header, Method, Request, StatusCode};
 use http_body_util::{BodyExt, Full};
 
-use super::{runtime, say, KeyArgs, KeysAction, EXIT_BAD_CONFIG, EXIT_CANNOT_START};
+use super::{runtime, say, KeyArgs, KeysAction, ListArgs, EXIT_BAD_CONFIG, EXIT_CANNOT_START};
 use crate::config::Config;
 use crate::key::StoreKey;
-use crate::operator::{self, Change};
+use crate::operator::{self, Change, Filter};
+use crate::store::OriginKind;
 
 /// How long a call to the gateway's API may take.
 const API_TIMEOUT: Duration = Duration::from_secs(10);
@@ -30,6 +32,7 @@ enum Op {
 pub(super) fn keys(action: KeysAction) -> ExitCode {
     match action {
         KeysAction::Id(a) => key_id(&a),
+        KeysAction::List(a) => list(&a),
         KeysAction::Get(a) => with_key(&a, Op::Get),
         KeysAction::Delete(a) => with_key(&a, Op::Release),
         KeysAction::Resolve(r) => {
@@ -139,9 +142,20 @@ async fn call(
         Op::Resolve(json) => (Method::PUT, json.clone()),
     };
     let query = if force { "?force=true" } else { "" };
+    exchange(addr, token, method, &format!("/keys/{key}{query}"), body).await
+}
+
+/// One request to the operator API.
+async fn exchange(
+    addr: SocketAddr,
+    token: &str,
+    method: Method,
+    path: &str,
+    body: String,
+) -> Result<(StatusCode, Bytes), Call> {
     let request = Request::builder()
         .method(method)
-        .uri(format!("http://{addr}/keys/{key}{query}"))
+        .uri(format!("http://{addr}{path}"))
         .header(header::AUTHORIZATION, format!("Bearer {token}"))
         .header(header::CONTENT_TYPE, "application/json")
         .body(Full::new(Bytes::from(body)))
@@ -164,6 +178,119 @@ async fn call(
     tokio::time::timeout(API_TIMEOUT, exchange)
         .await
         .unwrap_or_else(|_| Err(Call::Failed(format!("no answer within {API_TIMEOUT:?}"))))
+}
+
+/// `idemgate keys list`: the unknown outcomes, one JSON object per line, through the API or
+/// from the store.
+fn list(args: &ListArgs) -> ExitCode {
+    let config = match Config::load(&args.config) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("idemgate: {}: {e}", args.config.display());
+            return ExitCode::from(EXIT_BAD_CONFIG);
+        }
+    };
+    let filter = Filter {
+        from: match (&args.route, &args.consumer) {
+            (Some(r), _) => Some((OriginKind::Route, r.clone())),
+            (None, Some(c)) => Some((OriginKind::Consumer, c.clone())),
+            (None, None) => None,
+        },
+    };
+    let runtime = match runtime(tokio::runtime::Builder::new_current_thread()) {
+        Ok(rt) => rt,
+        Err(code) => return code,
+    };
+    runtime.block_on(async move {
+        let listed = match api(&config) {
+            Some((addr, token)) => match listed_by_api(addr, &token, &filter, args.limit).await {
+                Err(Call::Unreachable) => listed_by_store(&config, &filter, args.limit).await,
+                Err(Call::Failed(why)) => {
+                    Err(format!("the gateway's operator API at {addr}: {why}"))
+                }
+                Ok(found) => Ok(found),
+            },
+            None => listed_by_store(&config, &filter, args.limit).await,
+        };
+        match listed {
+            Ok(found) => {
+                let lines: String = found.iter().map(|v| format!("{v}\n")).collect();
+                say(&lines);
+                eprintln!("idemgate: {} unknown outcome(s)", found.len());
+                ExitCode::SUCCESS
+            }
+            Err(why) => {
+                eprintln!("idemgate: {why}");
+                ExitCode::from(EXIT_CANNOT_START)
+            }
+        }
+    })
+}
+
+async fn listed_by_api(
+    addr: SocketAddr,
+    token: &str,
+    filter: &Filter,
+    limit: usize,
+) -> Result<Vec<serde_json::Value>, Call> {
+    let mut found = Vec::new();
+    let mut cursor: Option<String> = None;
+    while found.len() < limit {
+        let mut query = form_urlencoded::Serializer::new(String::new());
+        query.append_pair("state", "unknown");
+        query.append_pair(
+            "limit",
+            &(limit - found.len()).min(operator::MAX_LIST).to_string(),
+        );
+        if let Some((kind, name)) = &filter.from {
+            query.append_pair(kind.as_str(), name);
+        }
+        if let Some(c) = &cursor {
+            query.append_pair("cursor", c);
+        }
+        let path = format!("/keys?{}", query.finish());
+        let (status, body) = exchange(addr, token, Method::GET, &path, String::new()).await?;
+        if !status.is_success() {
+            return Err(Call::Failed(format!(
+                "{status}: {}",
+                String::from_utf8_lossy(&body)
+            )));
+        }
+        let page: serde_json::Value =
+            serde_json::from_slice(&body).map_err(|e| Call::Failed(e.to_string()))?;
+        if let Some(keys) = page["keys"].as_array() {
+            found.extend(keys.iter().cloned());
+        }
+        cursor = page["next_cursor"].as_str().map(str::to_owned);
+        if cursor.is_none() {
+            break;
+        }
+    }
+    Ok(found)
+}
+
+async fn listed_by_store(
+    config: &Config,
+    filter: &Filter,
+    limit: usize,
+) -> Result<Vec<serde_json::Value>, String> {
+    let store = operator::open_store(config)
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut found = Vec::new();
+    let mut cursor = None;
+    while found.len() < limit {
+        let want = (limit - found.len()).min(operator::MAX_LIST);
+        let (page, next) = operator::list_unknown(&*store, filter, cursor, want)
+            .await
+            .map_err(|e| e.to_string())?;
+        found.extend(page.iter().map(operator::listed));
+        cursor = next;
+        if cursor.is_none() {
+            break;
+        }
+    }
+    Ok(found)
 }
 
 /// The API's answer: the record (or problem) as it says, and 0 only for a 2xx.

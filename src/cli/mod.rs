@@ -79,6 +79,26 @@ pub enum KeysAction {
     Delete(KeyArgs),
     /// Resolve a key's unknown outcome as completed with this answer: every retry replays it.
     Resolve(ResolveArgs),
+    /// List the unknown outcomes (marked unknown, or abandoned by a gateway that stopped
+    /// mid-flight), one JSON object per line: id, route or consumer, the client's key, state,
+    /// reason, times.
+    List(ListArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct ListArgs {
+    /// The TOML config file of the gateways sharing the store.
+    #[arg(long, env = "IDEMGATE_CONFIG")]
+    pub config: PathBuf,
+    /// Only this route's.
+    #[arg(long, conflicts_with = "consumer")]
+    pub route: Option<String>,
+    /// Only this consumer's.
+    #[arg(long)]
+    pub consumer: Option<String>,
+    /// List at most this many.
+    #[arg(long, default_value_t = 1000)]
+    pub limit: usize,
 }
 
 #[derive(Debug, clap::Args)]

@@ -43,7 +43,7 @@ use crate::fingerprint::{fingerprint, IgnoredFields, RequestParts};
 use crate::idempotency::{Core, Decision, Refusal, Rules, Settled};
 use crate::key::{ClientScope, StoreKey};
 use crate::metrics::{ConsumerMetrics, ConsumerOutcome, Metrics};
-use crate::store::Store;
+use crate::store::{Claim, Origin, OriginKind, Store};
 use crate::upstream::UpstreamPool;
 
 use handler::HandlerCall;
@@ -473,10 +473,14 @@ impl<S: Source> Consumer<S> {
             on_store_error: policy.on_store_error,
             on_unknown: policy.on_unknown,
         };
+        let claim = Claim {
+            fingerprint: fp,
+            origin: Some(Origin::new(OriginKind::Consumer, &config.name, key)),
+        };
         let run = self.ctx.core.run(
             &self.ctx.store,
             &store_key,
-            fp,
+            claim,
             (rules, lookup.as_ref()),
             call,
         );

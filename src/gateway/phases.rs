@@ -20,6 +20,7 @@ use crate::problem::Problem;
 use crate::quota::{Quota, QuotaId, Share};
 use crate::reconcile::Lookup;
 use crate::signature;
+use crate::store::{Claim, Origin, OriginKind};
 
 /// What became of a request: the response, what to count it as, and its key if it had one.
 pub(super) struct Answer {
@@ -56,6 +57,8 @@ enum Admitted {
         /// How to ask the upstream about this key's unknown outcome (`reconcile`); boxed, as
         /// few routes have one.
         lookup: Option<Box<Lookup>>,
+        /// The route and the client's key, kept with the record while its outcome is open.
+        origin: Arc<Origin>,
     },
     /// No key where none is required: forwarded as it is.
     Unkeyed(Body),
@@ -80,8 +83,9 @@ impl Gateway {
                 body,
                 allowance,
                 lookup,
+                origin,
             }) => {
-                let caller = (allowance, lookup);
+                let caller = (allowance, lookup, origin);
                 let mut answer = self.keyed(route, parts, body, conn, &key, caller).await;
                 answer.key = Some(key);
                 answer
@@ -111,15 +115,16 @@ impl Gateway {
             return Ok(Admitted::Unkeyed(body.into_body()));
         };
         let key = StoreKey::new(&scope, &config.name, &raw_key);
-        // Only its hash is kept from here on (and the lookup URL, in memory, for this request).
         let lookup = Lookup::of(policy, &raw_key).map(Box::new);
-        drop(raw_key);
+        // Kept with the record while its outcome is open, for operators to find it by.
+        let origin = Origin::new(OriginKind::Route, &config.name, raw_key);
         let body = body.read(policy.max_body, &self.budget).await?;
         Ok(Admitted::Keyed {
             key,
             body,
             allowance,
             lookup,
+            origin,
         })
     }
 
@@ -148,7 +153,7 @@ impl Gateway {
         (body, lease): (Bytes, Lease),
         conn: &Arc<ClientConn>,
         key: &StoreKey,
-        (allowance, lookup): (Allowance, Option<Box<Lookup>>),
+        (allowance, lookup, origin): (Allowance, Option<Box<Lookup>>, Arc<Origin>),
     ) -> Answer {
         let config = &route.config;
         let fp = fingerprint(
@@ -177,7 +182,10 @@ impl Gateway {
             .run(
                 &conn.worker.store,
                 key,
-                fp,
+                Claim {
+                    fingerprint: fp,
+                    origin: Some(origin),
+                },
                 (rules, lookup.as_deref()),
                 forward,
             )

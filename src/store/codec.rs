@@ -7,8 +7,10 @@
 //! bytes 2..34   fingerprint
 //! bytes 34..42  created_ms (u64, big endian)
 //! pending:      42..58 owner token (u128)   58..66 lease_until_ms (u64)
-//!               66 (Redis only, optional): 1 when a waiter is waiting, set by `watch` so
-//!               that the end of the pending state is published; ignored by `decode`
+//!               66 (optional): 1 when a waiter is waiting, set by the Redis store's `watch`
+//!               so that the end of the pending state is published, else 0; ignored by
+//!               `decode`. Present whenever an origin follows.
+//!               67.. (optional): the origin
 //! completed:    42..44 status (u16)  44..52 completed_ms  52 body_kept (0 or 1)
 //!               53..55 header count (u16)
 //!               then per header: name length (u16), name, value length (u32), value
@@ -20,7 +22,13 @@
 //!               the trailers as part of the body. A record without trailers is laid out as
 //!               it always was.
 //! unknown:      42..50 since_ms  50 reason (1 timeout, 2 interrupted, 3 abandoned)
+//!               51.. (optional): the origin, carried over from the pending record
+//! origin:       kind (1 route, 2 consumer), name length (u16), name, key length (u16), key
 //! ```
+//! The origin ([`super::Origin`]) came after the first gateways that wrote this version:
+//! they ignore the bytes after a pending or unknown record's fixed part, and a record they
+//! wrote reads as one without an origin. An origin that does not parse reads as none: it is
+//! for operators to find a record, never part of a decision.
 //! The fixed offsets matter: the Redis scripts check the state byte and the owner token in place
 //! (`string.byte(v, 2)`, `string.sub(v, 43, 58)`) and rewrite only the part after byte 42.
 
@@ -29,7 +37,9 @@ use std::sync::Arc;
 use bytes::{BufMut, Bytes, BytesMut};
 use http::{HeaderName, HeaderValue, StatusCode};
 
-use super::{OwnerToken, Record, RecordState, StoreError, StoredResponse, UnknownReason};
+use super::{
+    Origin, OriginKind, OwnerToken, Record, RecordState, StoreError, StoredResponse, UnknownReason,
+};
 use crate::fingerprint::Fingerprint;
 
 pub const VERSION: u8 = 1;
@@ -43,13 +53,64 @@ pub const PENDING_LEN: usize = HEADER_LEN + 16 + 8;
 
 /// Encodes a whole record, into a buffer of exactly its size (the memory store keeps these).
 pub fn encode(record: &Record) -> Bytes {
-    let mut out = BytesMut::with_capacity(HEADER_LEN + state_len(&record.state));
+    let origin = kept_origin(record);
+    let mut out = BytesMut::with_capacity(
+        HEADER_LEN + state_len(&record.state) + origin.map_or(0, |o| 1 + origin_len(o)),
+    );
     out.put_u8(VERSION);
     out.put_u8(state_byte(&record.state));
     out.put_slice(&record.fingerprint.0);
     out.put_u64(record.created_ms);
     put_state(&record.state, &mut out);
+    if let Some(origin) = origin {
+        if state_byte(&record.state) == STATE_PENDING {
+            // The watched flag, clear: an origin always comes after it.
+            out.put_u8(0);
+        }
+        put_origin(origin, &mut out);
+    }
     out.freeze()
+}
+
+/// The origin a record is stored with: only while its outcome is open, and only one whose
+/// lengths fit their fields.
+fn kept_origin(record: &Record) -> Option<&Origin> {
+    let origin = record.origin.as_deref()?;
+    let open = !matches!(record.state, RecordState::Completed(_));
+    let fits = origin.name.len() <= u16::MAX as usize && origin.key.len() <= u16::MAX as usize;
+    (open && fits).then_some(origin)
+}
+
+fn origin_len(origin: &Origin) -> usize {
+    1 + 2 + origin.name.len() + 2 + origin.key.len()
+}
+
+fn put_origin(origin: &Origin, out: &mut BytesMut) {
+    out.put_u8(match origin.kind {
+        OriginKind::Route => 1,
+        OriginKind::Consumer => 2,
+    });
+    out.put_u16(origin.name.len() as u16);
+    out.put_slice(origin.name.as_bytes());
+    out.put_u16(origin.key.len() as u16);
+    out.put_slice(origin.key.as_bytes());
+}
+
+/// An origin in the form that follows a record's fixed part (the Postgres store keeps it in a
+/// column of its own); `None` when it does not fit.
+pub fn encode_origin(origin: &Origin) -> Option<Vec<u8>> {
+    if origin.name.len() > u16::MAX as usize || origin.key.len() > u16::MAX as usize {
+        return None;
+    }
+    let mut out = BytesMut::with_capacity(origin_len(origin));
+    put_origin(origin, &mut out);
+    Some(out.to_vec())
+}
+
+/// The origin in `raw` (what [`encode_origin`] wrote), or `None` for anything else.
+pub fn decode_origin(raw: &[u8]) -> Option<Arc<Origin>> {
+    let raw = Bytes::copy_from_slice(raw);
+    Reader { raw: &raw, pos: 0 }.origin()
 }
 
 fn state_byte(state: &RecordState) -> u8 {
@@ -170,11 +231,18 @@ pub fn decode(raw: &Bytes) -> Result<Record, StoreError> {
     let mut fingerprint = [0u8; 32];
     fingerprint.copy_from_slice(r.take(32)?);
     let created_ms = r.u64()?;
+    let mut origin = None;
     let state = match state {
-        STATE_PENDING => RecordState::Pending {
-            owner: OwnerToken(u128::from_be_bytes(r.array()?)),
-            lease_until_ms: r.u64()?,
-        },
+        STATE_PENDING => {
+            let state = RecordState::Pending {
+                owner: OwnerToken(u128::from_be_bytes(r.array()?)),
+                lease_until_ms: r.u64()?,
+            };
+            // The watched flag: the Redis store's business.
+            let _ = r.u8();
+            origin = r.origin();
+            state
+        }
         STATE_COMPLETED => {
             let field = r.u16()?;
             let (status, with_trailers) = match field.checked_sub(WITH_TRAILERS) {
@@ -209,21 +277,26 @@ pub fn decode(raw: &Bytes) -> Result<Record, StoreError> {
                 completed_ms,
             }))
         }
-        STATE_UNKNOWN => RecordState::Unknown {
-            since_ms: r.u64()?,
-            reason: match r.u8()? {
-                1 => UnknownReason::Timeout,
-                2 => UnknownReason::Interrupted,
-                3 => UnknownReason::Abandoned,
-                other => return Err(corrupt(format!("unknown reason {other}"))),
-            },
-        },
+        STATE_UNKNOWN => {
+            let state = RecordState::Unknown {
+                since_ms: r.u64()?,
+                reason: match r.u8()? {
+                    1 => UnknownReason::Timeout,
+                    2 => UnknownReason::Interrupted,
+                    3 => UnknownReason::Abandoned,
+                    other => return Err(corrupt(format!("unknown reason {other}"))),
+                },
+            };
+            origin = r.origin();
+            state
+        }
         other => return Err(corrupt(format!("unknown state {other}"))),
     };
     Ok(Record {
         fingerprint: Fingerprint(fingerprint),
         created_ms,
         state,
+        origin,
     })
 }
 
@@ -237,6 +310,22 @@ struct Reader<'a> {
 }
 
 impl<'a> Reader<'a> {
+    /// The origin in the rest of the record, if one is there and parses.
+    fn origin(&mut self) -> Option<Arc<Origin>> {
+        let kind = match self.u8().ok()? {
+            1 => OriginKind::Route,
+            2 => OriginKind::Consumer,
+            _ => return None,
+        };
+        let mut text = || -> Option<String> {
+            let len = self.u16().ok()? as usize;
+            String::from_utf8(self.take(len).ok()?.to_vec()).ok()
+        };
+        let name = text()?;
+        let key = text()?;
+        Some(Arc::new(Origin { kind, name, key }))
+    }
+
     /// A count and that many (name, value) pairs, the values slices of the record, not copies.
     fn fields(&mut self) -> Result<Vec<(HeaderName, HeaderValue)>, StoreError> {
         let count = self.u16()? as usize;
@@ -300,6 +389,7 @@ mod tests {
             fingerprint: Fingerprint([9; 32]),
             created_ms: 1_700_000_000_123,
             state,
+            origin: None,
         }
     }
 
@@ -376,6 +466,73 @@ mod tests {
             decode(&Bytes::from(flagged)).unwrap(),
             decode(&enc).unwrap()
         );
+    }
+
+    fn origin() -> Arc<Origin> {
+        Origin::new(OriginKind::Consumer, "orders", "pay-é/1".to_owned())
+    }
+
+    #[test]
+    fn an_open_record_keeps_its_origin_and_a_completed_one_drops_it() {
+        let pending = Record {
+            origin: Some(origin()),
+            ..record(RecordState::Pending {
+                owner: OwnerToken(3),
+                lease_until_ms: 1,
+            })
+        };
+        let enc = encode(&pending);
+        // The fixed part first, as the scripts expect it; the flag clear; then the origin.
+        assert_eq!(&enc[42..58], &owner_bytes(OwnerToken(3)));
+        assert_eq!(enc[PENDING_LEN], 0);
+        assert_eq!(decode(&enc).unwrap(), pending);
+        let unknown = Record {
+            state: RecordState::Unknown {
+                since_ms: 5,
+                reason: UnknownReason::Timeout,
+            },
+            ..pending.clone()
+        };
+        assert_eq!(decode(&encode(&unknown)).unwrap(), unknown);
+        let completed = Record {
+            state: RecordState::Completed(Arc::new(StoredResponse {
+                status: StatusCode::OK,
+                headers: vec![],
+                trailers: vec![],
+                body: Bytes::from_static(b"ok"),
+                body_kept: true,
+                completed_ms: 7,
+            })),
+            ..pending.clone()
+        };
+        assert_eq!(decode(&encode(&completed)).unwrap().origin, None);
+        // What the Redis script writes when it marks a flagged pending record unknown: the
+        // unknown state, then the pending record's origin as it was.
+        let mut flagged = enc.to_vec();
+        flagged[PENDING_LEN] = 1;
+        assert_eq!(decode(&Bytes::from(flagged.clone())).unwrap(), pending);
+        let mut spliced = encode(&unknown)[..HEADER_LEN + 9].to_vec();
+        spliced.extend_from_slice(&flagged[PENDING_LEN + 1..]);
+        assert_eq!(decode(&Bytes::from(spliced)).unwrap(), unknown);
+    }
+
+    #[test]
+    fn a_broken_origin_reads_as_none_never_as_a_corrupt_record() {
+        let pending = record(RecordState::Pending {
+            owner: OwnerToken(3),
+            lease_until_ms: 1,
+        });
+        for tail in [
+            &[0u8, 9][..],
+            &[0, 1, 0, 200, b'x'],
+            &[0, 1, 0, 1, 0xff, 0, 0],
+        ] {
+            let mut raw = encode(&pending).to_vec();
+            raw.extend_from_slice(tail);
+            assert_eq!(decode(&Bytes::from(raw)).unwrap(), pending, "{tail:?}");
+        }
+        let o = origin();
+        assert_eq!(decode_origin(&encode_origin(&o).unwrap()), Some(o));
     }
 
     #[test]

@@ -27,10 +27,9 @@ use tokio::time::Instant;
 use super::changes::Waiters;
 use super::codec;
 use super::{
-    ms_after, now_ms, Bound, OwnerToken, Record, RecordState, Reservation, Store, StoreError,
-    StoreStats, StoredResponse, UnknownReason, Watch,
+    ms_after, now_ms, Bound, Claim, OwnerToken, Record, RecordState, Reservation, ScanPage,
+    Scanned, Store, StoreError, StoreStats, StoredResponse, UnknownReason, Watch,
 };
-use crate::fingerprint::Fingerprint;
 use crate::key::StoreKey;
 
 /// Hashes a [`StoreKey`] for the shard maps. The key is already a SHA-256 output, so one
@@ -200,12 +199,12 @@ impl Shared {
     fn try_reserve(
         &self,
         key: &StoreKey,
-        fingerprint: Fingerprint,
+        claim: &Claim,
         lease: Duration,
         ttl: Duration,
         now: Instant,
     ) -> Result<Reservation, StoreError> {
-        let size = RECORD_OVERHEAD as u64;
+        let size = pending_size(claim);
         let mut inner = self.shard(key);
         if let Some(e) = inner.live(key, now, &self.counts) {
             return Ok(Reservation::Existing(e.held.record()?.checked_lease()));
@@ -213,7 +212,7 @@ impl Shared {
         if let Some(which) = self.over_bound(size) {
             return Err(StoreError::Full(which));
         }
-        let (owner, record) = super::pending(fingerprint, lease);
+        let (owner, record) = super::pending(claim, lease);
         inner.insert(
             *key,
             Held::Record(Box::new(record)),
@@ -223,6 +222,54 @@ impl Shared {
         );
         Ok(Reservation::Owner(owner))
     }
+
+    /// The unknown outcomes after `after`, in key order, at most `want`; and whether more
+    /// follow. Reads every shard (it is memory): a page sorts what is unknown, not everything.
+    fn open_after(&self, after: Option<StoreKey>, want: usize) -> (Vec<Scanned>, bool) {
+        let (now, wall) = (Instant::now(), now_ms());
+        let mut found: Vec<Scanned> = Vec::new();
+        for shard in &self.shards {
+            let inner = lock(shard);
+            for (key, entry) in &inner.map {
+                // Completed records are kept encoded; only open ones as records.
+                let Held::Record(record) = &entry.held else {
+                    continue;
+                };
+                let unknown = match record.state {
+                    RecordState::Unknown { .. } => true,
+                    RecordState::Pending { lease_until_ms, .. } => lease_until_ms < wall,
+                    _ => false,
+                };
+                if unknown && entry.expires_at > now && after.is_none_or(|a| *key > a) {
+                    let left = entry.expires_at.saturating_duration_since(now);
+                    found.push(Scanned {
+                        key: *key,
+                        record: Record::clone(record).checked_lease_at(wall),
+                        expires_ms: Some(wall.saturating_add(left.as_millis() as u64)),
+                    });
+                }
+            }
+            drop(inner);
+            // Only the first `want` + 1 can matter: keep the list that short as it grows.
+            if found.len() > 2 * want + 64 {
+                found.sort_unstable_by_key(|s| s.key);
+                found.truncate(want + 1);
+            }
+        }
+        found.sort_unstable_by_key(|s| s.key);
+        let more = found.len() > want;
+        found.truncate(want);
+        (found, more)
+    }
+}
+
+/// What a pending record counts against `max_bytes`: its origin is kept with it.
+fn pending_size(claim: &Claim) -> u64 {
+    let origin = claim
+        .origin
+        .as_deref()
+        .map_or(0, |o| o.name.len() + o.key.len());
+    (RECORD_OVERHEAD + origin) as u64
 }
 
 fn lock(m: &Mutex<Inner>) -> MutexGuard<'_, Inner> {
@@ -359,17 +406,17 @@ impl Store for MemoryStore {
     async fn reserve(
         &self,
         key: &StoreKey,
-        fingerprint: Fingerprint,
+        claim: &Claim,
         lease: Duration,
         ttl: Duration,
     ) -> Result<Reservation, StoreError> {
         let now = Instant::now();
-        match self.shared.try_reserve(key, fingerprint, lease, ttl, now) {
+        match self.shared.try_reserve(key, claim, lease, ttl, now) {
             Err(StoreError::Full(_)) => {
                 // At a bound: purge what has expired (no shard lock held, as the purge takes
                 // every shard's), then try once more.
                 self.shared.purge_all(now);
-                self.shared.try_reserve(key, fingerprint, lease, ttl, now)
+                self.shared.try_reserve(key, claim, lease, ttl, now)
             }
             other => other,
         }
@@ -379,7 +426,7 @@ impl Store for MemoryStore {
         &self,
         key: &StoreKey,
         expected: &Record,
-        fingerprint: Fingerprint,
+        claim: &Claim,
         lease: Duration,
         ttl: Duration,
     ) -> Result<Option<OwnerToken>, StoreError> {
@@ -392,12 +439,12 @@ impl Store for MemoryStore {
                     .is_ok_and(|r| r.checked_lease() == *expected) => {}
             _ => return Ok(None),
         }
-        let (owner, record) = super::pending(fingerprint, lease);
+        let (owner, record) = super::pending(claim, lease);
         inner.insert(
             *key,
             Held::Record(Box::new(record)),
             deadline(ttl),
-            RECORD_OVERHEAD as u64,
+            pending_size(claim),
             counts,
         );
         Ok(Some(owner))
@@ -447,6 +494,7 @@ impl Store for MemoryStore {
                 fingerprint,
                 created_ms,
                 state: RecordState::Completed(Arc::new(response)),
+                origin: None,
             });
             inner.insert(*key, Held::Encoded(encoded), deadline(ttl), size, counts);
         }
@@ -510,6 +558,19 @@ impl Store for MemoryStore {
         Ok(removed)
     }
 
+    async fn scan_unknown(
+        &self,
+        cursor: Option<&str>,
+        want: usize,
+    ) -> Result<ScanPage, StoreError> {
+        let after = cursor
+            .map(|c| StoreKey::from_hex(c).ok_or(StoreError::BadCursor))
+            .transpose()?;
+        let (records, more) = self.shared.open_after(after, want);
+        let cursor = more.then(|| records.last().map(|r| r.key.hex())).flatten();
+        Ok(ScanPage { records, cursor })
+    }
+
     async fn ping(&self) -> Result<(), StoreError> {
         Ok(())
     }
@@ -544,6 +605,7 @@ impl Store for MemoryStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fingerprint::Fingerprint;
     use crate::key::ClientScope;
 
     fn key(k: &str) -> StoreKey {
@@ -563,7 +625,12 @@ mod tests {
 
     async fn own(s: &MemoryStore, k: &str, ttl: Duration) -> OwnerToken {
         match s
-            .reserve(&key(k), Fingerprint([0; 32]), Duration::from_secs(30), ttl)
+            .reserve(
+                &key(k),
+                &Fingerprint([0; 32]).into(),
+                Duration::from_secs(30),
+                ttl,
+            )
             .await
             .unwrap()
         {
@@ -657,7 +724,7 @@ mod tests {
         assert!(matches!(
             s.reserve(
                 &key("a"),
-                Fingerprint([0; 32]),
+                &Fingerprint([0; 32]).into(),
                 Duration::from_secs(30),
                 Duration::from_secs(3600)
             )
@@ -678,7 +745,7 @@ mod tests {
         let err = s
             .reserve(
                 &key("c"),
-                Fingerprint([0; 32]),
+                &Fingerprint([0; 32]).into(),
                 Duration::from_secs(30),
                 Duration::from_secs(60),
             )

@@ -25,6 +25,7 @@ pub mod changes;
 pub mod codec;
 pub mod disk;
 pub mod memory;
+mod origin;
 pub mod postgres;
 pub mod redis;
 
@@ -39,6 +40,7 @@ use crate::config::StoreConfig;
 use crate::fingerprint::Fingerprint;
 use crate::key::StoreKey;
 pub use changes::Subscription;
+pub use origin::{Claim, Origin, OriginKind};
 
 /// Proof of ownership of a pending key, random per reservation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -57,6 +59,8 @@ pub struct Record {
     /// Wall-clock milliseconds since the Unix epoch (shared by every instance of a shared store).
     pub created_ms: u64,
     pub state: RecordState,
+    /// Who asked for it, while its outcome is open; stores drop it once the record completes.
+    pub origin: Option<Arc<Origin>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -91,6 +95,15 @@ impl Record {
             RecordState::Pending { .. } => self.checked_lease_at(now_ms()),
             _ => self,
         }
+    }
+
+    /// Whether nobody knows if it ran: marked unknown, or abandoned (read so by
+    /// [`Record::checked_lease`]).
+    pub fn is_unknown(&self) -> bool {
+        matches!(
+            self.state,
+            RecordState::Unknown { .. } | RecordState::Abandoned { .. }
+        )
     }
 
     /// [`Record::checked_lease`] at `now_ms`.
@@ -161,6 +174,27 @@ impl StoredResponse {
     }
 }
 
+/// Records one [`Store::scan_unknown`] call reads at most, whatever it finds: a page of the
+/// operator's listing costs the store a bounded amount of work however large it is.
+pub const SCAN_BUDGET: usize = 5_000;
+
+/// One page of [`Store::scan_unknown`].
+#[derive(Debug, Default)]
+pub struct ScanPage {
+    pub records: Vec<Scanned>,
+    /// Where the next page starts; `None` once the whole store was read.
+    pub cursor: Option<String>,
+}
+
+/// A record found by [`Store::scan_unknown`].
+#[derive(Debug, Clone)]
+pub struct Scanned {
+    pub key: StoreKey,
+    pub record: Record,
+    /// When the record expires (ms since the Unix epoch), where the store can say cheaply.
+    pub expires_ms: Option<u64>,
+}
+
 /// The answer of an atomic reservation.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Reservation {
@@ -220,6 +254,9 @@ pub enum StoreError {
     /// and Redis may evict): new keys are refused, never forwarded without idempotency.
     #[error("store refuses new keys: {0}")]
     Unsafe(String),
+    /// A listing's cursor that this store did not hand out.
+    #[error("not a cursor of this store")]
+    BadCursor,
 }
 
 impl StoreError {
@@ -333,7 +370,7 @@ pub trait Store: Send + Sync + 'static {
     async fn reserve(
         &self,
         key: &StoreKey,
-        fingerprint: Fingerprint,
+        claim: &Claim,
         lease: Duration,
         ttl: Duration,
     ) -> Result<Reservation, StoreError>;
@@ -383,13 +420,21 @@ pub trait Store: Send + Sync + 'static {
         &self,
         key: &StoreKey,
         expected: &Record,
-        fingerprint: Fingerprint,
+        claim: &Claim,
         lease: Duration,
         ttl: Duration,
     ) -> Result<Option<OwnerToken>, StoreError>;
 
     /// Deletes a record whoever owns it: for operators, after checking the upstream's records.
     async fn delete(&self, key: &StoreKey) -> Result<bool, StoreError>;
+
+    /// Up to `want` records whose outcome is unknown (marked unknown, or pending with a lease
+    /// that ran out), reading at most [`SCAN_BUDGET`] records from where `cursor` (a previous
+    /// page's) left off: the operator API's listing, with no index to keep on the request
+    /// path. A page may come back short, or empty, with a cursor to go on; a record written
+    /// during a scan may be missed or seen twice. The order is the store's own.
+    async fn scan_unknown(&self, cursor: Option<&str>, want: usize)
+        -> Result<ScanPage, StoreError>;
 
     /// Whether the backend can serve requests now (for readiness).
     async fn ping(&self) -> Result<(), StoreError>;
@@ -421,15 +466,16 @@ pub trait Store: Send + Sync + 'static {
 }
 
 /// A new pending record for a fresh owner.
-pub fn pending(fingerprint: Fingerprint, lease: Duration) -> (OwnerToken, Record) {
+pub fn pending(claim: &Claim, lease: Duration) -> (OwnerToken, Record) {
     let owner = OwnerToken::random();
     let record = Record {
-        fingerprint,
+        fingerprint: claim.fingerprint,
         created_ms: now_ms(),
         state: RecordState::Pending {
             owner,
             lease_until_ms: ms_after(lease),
         },
+        origin: claim.origin.clone(),
     };
     (owner, record)
 }
@@ -472,6 +518,7 @@ mod tests {
                 owner: OwnerToken(9),
                 lease_until_ms,
             },
+            origin: None,
         }
     }
 

@@ -52,7 +52,7 @@ fn response(body: &'static str) -> StoredResponse {
 }
 
 async fn own(store: &DiskStore, k: &StoreKey, lease: Duration, ttl: Duration) -> OwnerToken {
-    match store.reserve(k, FP, lease, ttl).await.unwrap() {
+    match store.reserve(k, &FP.into(), lease, ttl).await.unwrap() {
         Reservation::Owner(t) => t,
         other => panic!("expected ownership, got {other:?}"),
     }
@@ -193,7 +193,7 @@ async fn at_max_disk_new_keys_are_refused_live_ones_kept_and_room_comes_back() {
     let refused = loop {
         let k = key(&format!("k{}", owned.len()));
         let expires = Instant::now() + ttl;
-        match store.reserve(&k, FP, LEASE, ttl).await {
+        match store.reserve(&k, &FP.into(), LEASE, ttl).await {
             Ok(Reservation::Owner(t)) => {
                 store
                     .complete(&k, t, response("{\"ok\":true}"), ttl)
@@ -210,7 +210,7 @@ async fn at_max_disk_new_keys_are_refused_live_ones_kept_and_room_comes_back() {
     assert!(owned.len() > 50, "only {} keys fit", owned.len());
     let mut checked = 0;
     for (k, expires) in &owned {
-        let found = store.reserve(k, FP, LEASE, ttl).await.unwrap();
+        let found = store.reserve(k, &FP.into(), LEASE, ttl).await.unwrap();
         if Instant::now() < *expires {
             assert!(
                 matches!(found, Reservation::Existing(_)),
@@ -227,7 +227,7 @@ async fn at_max_disk_new_keys_are_refused_live_ones_kept_and_room_comes_back() {
     assert!(
         eventually_within(Duration::from_secs(60), || async {
             matches!(
-                store.reserve(&key("later"), FP, LEASE, TTL).await,
+                store.reserve(&key("later"), &FP.into(), LEASE, TTL).await,
                 Ok(Reservation::Owner(_))
             )
         })
@@ -340,7 +340,7 @@ async fn a_corrupt_record_is_an_error_never_an_absent_key() {
         Err(StoreError::Corrupt(_))
     ));
     assert!(matches!(
-        store.reserve(&key("c"), FP, LEASE, TTL).await,
+        store.reserve(&key("c"), &FP.into(), LEASE, TTL).await,
         Err(StoreError::Corrupt(_))
     ));
 }
@@ -382,7 +382,7 @@ async fn a_full_disk_fails_closed_keeps_what_it_has_and_says_so() {
     let mut kept = Vec::new();
     let failure = loop {
         let k = key(&format!("f{}", kept.len()));
-        let t = match store.reserve(&k, FP, LEASE, TTL).await {
+        let t = match store.reserve(&k, &FP.into(), LEASE, TTL).await {
             Ok(Reservation::Owner(t)) => t,
             Ok(other) => panic!("{other:?}"),
             Err(e) => break e,
@@ -413,7 +413,10 @@ async fn a_full_disk_fails_closed_keeps_what_it_has_and_says_so() {
         ));
     }
     // New keys are refused while the disk is full: nothing runs without its record.
-    assert!(store.reserve(&key("later"), FP, LEASE, TTL).await.is_err());
+    assert!(store
+        .reserve(&key("later"), &FP.into(), LEASE, TTL)
+        .await
+        .is_err());
 }
 
 /// A caller that goes away while its reservation is on the way (an HTTP client hanging up)
@@ -428,7 +431,11 @@ async fn a_reservation_whose_caller_left_is_released() {
         // Polled once: the reservation is queued, its answer not back yet; then dropped.
         use futures_util::FutureExt;
         let before = store.stats().syncs;
-        if store.reserve(&k, FP, LEASE, TTL).now_or_never().is_none() {
+        if store
+            .reserve(&k, &FP.into(), LEASE, TTL)
+            .now_or_never()
+            .is_none()
+        {
             dropped = Some((k, before));
             break;
         }
@@ -445,7 +452,7 @@ async fn a_reservation_whose_caller_left_is_released() {
         "the dropped reservation was released"
     );
     assert!(matches!(
-        store.reserve(&k, FP, LEASE, TTL).await.unwrap(),
+        store.reserve(&k, &FP.into(), LEASE, TTL).await.unwrap(),
         Reservation::Owner(_)
     ));
 }

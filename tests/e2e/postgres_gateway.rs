@@ -422,7 +422,7 @@ async fn expiry_keeps_the_table_bounded() {
         for i in 0..300 {
             let key = StoreKey::new(&scope, "route", &format!("{round}-{i}"));
             store
-                .reserve(&key, Fingerprint([1; 32]), ttl, ttl)
+                .reserve(&key, &Fingerprint([1; 32]).into(), ttl, ttl)
                 .await
                 .unwrap();
         }
@@ -454,16 +454,57 @@ async fn instances_starting_together_create_the_schema_once_and_a_newer_one_is_r
             .unwrap()
             .is_none());
     }
-    assert_eq!(pg.psql("SELECT version FROM idemgate_records_schema"), "1");
+    assert_eq!(pg.psql("SELECT version FROM idemgate_records_schema"), "2");
     // A later gateway's layout: this one refuses to touch it, and says why in readiness.
-    pg.psql("UPDATE idemgate_records_schema SET version = 2");
+    pg.psql("UPDATE idemgate_records_schema SET version = 3");
     let store = PostgresStore::new(&settings(pg.url())).unwrap();
     let refused = store.ping().await.unwrap_err().to_string();
-    assert!(refused.contains("schema version 2"), "{refused}");
+    assert!(refused.contains("schema version 3"), "{refused}");
     match store.readiness() {
-        idemgate::store::Readiness::NotReady(why) => assert!(why.contains("version 2"), "{why}"),
+        idemgate::store::Readiness::NotReady(why) => assert!(why.contains("version 3"), "{why}"),
         other => panic!("ready on a newer schema: {other:?}"),
     }
+}
+
+/// A table made by a gateway of schema version 1 (before records kept their origin), holding
+/// a row that gateway left pending when it died: a gateway of version 2 adds the column,
+/// records the version, reads the old row as the abandoned record it is, and lists it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_version_1_table_is_upgraded_in_place() {
+    let pg = Postgres::start();
+    let up = Upstream::counting().await;
+    let config = pg_config(&up.url(), pg.url(), PAYMENTS);
+    let id = idemgate::operator::locate(&config, "payments", &["old".into()], None).unwrap();
+    pg.psql(&format!(
+        "CREATE TABLE idemgate_records (key bytea PRIMARY KEY, state smallint NOT NULL, \
+           fingerprint bytea NOT NULL, created_ms bigint NOT NULL, owner bytea, \
+           lease_until_ms bigint, outcome bytea, watched boolean NOT NULL DEFAULT false, \
+           expires_ms bigint NOT NULL); \
+         CREATE INDEX idemgate_records_expires ON idemgate_records (expires_ms); \
+         CREATE TABLE idemgate_records_schema (version integer NOT NULL); \
+         INSERT INTO idemgate_records_schema VALUES (1); \
+         INSERT INTO idemgate_records VALUES ('\\x{id}', 1, '\\x{fp}', 1, '\\x{owner}', 2, \
+           NULL, false, 9000000000000);",
+        fp = "07".repeat(32),
+        owner = "01".repeat(16),
+    ));
+    let gw = Running::start(config).await.unwrap();
+    let http = Http::new(gw.addr());
+    assert_eq!(http.post("/payments", "new", "{}").await.status, 201);
+    assert_eq!(pg.psql("SELECT version FROM idemgate_records_schema"), "2");
+    // Another request with the old key (its fingerprint is made up here) is refused, and the
+    // record stays as it was.
+    assert_eq!(http.post("/payments", "old", "{}").await.status, 409);
+    let store = ready(&settings(pg.url())).await;
+    assert!(store.get(&id).await.unwrap().unwrap().is_unknown());
+    let page = store.scan_unknown(None, 10).await.unwrap();
+    assert_eq!(page.records.len(), 1, "{page:?}");
+    assert_eq!(page.records[0].key, id);
+    assert_eq!(
+        page.records[0].record.origin, None,
+        "written before origins were"
+    );
+    assert_eq!(up.executions(), 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

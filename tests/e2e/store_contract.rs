@@ -17,8 +17,8 @@ use idemgate::key::{ClientScope, StoreKey};
 use idemgate::store::memory::MemoryStore;
 use idemgate::store::redis::RedisStore;
 use idemgate::store::{
-    OwnerToken, Record, RecordState, Reservation, Store, StoreError, StoredResponse, Subscription,
-    UnknownReason,
+    Claim, Origin, OriginKind, OwnerToken, Record, RecordState, Reservation, Store, StoreError,
+    StoredResponse, Subscription, UnknownReason,
 };
 
 const FP: Fingerprint = Fingerprint([7; 32]);
@@ -55,7 +55,7 @@ fn response() -> StoredResponse {
 }
 
 async fn own(store: &dyn Store, k: &StoreKey) -> OwnerToken {
-    match store.reserve(k, FP, LEASE, TTL).await.unwrap() {
+    match store.reserve(k, &FP.into(), LEASE, TTL).await.unwrap() {
         Reservation::Owner(t) => t,
         other => panic!("expected ownership, got {other:?}"),
     }
@@ -67,7 +67,7 @@ async fn exactly_one_of_many_concurrent_reservations_owns_a_key(store: Arc<dyn S
     for _ in 0..50 {
         let (store, k) = (Arc::clone(&store), k);
         tasks.push(tokio::spawn(async move {
-            store.reserve(&k, FP, LEASE, TTL).await.unwrap()
+            store.reserve(&k, &FP.into(), LEASE, TTL).await.unwrap()
         }));
     }
     let mut owners = 0;
@@ -91,7 +91,7 @@ async fn a_completed_record_is_returned_exactly(store: Arc<dyn Store>) {
         fingerprint,
         state: RecordState::Completed(r),
         ..
-    }) = store.reserve(&k, FP, LEASE, TTL).await.unwrap()
+    }) = store.reserve(&k, &FP.into(), LEASE, TTL).await.unwrap()
     else {
         panic!("expected the completed record");
     };
@@ -158,7 +158,7 @@ async fn unknown_outcomes_are_kept(store: Arc<dyn Store>) {
         .mark_unknown(&k, t, UnknownReason::Interrupted)
         .await
         .unwrap();
-    let Reservation::Existing(r) = store.reserve(&k, FP, LEASE, TTL).await.unwrap() else {
+    let Reservation::Existing(r) = store.reserve(&k, &FP.into(), LEASE, TTL).await.unwrap() else {
         panic!("an unknown outcome must not be reservable again");
     };
     assert!(matches!(
@@ -259,7 +259,7 @@ async fn take_over_accepts_a_record_a_waiter_reads(store: Arc<dyn Store>) {
     let watch = store.watch(&k).await.unwrap();
     let (seen, mut sub) = (watch.record.unwrap(), watch.changes);
     let t2 = store
-        .take_over(&k, &seen, FP, LEASE, TTL)
+        .take_over(&k, &seen, &FP.into(), LEASE, TTL)
         .await
         .unwrap()
         .expect("the record is as the waiter saw it");
@@ -292,7 +292,7 @@ async fn take_over_is_compare_and_set(store: Arc<dyn Store>) {
         .unwrap();
     let unknown = store.get(&k).await.unwrap().unwrap();
     let t2 = store
-        .take_over(&k, &unknown, FP, LEASE, TTL)
+        .take_over(&k, &unknown, &FP.into(), LEASE, TTL)
         .await
         .unwrap()
         .expect("takes over");
@@ -302,7 +302,10 @@ async fn take_over_is_compare_and_set(store: Arc<dyn Store>) {
     );
     // The same stale view cannot take over twice, and the old owner is out.
     assert_eq!(
-        store.take_over(&k, &unknown, FP, LEASE, TTL).await.unwrap(),
+        store
+            .take_over(&k, &unknown, &FP.into(), LEASE, TTL)
+            .await
+            .unwrap(),
         None
     );
     assert_eq!(
@@ -313,7 +316,10 @@ async fn take_over_is_compare_and_set(store: Arc<dyn Store>) {
     // Nothing to take over once the key is gone.
     store.delete(&k).await.unwrap();
     assert_eq!(
-        store.take_over(&k, &unknown, FP, LEASE, TTL).await.unwrap(),
+        store
+            .take_over(&k, &unknown, &FP.into(), LEASE, TTL)
+            .await
+            .unwrap(),
         None
     );
 }
@@ -323,7 +329,7 @@ async fn take_over_is_compare_and_set(store: Arc<dyn Store>) {
 async fn a_lease_that_runs_out_reads_as_abandoned(store: Arc<dyn Store>) {
     let k = key("abandoned");
     let t = match store
-        .reserve(&k, FP, Duration::from_millis(1), TTL)
+        .reserve(&k, &FP.into(), Duration::from_millis(1), TTL)
         .await
         .unwrap()
     {
@@ -340,17 +346,21 @@ async fn a_lease_that_runs_out_reads_as_abandoned(store: Arc<dyn Store>) {
         .await,
         "a pending record past its lease reads as abandoned"
     );
-    let Reservation::Existing(seen) = store.reserve(&k, FP, LEASE, TTL).await.unwrap() else {
+    let Reservation::Existing(seen) = store.reserve(&k, &FP.into(), LEASE, TTL).await.unwrap()
+    else {
         panic!("an abandoned key must not be reservable again");
     };
     assert!(abandoned(&seen), "{seen:?}");
     let t2 = store
-        .take_over(&k, &seen, FP, LEASE, TTL)
+        .take_over(&k, &seen, &FP.into(), LEASE, TTL)
         .await
         .unwrap()
         .expect("an abandoned record is taken over as read");
     assert_eq!(
-        store.take_over(&k, &seen, FP, LEASE, TTL).await.unwrap(),
+        store
+            .take_over(&k, &seen, &FP.into(), LEASE, TTL)
+            .await
+            .unwrap(),
         None
     );
     assert!(
@@ -364,7 +374,7 @@ async fn worker_handles_share_one_store(store: Arc<dyn Store>) {
     let (a, b) = (store.for_worker(), store.for_worker());
     let t = own(&*a, &k).await;
     assert!(matches!(
-        b.reserve(&k, FP, LEASE, TTL).await.unwrap(),
+        b.reserve(&k, &FP.into(), LEASE, TTL).await.unwrap(),
         Reservation::Existing(_)
     ));
     let mut sub = b.watch(&k).await.unwrap().changes;
@@ -391,6 +401,88 @@ async fn keys_are_independent(store: Arc<dyn Store>) {
     ));
 }
 
+/// The operator's listing: every unknown outcome (marked unknown, or abandoned) comes back
+/// once across pages, with the route and the key its client sent; nothing else does.
+async fn unknown_outcomes_are_listed_with_their_origin(store: Arc<dyn Store>) {
+    // Other checks may share the store: this one's records are told apart by their route.
+    let route = format!("listing-{}", rand::random::<u32>());
+    let claim = |key: &str| Claim {
+        fingerprint: FP,
+        origin: Some(Origin::new(OriginKind::Route, &route, key.to_owned())),
+    };
+    let reserve = |name: &'static str, lease: Duration| {
+        let (store, claim) = (Arc::clone(&store), claim(name));
+        let k = key(&format!("{route}-{name}"));
+        async move {
+            match store.reserve(&k, &claim, lease, TTL).await.unwrap() {
+                Reservation::Owner(t) => (k, t),
+                other => panic!("expected ownership, got {other:?}"),
+            }
+        }
+    };
+    let mut expected = Vec::new();
+    for name in ["timeout 1", "interrupted", "a/b?c=d"] {
+        let (k, t) = reserve(name, LEASE).await;
+        // A waiter's flag on the pending record must not cost the origin (the Redis scripts).
+        store.watch(&k).await.unwrap();
+        store
+            .mark_unknown(&k, t, UnknownReason::Timeout)
+            .await
+            .unwrap();
+        expected.push(name);
+    }
+    for name in ["crashed 1", "crashed 2"] {
+        reserve(name, Duration::from_millis(1)).await;
+        expected.push(name);
+    }
+    reserve("running", LEASE).await;
+    let (done, t) = reserve("done", LEASE).await;
+    store.complete(&done, t, response(), TTL).await.unwrap();
+    assert_eq!(
+        store.get(&done).await.unwrap().unwrap().origin,
+        None,
+        "a completed record drops it"
+    );
+    // Past the 1 ms leases.
+    tokio::time::sleep(Duration::from_millis(20)).await;
+
+    let mut listed = Vec::new();
+    let mut cursor: Option<String> = None;
+    for page_no in 0.. {
+        assert!(page_no < 100_000, "the listing never ended");
+        let page = store.scan_unknown(cursor.as_deref(), 2).await.unwrap();
+        assert!(
+            page.records.len() <= 2,
+            "a page holds at most what was asked"
+        );
+        for found in page.records {
+            assert!(found.record.is_unknown(), "{found:?}");
+            let Some(origin) = found.record.origin.clone() else {
+                continue;
+            };
+            if origin.name == route {
+                assert_eq!(origin.kind, OriginKind::Route);
+                assert_eq!(found.key, key(&format!("{route}-{}", origin.key)));
+                listed.push(origin.key.clone());
+            }
+        }
+        cursor = page.cursor;
+        if cursor.is_none() {
+            break;
+        }
+    }
+    listed.sort();
+    expected.sort();
+    assert_eq!(listed, expected, "each unknown outcome once, nothing else");
+    assert_eq!(
+        store
+            .scan_unknown(Some("not a cursor"), 2)
+            .await
+            .unwrap_err(),
+        StoreError::BadCursor
+    );
+}
+
 /// Every check, as (name, function).
 macro_rules! all_checks {
     ($m:ident) => {
@@ -411,6 +503,7 @@ macro_rules! all_checks {
             a_lease_that_runs_out_reads_as_abandoned,
             worker_handles_share_one_store,
             keys_are_independent,
+            unknown_outcomes_are_listed_with_their_origin,
         );
     };
 }
@@ -566,7 +659,7 @@ async fn redis_a_waiter_flags_the_pending_record_itself() {
     assert_eq!(len(), "67", "a renewal keeps the flag");
     let seen = store.get(&k).await.unwrap().unwrap();
     let t2 = store
-        .take_over(&k, &seen, FP, LEASE, TTL)
+        .take_over(&k, &seen, &FP.into(), LEASE, TTL)
         .await
         .unwrap()
         .unwrap();

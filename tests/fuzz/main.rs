@@ -23,7 +23,9 @@ use idemgate::fingerprint::{canonical_json, IgnoredFields};
 use idemgate::key::{parse_key_value, KeySource};
 use idemgate::route::{RoutePattern, Routed, Router};
 use idemgate::store::codec;
-use idemgate::store::{OwnerToken, Record, RecordState, StoredResponse, UnknownReason};
+use idemgate::store::{
+    Origin, OriginKind, OwnerToken, Record, RecordState, StoredResponse, UnknownReason,
+};
 use proptest::prelude::*;
 use serde_json::Value;
 
@@ -327,10 +329,24 @@ fn record() -> impl Strategy<Value = Record> {
         )
             .prop_map(|(since_ms, reason)| RecordState::Unknown { since_ms, reason }),
     ];
-    (any::<[u8; 32]>(), any::<u64>(), state).prop_map(|(fp, created_ms, state)| Record {
-        fingerprint: idemgate::fingerprint::Fingerprint(fp),
-        created_ms,
-        state,
+    let origin = proptest::option::of((any::<bool>(), ".{0,40}", "[!-~]{1,255}"));
+    (any::<[u8; 32]>(), any::<u64>(), state, origin).prop_map(|(fp, created_ms, state, origin)| {
+        // Only an open record keeps where it came from.
+        let open = !matches!(state, RecordState::Completed(_));
+        let origin = origin.filter(|_| open).map(|(route, name, key)| {
+            let kind = if route {
+                OriginKind::Route
+            } else {
+                OriginKind::Consumer
+            };
+            Origin::new(kind, &name, key)
+        });
+        Record {
+            fingerprint: idemgate::fingerprint::Fingerprint(fp),
+            created_ms,
+            state,
+            origin,
+        }
     })
 }
 

@@ -31,6 +31,7 @@
 //!   fails its checksum, is `Corrupt` (`outcome-unknown`): nothing ever reads as "no record".
 
 mod purge;
+mod scan;
 mod writer;
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -46,11 +47,10 @@ use tokio::sync::{mpsc, oneshot};
 use super::changes::Waiters;
 use super::codec;
 use super::{
-    now_ms, OpenError, OwnerToken, Record, Reservation, Store, StoreError, StoreStats,
-    StoredResponse, UnknownReason, Watch,
+    now_ms, Claim, OpenError, OwnerToken, Record, Reservation, ScanPage, Store, StoreError,
+    StoreStats, StoredResponse, UnknownReason, Watch,
 };
 use crate::config::DiskSettings;
-use crate::fingerprint::Fingerprint;
 use crate::key::StoreKey;
 use writer::{tick, Writer};
 
@@ -418,7 +418,7 @@ impl Store for DiskStore {
     async fn reserve(
         &self,
         key: &StoreKey,
-        fingerprint: Fingerprint,
+        claim: &Claim,
         lease: Duration,
         ttl: Duration,
     ) -> Result<Reservation, StoreError> {
@@ -427,7 +427,7 @@ impl Store for DiskStore {
         if let Some(record) = self.read(key)? {
             return Ok(Reservation::Existing(record));
         }
-        let (owner, record) = super::pending(fingerprint, lease);
+        let (owner, record) = super::pending(claim, lease);
         let guard = ReleaseOnDrop::new(self, key, owner);
         let answer = self
             .submit(key, Change::Reserve { owner, record, ttl })
@@ -499,11 +499,11 @@ impl Store for DiskStore {
         &self,
         key: &StoreKey,
         expected: &Record,
-        fingerprint: Fingerprint,
+        claim: &Claim,
         lease: Duration,
         ttl: Duration,
     ) -> Result<Option<OwnerToken>, StoreError> {
-        let (owner, record) = super::pending(fingerprint, lease);
+        let (owner, record) = super::pending(claim, lease);
         let guard = ReleaseOnDrop::new(self, key, owner);
         let answer = self
             .submit(
@@ -528,6 +528,20 @@ impl Store for DiskStore {
             Done::Deleted(d) => Ok(d),
             _ => Err(StoreError::Unavailable("disk: unexpected answer".into())),
         }
+    }
+
+    async fn scan_unknown(
+        &self,
+        cursor: Option<&str>,
+        want: usize,
+    ) -> Result<ScanPage, StoreError> {
+        let after = cursor
+            .map(|c| StoreKey::from_hex(c).ok_or(StoreError::BadCursor))
+            .transpose()?;
+        let db = Arc::clone(&self.shared.db);
+        tokio::task::spawn_blocking(move || scan::unknown_after(&db, after, want))
+            .await
+            .map_err(unavailable)?
     }
 
     async fn ping(&self) -> Result<(), StoreError> {

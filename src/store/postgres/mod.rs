@@ -42,11 +42,10 @@ use self::rows::{count, millis, record_at, Expected, Giveback};
 use self::sql::Sql;
 use super::changes::Waiters;
 use super::{
-    codec, now_ms, OpenError, OwnerToken, Readiness, Record, RecordState, Reservation, Store,
-    StoreError, StoreStats, StoredResponse, UnknownReason, Watch,
+    codec, now_ms, Claim, OpenError, OwnerToken, Readiness, Record, RecordState, Reservation,
+    ScanPage, Store, StoreError, StoreStats, StoredResponse, UnknownReason, Watch, SCAN_BUDGET,
 };
 use crate::config::PostgresSettings;
-use crate::fingerprint::Fingerprint;
 use crate::key::StoreKey;
 
 type Params<'a> = [&'a (dyn ToSql + Sync)];
@@ -290,16 +289,20 @@ impl Store for PostgresStore {
     async fn reserve(
         &self,
         key: &StoreKey,
-        fingerprint: Fingerprint,
+        claim: &Claim,
         lease: Duration,
         ttl: Duration,
     ) -> Result<Reservation, StoreError> {
         let shared = &self.shared;
         let owner = OwnerToken::random();
-        let (k, fp, token): (&[u8], &[u8], [u8; 16]) =
-            (key.as_bytes(), &fingerprint.0, codec::owner_bytes(owner));
+        let (k, fp, token): (&[u8], &[u8], [u8; 16]) = (
+            key.as_bytes(),
+            &claim.fingerprint.0,
+            codec::owner_bytes(owner),
+        );
         let (lease, ttl) = (millis(lease), millis(ttl));
-        let params: [&(dyn ToSql + Sync); 5] = [&k, &fp, &&token[..], &lease, &ttl];
+        let origin = claim.origin.as_deref().and_then(codec::encode_origin);
+        let params: [&(dyn ToSql + Sync); 6] = [&k, &fp, &&token[..], &lease, &ttl, &origin];
         // If the insert committed but its answer was lost (a timeout, the caller gone), the
         // guard gives the row back: a key nobody owns would read as in flight, then unknown.
         let guard = Giveback::new(self.handle(), key, owner);
@@ -434,17 +437,21 @@ impl Store for PostgresStore {
         &self,
         key: &StoreKey,
         expected: &Record,
-        fingerprint: Fingerprint,
+        claim: &Claim,
         lease: Duration,
         ttl: Duration,
     ) -> Result<Option<OwnerToken>, StoreError> {
         let shared = &self.shared;
         let was = Expected::of(expected);
         let owner = OwnerToken::random();
-        let (k, fp, token): (&[u8], &[u8], [u8; 16]) =
-            (key.as_bytes(), &fingerprint.0, codec::owner_bytes(owner));
+        let (k, fp, token): (&[u8], &[u8], [u8; 16]) = (
+            key.as_bytes(),
+            &claim.fingerprint.0,
+            codec::owner_bytes(owner),
+        );
         let (lease, ttl) = (millis(lease), millis(ttl));
-        let params: [&(dyn ToSql + Sync); 11] = [
+        let origin = claim.origin.as_deref().and_then(codec::encode_origin);
+        let params: [&(dyn ToSql + Sync); 12] = [
             &k,
             &was.state,
             &was.fingerprint,
@@ -456,6 +463,7 @@ impl Store for PostgresStore {
             &&token[..],
             &lease,
             &ttl,
+            &origin,
         ];
         let guard = Giveback::new(self.handle(), key, owner);
         let changed = self
@@ -463,6 +471,25 @@ impl Store for PostgresStore {
             .await?;
         guard.disarm();
         Ok((changed == 1).then_some(owner))
+    }
+
+    async fn scan_unknown(
+        &self,
+        cursor: Option<&str>,
+        want: usize,
+    ) -> Result<ScanPage, StoreError> {
+        let after = match cursor {
+            Some(c) => StoreKey::from_hex(c)
+                .ok_or(StoreError::BadCursor)?
+                .as_bytes()
+                .to_vec(),
+            None => Vec::new(),
+        };
+        let budget = SCAN_BUDGET as i64;
+        let rows = self
+            .rows("scan", &self.shared.sql.scan, &[&after, &budget])
+            .await?;
+        rows::unknown_page(&rows, want, SCAN_BUDGET)
     }
 
     async fn delete(&self, key: &StoreKey) -> Result<bool, StoreError> {

@@ -11,7 +11,7 @@ use tokio_postgres::Row;
 use super::PostgresStore;
 use crate::fingerprint::Fingerprint;
 use crate::key::StoreKey;
-use crate::store::{codec, OwnerToken, Record, RecordState, StoreError};
+use crate::store::{codec, OwnerToken, Record, RecordState, ScanPage, Scanned, StoreError};
 
 /// Column `at` of `row`; a column of another type than expected is a corrupt answer.
 pub(super) fn get<'a, T: FromSql<'a>>(row: &'a Row, at: usize) -> Result<T, StoreError> {
@@ -39,9 +39,9 @@ fn array<const N: usize>(bytes: &[u8], what: &str) -> Result<[u8; N], StoreError
         .map_err(|_| StoreError::Corrupt(format!("{what}: {} bytes", bytes.len())))
 }
 
-/// The record in columns `at..at + 6` (state, fingerprint, created_ms, owner, lease_until_ms,
-/// outcome), as the contract returns it at the database's `now_ms`; `None` when the columns are
-/// null (a left join that found no row).
+/// The record in columns `at..at + 7` (state, fingerprint, created_ms, owner, lease_until_ms,
+/// outcome, origin), as the contract returns it at the database's `now_ms`; `None` when the
+/// columns are null (a left join that found no row).
 pub(super) fn record_at(row: &Row, at: usize, now_ms: i64) -> Result<Option<Record>, StoreError> {
     let Some(state) = get::<Option<i16>>(row, at)? else {
         return Ok(None);
@@ -64,6 +64,7 @@ pub(super) fn record_at(row: &Row, at: usize, now_ms: i64) -> Result<Option<Reco
     }
     let fingerprint: &[u8] = get(row, at + 1)?;
     let owner: &[u8] = get(row, at + 3)?;
+    let origin: Option<&[u8]> = get(row, at + 6)?;
     let record = Record {
         fingerprint: Fingerprint(array(fingerprint, "fingerprint")?),
         created_ms: unsigned(count(row, at + 2)?),
@@ -71,8 +72,50 @@ pub(super) fn record_at(row: &Row, at: usize, now_ms: i64) -> Result<Option<Reco
             owner: OwnerToken(u128::from_be_bytes(array(owner, "owner")?)),
             lease_until_ms: unsigned(count(row, at + 4)?),
         },
+        origin: origin.and_then(codec::decode_origin),
     };
     Ok(Some(record.checked_lease_at(unsigned(now_ms))))
+}
+
+/// A page of the operator's listing from the rows of [`super::sql::Sql::scan`] (`read` asked
+/// for): the unknown outcomes, at most `want`, and the cursor after the last row looked at.
+pub(super) fn unknown_page(rows: &[Row], want: usize, read: usize) -> Result<ScanPage, StoreError> {
+    let mut page = ScanPage::default();
+    for (i, row) in rows.iter().enumerate() {
+        if page.records.len() == want {
+            page.cursor = i
+                .checked_sub(1)
+                .and_then(|j| rows.get(j))
+                .map(key_hex)
+                .transpose()?;
+            return Ok(page);
+        }
+        let (now, expires) = (count(row, 1)?, count(row, 2)?);
+        let completed = get::<i16>(row, 3)? == i16::from(codec::STATE_COMPLETED);
+        if completed || expires <= now {
+            continue;
+        }
+        let Some(record) = record_at(row, 3, now)? else {
+            continue;
+        };
+        if record.is_unknown() {
+            let key: &[u8] = get(row, 0)?;
+            page.records.push(Scanned {
+                key: StoreKey::from_bytes(array(key, "key")?),
+                record,
+                expires_ms: Some(unsigned(expires)),
+            });
+        }
+    }
+    if rows.len() == read {
+        page.cursor = rows.last().map(key_hex).transpose()?;
+    }
+    Ok(page)
+}
+
+fn key_hex(row: &Row) -> Result<String, StoreError> {
+    let key: &[u8] = get(row, 0)?;
+    Ok(StoreKey::from_bytes(array(key, "key")?).hex())
 }
 
 /// The columns of a record as this store returned it, for `take_over`'s compare-and-set.

@@ -10,7 +10,11 @@ use crate::store::StoreError;
 
 /// The layout this gateway reads and writes. A later gateway that changes it migrates from
 /// the version it finds (under the same lock); an older gateway refuses a newer layout.
-pub const VERSION: i32 = 1;
+/// 2: `origin` (the route or consumer and the client's key of an open record), for the
+/// operator API's listing. Added as a nullable column: no rewrite of the table, and a
+/// version-1 gateway still running reads and writes rows as before (it refuses to start on
+/// the table, so upgrade every instance before restarting an old one).
+pub const VERSION: i32 = 2;
 
 /// The statements that create the store's tables in `table`'s schema, each ending in `;`.
 pub fn ddl(table: &str) -> String {
@@ -27,11 +31,15 @@ pub fn ddl(table: &str) -> String {
          \x20   lease_until_ms bigint,            -- pending: the owner's lease\n\
          \x20   outcome bytea,                    -- completed or unknown: the whole record\n\
          \x20   watched boolean NOT NULL DEFAULT false, -- a waiter wants a NOTIFY\n\
-         \x20   expires_ms bigint NOT NULL        -- ignored after, purged in batches\n\
+         \x20   expires_ms bigint NOT NULL,       -- ignored after, purged in batches\n\
+         \x20   origin bytea                      -- open records: route or consumer, client's key\n\
          );\n\
+         -- From version 1: the origin column.\n\
+         ALTER TABLE {table} ADD COLUMN IF NOT EXISTS origin bytea;\n\
          CREATE INDEX IF NOT EXISTS {index} ON {table} (expires_ms);\n\
          CREATE TABLE IF NOT EXISTS {table}_schema (version integer NOT NULL);\n\
-         INSERT INTO {table}_schema (version) SELECT {VERSION} WHERE NOT EXISTS (SELECT 1 FROM {table}_schema);\n"
+         INSERT INTO {table}_schema (version) SELECT {VERSION} WHERE NOT EXISTS (SELECT 1 FROM {table}_schema);\n\
+         UPDATE {table}_schema SET version = {VERSION} WHERE version < {VERSION};\n"
     )
 }
 
@@ -40,11 +48,20 @@ pub(super) fn unqualified(table: &str) -> &str {
     table.rsplit('.').next().unwrap_or(table)
 }
 
-/// Makes sure the tables exist at [`VERSION`]: a read when they do; otherwise created in one
-/// transaction under an advisory lock keyed by the table's name.
+/// Makes sure the tables exist at [`VERSION`]: a read when they do; otherwise created, or
+/// brought up from an earlier version, in one transaction under an advisory lock keyed by the
+/// table's name.
 pub(super) async fn ensure(client: &mut Object, table: &str) -> Result<(), StoreError> {
     if let Some(found) = version(client, table).await? {
-        return check(found, table);
+        if found >= VERSION {
+            return check(found, table);
+        }
+        tracing::info!(
+            table,
+            from = found,
+            to = VERSION,
+            "upgrading the store's table"
+        );
     }
     let tx = client.transaction().await.map_err(unavailable)?;
     tx.execute(

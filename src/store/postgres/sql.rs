@@ -22,11 +22,13 @@ fn header(state: u8) -> String {
     )
 }
 
-const RECORD: &str = "r.state, r.fingerprint, r.created_ms, r.owner, r.lease_until_ms, r.outcome";
+const RECORD: &str =
+    "r.state, r.fingerprint, r.created_ms, r.owner, r.lease_until_ms, r.outcome, r.origin";
 
 pub(super) struct Sql {
-    /// `$1` key, `$2` fingerprint, `$3` owner, `$4` lease ms, `$5` ttl ms: one row of
-    /// `made`, `now_ms`, `expires_ms`, then the existing record's columns (null when made).
+    /// `$1` key, `$2` fingerprint, `$3` owner, `$4` lease ms, `$5` ttl ms, `$6` origin: one
+    /// row of `made`, `now_ms`, `expires_ms`, then the existing record's columns (null when
+    /// made).
     pub reserve: String,
     /// Same parameters: takes over a record past its expiry that the purge has not removed.
     pub replace_expired: String,
@@ -45,12 +47,15 @@ pub(super) struct Sql {
     /// `$1` key, `$2` owner, `$3` lease ms: rows changed.
     pub renew: String,
     /// `$1` key, `$2`..`$7` the expected record's columns, `$8` fingerprint, `$9` owner,
-    /// `$10` lease ms, `$11` ttl ms: rows changed.
+    /// `$10` lease ms, `$11` ttl ms, `$12` origin: rows changed.
     pub take_over: String,
     /// `$1` key: `done` (a live record was deleted), `woke`.
     pub delete: String,
     /// `$1` batch size: rows removed.
     pub purge: String,
+    /// `$1` the last key of the previous page (empty at first), `$2` rows at most: `key`,
+    /// `now_ms`, `expires_ms`, then the record's columns, a completed one's outcome left out.
+    pub scan: String,
 }
 
 impl Sql {
@@ -69,15 +74,16 @@ impl Sql {
         Sql {
             reserve: format!(
                 "WITH ins AS (\
-                   INSERT INTO {t} (key, state, fingerprint, created_ms, owner, lease_until_ms, expires_ms) \
-                   VALUES ($1, 1, $2, {NOW}, $3, {NOW} + $4, {NOW} + $5) \
+                   INSERT INTO {t} (key, state, fingerprint, created_ms, owner, lease_until_ms, expires_ms, origin) \
+                   VALUES ($1, 1, $2, {NOW}, $3, {NOW} + $4, {NOW} + $5, $6) \
                    ON CONFLICT (key) DO NOTHING RETURNING 1) \
                  SELECT (SELECT count(*) FROM ins) AS made, {NOW} AS now_ms, r.expires_ms, {RECORD} \
                  FROM (SELECT 1) AS one LEFT JOIN {t} AS r ON r.key = $1"
             ),
             replace_expired: format!(
                 "UPDATE {t} SET state = 1, fingerprint = $2, created_ms = {NOW}, owner = $3, \
-                   lease_until_ms = {NOW} + $4, outcome = NULL, watched = false, expires_ms = {NOW} + $5 \
+                   lease_until_ms = {NOW} + $4, outcome = NULL, watched = false, expires_ms = {NOW} + $5, \
+                   origin = $6 \
                  WHERE key = $1 AND expires_ms <= {NOW}"
             ),
             get: format!(
@@ -95,7 +101,7 @@ impl Sql {
             ),
             complete: notifying(
                 &format!(
-                    "UPDATE {t} SET state = 2, owner = NULL, lease_until_ms = NULL, \
+                    "UPDATE {t} SET state = 2, owner = NULL, lease_until_ms = NULL, origin = NULL, \
                        outcome = {completed} || $3, expires_ms = {NOW} + $4 WHERE {owned}"
                 ),
                 "true",
@@ -103,7 +109,7 @@ impl Sql {
             mark_unknown: notifying(
                 &format!(
                     "UPDATE {t} SET state = 3, owner = NULL, lease_until_ms = NULL, \
-                       outcome = {unknown} || $3 WHERE {owned}"
+                       outcome = {unknown} || $3 || coalesce(origin, ''::bytea) WHERE {owned}"
                 ),
                 "true",
             ),
@@ -111,7 +117,7 @@ impl Sql {
             renew: format!("UPDATE {t} SET lease_until_ms = {NOW} + $3 WHERE {owned}"),
             take_over: format!(
                 "UPDATE {t} SET state = 1, fingerprint = $8, created_ms = {NOW}, owner = $9, \
-                   lease_until_ms = {NOW} + $10, outcome = NULL, expires_ms = {NOW} + $11 \
+                   lease_until_ms = {NOW} + $10, outcome = NULL, expires_ms = {NOW} + $11, origin = $12 \
                  WHERE key = $1 AND expires_ms > {NOW} AND state = $2 AND fingerprint = $3 \
                    AND created_ms = $4 AND owner IS NOT DISTINCT FROM $5 \
                    AND lease_until_ms IS NOT DISTINCT FROM $6 AND outcome IS NOT DISTINCT FROM $7"
@@ -124,6 +130,12 @@ impl Sql {
                 "DELETE FROM {t} WHERE key IN (\
                    SELECT key FROM {t} WHERE expires_ms <= {NOW} \
                    ORDER BY expires_ms LIMIT $1 FOR UPDATE SKIP LOCKED)"
+            ),
+            scan: format!(
+                "SELECT r.key, {NOW} AS now_ms, r.expires_ms, r.state, r.fingerprint, r.created_ms, \
+                   r.owner, r.lease_until_ms, CASE WHEN r.state = 2 THEN NULL ELSE r.outcome END, \
+                   r.origin \
+                 FROM {t} AS r WHERE r.key > $1 ORDER BY r.key LIMIT $2"
             ),
         }
     }

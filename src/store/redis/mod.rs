@@ -22,6 +22,7 @@ mod conn;
 mod guard;
 mod replicas;
 mod safety;
+mod scan;
 mod scripts;
 mod sentinel;
 mod streams;
@@ -50,11 +51,10 @@ use self::subscriber::Source;
 use super::changes::Waiters;
 use super::codec;
 use super::{
-    ms_after, now_ms, OpenError, OwnerToken, Readiness, Record, RecordState, Reservation, Store,
-    StoreError, StoreOp, StoreStats, StoredResponse, UnknownReason, Watch,
+    ms_after, now_ms, Claim, OpenError, OwnerToken, Readiness, Record, RecordState, Reservation,
+    ScanPage, Store, StoreError, StoreOp, StoreStats, StoredResponse, UnknownReason, Watch,
 };
 use crate::config::{RedisSettings, RedisTarget};
-use crate::fingerprint::Fingerprint;
 use crate::key::StoreKey;
 
 /// A handle to the store: the state every handle shares, and this handle's connection.
@@ -395,7 +395,7 @@ impl Store for RedisStore {
     async fn reserve(
         &self,
         key: &StoreKey,
-        fingerprint: Fingerprint,
+        claim: &Claim,
         lease: Duration,
         ttl: Duration,
     ) -> Result<Reservation, StoreError> {
@@ -408,7 +408,7 @@ impl Store for RedisStore {
                 )),
             };
         }
-        let (owner, record) = super::pending(fingerprint, lease);
+        let (owner, record) = super::pending(claim, lease);
         let record = codec::encode(&record);
         let mut conn = self.conn()?;
         let mut cmd = redis::cmd("SET");
@@ -563,14 +563,14 @@ impl Store for RedisStore {
         &self,
         key: &StoreKey,
         expected: &Record,
-        fingerprint: Fingerprint,
+        claim: &Claim,
         lease: Duration,
         ttl: Duration,
     ) -> Result<Option<OwnerToken>, StoreError> {
         // The codec is deterministic, so the expected record encodes to the stored bytes (but for
-        // a waiter's flag byte, which the script accepts and keeps).
+        // a waiter's flag byte, which the script ignores in the comparison and keeps).
         let expected = codec::encode(expected);
-        let (owner, record) = super::pending(fingerprint, lease);
+        let (owner, record) = super::pending(claim, lease);
         let record = codec::encode(&record);
         let conn = self.conn()?;
         let ttl = ms_arg(ttl).to_string();
@@ -595,6 +595,14 @@ impl Store for RedisStore {
             .script(StoreOp::Delete, &self.shared.scripts.delete, key, &args)
             .await?;
         Ok(n == 1)
+    }
+
+    async fn scan_unknown(
+        &self,
+        cursor: Option<&str>,
+        want: usize,
+    ) -> Result<ScanPage, StoreError> {
+        self.unknown_page(cursor, want).await
     }
 
     async fn ping(&self) -> Result<(), StoreError> {

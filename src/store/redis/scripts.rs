@@ -60,13 +60,13 @@ mod tests {
     fn the_scripts_are_the_ones_redis_knows() {
         let s = Scripts::new();
         for (script, sha) in [
-            (&s.complete, "b007b28d082234e7e05ed53fa043d81a946db574"),
-            (&s.mark_unknown, "219948b292dafad8303c1e1ed1d8c039f92c89b1"),
+            (&s.complete, "88d1cff3bca399ed5d58ffdd9d1bc96568e384d7"),
+            (&s.mark_unknown, "a22fec8ee538ffdf6e1374aa44aa81205d522e0d"),
             (&s.renew, "7db22f99983ed7861f08882349460e946ffe0021"),
-            (&s.release, "9709731ecc6b0b5157d8654ebf286276696b209e"),
-            (&s.delete, "cb738987de548bdce91175c81bd3d4f983630c3c"),
-            (&s.take_over, "7e3cf7e4a6ea237fd169452b0d14f45b0e8bde9c"),
-            (&s.watch, "ace7a6030a2ab7bb863d09ee363df4f5d3573a74"),
+            (&s.release, "1b8eaf848d520b3de094f6d17a6fec15362cd0d7"),
+            (&s.delete, "28535c4c7c0f2a04c6eee7c0210807833749da45"),
+            (&s.take_over, "556af3781ce5fef80e6efebd9666369b0e582470"),
+            (&s.watch, "0c051a818d3a87f14b5baeb2f48c416be004ad93"),
         ] {
             assert_eq!(script.get_hash(), sha);
         }
@@ -81,7 +81,7 @@ mod tests {
             codec::STATE_PENDING,
             codec::HEADER_LEN + 16
         );
-        let flagged = format!("#v > {}", codec::PENDING_LEN);
+        let flagged = format!("string.byte(v, {}) == 1", codec::PENDING_LEN + 1);
         for owned in [
             include_str!("complete.lua"),
             include_str!("mark_unknown.lua"),
@@ -109,8 +109,14 @@ mod tests {
             codec::PENDING_LEN + 1
         )));
         assert!(include_str!("watch.lua").contains(&format!(
-            "#v == {len} then redis.call('SETRANGE', KEYS[1], {len}, '\\1')",
-            len = codec::PENDING_LEN
+            "string.byte(v, {}) ~= 1 then redis.call('SETRANGE', KEYS[1], {}, '\\1')",
+            codec::PENDING_LEN + 1,
+            codec::PENDING_LEN
+        )));
+        // The origin after a pending record's flag follows it into the unknown state.
+        assert!(include_str!("mark_unknown.lua").contains(&format!(
+            "ARGV[2] .. string.sub(v, {})",
+            codec::PENDING_LEN + 2
         )));
     }
 }
