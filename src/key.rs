@@ -29,6 +29,16 @@ pub enum KeyError {
     BadPart,
 }
 
+/// A key as extracted from a request or message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Sent {
+    /// What the store key is made from: the header's value, or the parts combined.
+    pub key: String,
+    /// The key as its sender knows it (for operators and the upstream's lookup): the header's
+    /// value or the one field's, several parts as a JSON array.
+    pub sent: String,
+}
+
 /// Where a route's key comes from: by default the `key_header`; for deliveries, any headers and
 /// JSON body fields, combined in order into one key (a message id, or a business id such as
 /// object id + event type).
@@ -71,8 +81,16 @@ impl KeySource {
     /// into one fixed-length key, so no choice of values can make two different combinations
     /// collide.
     pub fn extract(&self, headers: &HeaderMap, body: &[u8]) -> Result<Option<String>, KeyError> {
+        Ok(self.extract_sent(headers, body)?.map(|k| k.key))
+    }
+
+    /// [`Self::extract`], and the key as its sender would recognise it ([`Sent`]).
+    pub fn extract_sent(&self, headers: &HeaderMap, body: &[u8]) -> Result<Option<Sent>, KeyError> {
         if let ([name], true) = (self.headers.as_slice(), self.is_single_header()) {
-            return parse_key(headers, name);
+            return Ok(parse_key(headers, name)?.map(|key| Sent {
+                sent: key.clone(),
+                key,
+            }));
         }
         let mut parts: Vec<String> = Vec::with_capacity(self.headers.len() + self.pointers.len());
         for name in &self.headers {
@@ -110,7 +128,13 @@ impl KeySource {
                 parts.push(part);
             }
         }
-        Ok(Some(Self::combine(&parts)))
+        let key = Self::combine(&parts);
+        let sent = match parts.as_slice() {
+            [one] => one.clone(),
+            // Serialising strings cannot fail.
+            several => serde_json::to_string(several).unwrap_or_default(),
+        };
+        Ok(Some(Sent { key, sent }))
     }
 
     /// Whether the key is one header's value as sent (else parts combined by [`Self::combine`]).
@@ -521,6 +545,20 @@ mod tests {
             headers: vec![],
             pointers: vec!["/x".into(), "/y".into()],
         };
+        // As the sender knows it: the one field's value, or the parts as a JSON array.
+        let sent = |source: &KeySource, body: &[u8]| {
+            source
+                .extract_sent(&HeaderMap::new(), body)
+                .unwrap()
+                .unwrap()
+                .sent
+        };
+        let first = KeySource {
+            headers: vec![],
+            pointers: vec!["/x".into()],
+        };
+        assert_eq!(sent(&first, br#"{"x":"ord_1"}"#), "ord_1");
+        assert_eq!(sent(&two, br#"{"x":"a","y":"b,c"}"#), r#"["a","b,c"]"#);
         assert_ne!(
             two.extract(&HeaderMap::new(), br#"{"x":"a","y":"b,c"}"#)
                 .unwrap(),

@@ -41,7 +41,7 @@ use tokio_util::task::TaskTracker;
 use crate::config::{ConsumerConfig, SourceConfig};
 use crate::fingerprint::{fingerprint, IgnoredFields, RequestParts};
 use crate::idempotency::{Core, Decision, Refusal, Rules, Settled};
-use crate::key::{ClientScope, StoreKey};
+use crate::key::{ClientScope, Sent, StoreKey};
 use crate::metrics::{ConsumerMetrics, ConsumerOutcome, Metrics};
 use crate::store::{Claim, Origin, OriginKind, Store};
 use crate::upstream::UpstreamPool;
@@ -411,7 +411,7 @@ impl<S: Source> Consumer<S> {
                 config.policy.max_body
             ));
         }
-        let key = match config.key.extract(&message.fields, body) {
+        let Sent { key, sent } = match config.key.extract_sent(&message.fields, body) {
             Ok(Some(k)) => k,
             Ok(None) => {
                 let parts: Vec<String> = config
@@ -435,7 +435,7 @@ impl<S: Source> Consumer<S> {
             Err(e) => return Verdict::DeadLetter(format!("invalid-key: {e}")),
         };
         let store_key = StoreKey::new(&ClientScope::shared(), &config.name, &key);
-        let lookup = crate::reconcile::Lookup::of(&config.policy, &key);
+        let lookup = crate::reconcile::Lookup::of(&config.policy, &sent);
         let mut headers = message.fields.clone();
         headers.insert(http::header::CONTENT_TYPE, config.content_type.clone());
         let fp = fingerprint(
@@ -475,7 +475,7 @@ impl<S: Source> Consumer<S> {
         };
         let claim = Claim {
             fingerprint: fp,
-            origin: Some(Origin::new(OriginKind::Consumer, &config.name, key)),
+            origin: Some(Origin::new(OriginKind::Consumer, &config.name, sent)),
         };
         let run = self.ctx.core.run(
             &self.ctx.store,

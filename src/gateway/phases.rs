@@ -14,7 +14,7 @@ use crate::config::{Policy, RouteConfig};
 use crate::conn::{BodyTimeout, ClientBody};
 use crate::fingerprint::{fingerprint, RequestParts};
 use crate::idempotency::{Decision, Refusal, Rules, Settled};
-use crate::key::{ClientScope, StoreKey};
+use crate::key::{ClientScope, Sent, StoreKey};
 use crate::metrics::Outcome;
 use crate::problem::Problem;
 use crate::quota::{Quota, QuotaId, Share};
@@ -111,13 +111,13 @@ impl Gateway {
             body = ReqBody::Read(b, lease);
         }
         self.verify(route, &parts.headers, body.bytes())?;
-        let Some(raw_key) = extract_key(config, &parts.headers, body.bytes())? else {
+        let Some(sent) = extract_key(config, &parts.headers, body.bytes())? else {
             return Ok(Admitted::Unkeyed(body.into_body()));
         };
-        let key = StoreKey::new(&scope, &config.name, &raw_key);
-        let lookup = Lookup::of(policy, &raw_key).map(Box::new);
+        let key = StoreKey::new(&scope, &config.name, &sent.key);
+        let lookup = Lookup::of(policy, &sent.sent).map(Box::new);
         // Kept with the record while its outcome is open, for operators to find it by.
-        let origin = Origin::new(OriginKind::Route, &config.name, raw_key);
+        let origin = Origin::new(OriginKind::Route, &config.name, sent.sent);
         let body = body.read(policy.max_body, &self.budget).await?;
         Ok(Admitted::Keyed {
             key,
@@ -277,8 +277,8 @@ fn extract_key(
     config: &RouteConfig,
     headers: &HeaderMap,
     body: &[u8],
-) -> Result<Option<String>, Problem> {
-    match config.key.extract(headers, body) {
+) -> Result<Option<Sent>, Problem> {
+    match config.key.extract_sent(headers, body) {
         Ok(Some(k)) => Ok(Some(k)),
         Ok(None) if !config.policy.require_key => Ok(None),
         Ok(None) => Err(Problem::MissingKey {

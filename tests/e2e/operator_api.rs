@@ -1,5 +1,6 @@
-//! The operator API (`/keys/{id}` on the admin listener) through the real binary while it runs:
-//! unknown outcomes left by a gateway killed mid-flight, resolved (PUT: retries replay that) or
+//! The operator API (`/keys` on the admin listener) through the real binary while it runs:
+//! unknown outcomes left by a gateway killed mid-flight, listed by the keys the client sent
+//! (`GET /keys?state=unknown`, and `idemgate keys list`), resolved (PUT: retries replay that) or
 //! released (DELETE: the next retry executes once); a live request refused unless forced; no
 //! token or a wrong one refused with nothing changed; the token never in the log. On the disk
 //! store (held by the running gateway, so `idemgate keys` cannot open it) and on Redis.
@@ -43,6 +44,58 @@ fn keys_request(admin: SocketAddr, method: &str, id: &str, token: Option<&str>) 
     }
 }
 
+/// Every unknown outcome `GET /keys?{query}` lists, following its cursor page by page; and
+/// how many pages that took.
+async fn listed(admin: SocketAddr, query: &str) -> (Vec<serde_json::Value>, usize) {
+    let (mut found, mut cursor, mut pages) = (Vec::new(), None::<String>, 0);
+    loop {
+        let path = match &cursor {
+            Some(c) => format!("/keys?{query}&cursor={c}"),
+            None => format!("/keys?{query}"),
+        };
+        let got = Http::new(admin)
+            .request("GET", &path)
+            .header("authorization", &format!("Bearer {TOKEN}"))
+            .send()
+            .await;
+        assert_eq!(got.status, 200, "{}", got.text());
+        let page: serde_json::Value = serde_json::from_slice(&got.body).unwrap();
+        found.extend(page["keys"].as_array().unwrap().iter().cloned());
+        pages += 1;
+        assert!(pages < 10_000, "the listing never ended");
+        match page["next_cursor"].as_str() {
+            Some(c) => cursor = Some(c.to_owned()),
+            None => return (found, pages),
+        }
+    }
+}
+
+/// The client keys of `listed` entries, sorted.
+fn client_keys(entries: &[serde_json::Value]) -> Vec<&str> {
+    let mut keys: Vec<&str> = entries.iter().filter_map(|e| e["key"].as_str()).collect();
+    keys.sort();
+    keys
+}
+
+/// `idemgate keys list` beside the running gateway: one JSON object per line.
+fn keys_list(config: &std::path::Path, args: &[&str]) -> Vec<serde_json::Value> {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_idemgate"))
+        .args(["keys", "list", "--config"])
+        .arg(config)
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
 async fn state_of(admin: SocketAddr, id: &str) -> serde_json::Value {
     let got = keys_request(admin, "GET", id, Some(TOKEN)).send().await;
     assert_eq!(got.status, 200, "{}", got.text());
@@ -77,6 +130,50 @@ async fn unknown_outcomes_resolved_while_the_gateway_runs(store: &str) {
         assert!(unknown, "{}", state_of(admin, id).await);
     }
     assert_eq!(state_of(admin, &id1).await["reason"], "abandoned");
+    // The operator finds them by the keys the client sent, here one per page.
+    let (found, pages) = listed(admin, "state=unknown&route=payments&limit=1").await;
+    assert_eq!(client_keys(&found), ["k1", "k2"], "{found:?}");
+    assert!(pages >= 2, "a page holds at most its limit");
+    for entry in &found {
+        let expected = id(&config, entry["key"].as_str().unwrap());
+        assert_eq!(entry["id"], expected.as_str());
+        assert_eq!(entry["route"], "payments");
+        assert_eq!(entry["state"], "unknown");
+        assert_eq!(entry["reason"], "abandoned");
+        assert!(
+            entry["expires"].is_string() && entry["created"].is_string(),
+            "{entry}"
+        );
+    }
+    assert!(listed(admin, "state=unknown&consumer=payments")
+        .await
+        .0
+        .is_empty());
+    // The same through `idemgate keys list`, which asks the running gateway.
+    assert_eq!(
+        client_keys(&keys_list(&gw.config_path, &["--route", "payments"])),
+        ["k1", "k2"]
+    );
+    // Without the token, nothing is listed; a query it does not know is refused.
+    let refused = Http::new(admin)
+        .request("GET", "/keys?state=unknown")
+        .send()
+        .await;
+    assert_eq!(refused.status, 401);
+    for bad in [
+        "state=completed",
+        "state=unknown&limit=0",
+        "state=unknown&cursor=zz",
+        "state=unknown&x=1",
+    ] {
+        let got = Http::new(admin)
+            .request("GET", &format!("/keys?{bad}"))
+            .header("authorization", &format!("Bearer {TOKEN}"))
+            .send()
+            .await;
+        assert_eq!(got.status, 400, "{bad}: {}", got.text());
+        assert_eq!(got.problem_type(), "bad-operator-request");
+    }
     // `idemgate keys get` goes through the running gateway's API (the disk store is the
     // gateway's while it runs).
     let got = keys_cmd(&gw.config_path, "get", "payments", &["k1"]);
@@ -127,6 +224,8 @@ async fn unknown_outcomes_resolved_while_the_gateway_runs(store: &str) {
     assert_eq!(http.post("/payments", "k2", "{}").await.status, 201);
     assert!(http.post("/payments", "k2", "{}").await.is_replay());
     assert_eq!(up.executions(), 3);
+    // Resolved and released: nothing unknown is left to list.
+    assert!(listed(admin, "state=unknown").await.0.is_empty());
     let gone = keys_request(admin, "DELETE", &id(&config, "never-used"), Some(TOKEN))
         .send()
         .await;
@@ -236,6 +335,11 @@ async fn a_consumers_unknown_outcome_is_resolved_the_same_way() {
     })
     .await;
     assert!(unknown, "{}", state_of(admin, &id).await);
+    let (found, _) = listed(admin, "state=unknown&consumer=orders").await;
+    assert_eq!(client_keys(&found), ["m-1"]);
+    assert_eq!(found[0]["id"], id.as_str());
+    assert_eq!(found[0]["consumer"], "orders");
+    assert_eq!(found[0]["reason"], "timeout");
     let resolved = keys_request(admin, "PUT", &id, Some(TOKEN))
         .json(r#"{"status": 200, "body": "resolved by an operator"}"#)
         .send()

@@ -215,6 +215,9 @@ impl RedisStore {
         conn: &mut RedisConn,
         pipes: Vec<redis::Pipeline>,
     ) -> Result<Vec<T>, StoreError> {
+        if pipes.is_empty() {
+            return Ok(Vec::new());
+        }
         match conn {
             RedisConn::Single(_) => {
                 let mut all = redis::pipe();
