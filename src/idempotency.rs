@@ -35,7 +35,7 @@ use crate::fingerprint::Fingerprint;
 use crate::key::StoreKey;
 use crate::metrics::Metrics;
 use crate::quota::{Quota, Quotas, Share, SHARE_RETRY};
-use crate::reconcile::{self, Lookup, Reconciled};
+use crate::reconcile::{Lookup, Reconciled, Reconciler};
 use crate::store::{
     now_ms, Claim, OwnerToken, Record, RecordState, Reservation, Store, StoreError, StoreOp,
     StoredResponse, UnknownReason,
@@ -170,6 +170,8 @@ pub struct Core {
 /// What every execution of the core uses, one `Arc` for a request to hold.
 struct Shared {
     metrics: Arc<Metrics>,
+    /// Asks upstreams about unknown outcomes, now and in the background.
+    reconciler: Arc<Reconciler>,
     /// Duplicates waiting on pending keys, one store reader per key.
     rooms: Rooms,
     /// Records stored per client scope, against the routes' quotas.
@@ -177,12 +179,13 @@ struct Shared {
 }
 
 impl Core {
-    pub fn new(metrics: Arc<Metrics>) -> Self {
+    pub fn new(metrics: Arc<Metrics>, reconciler: Arc<Reconciler>) -> Self {
         Core {
             shared: Arc::new(Shared {
                 rooms: Rooms::new(metrics.waiting()),
                 quotas: Quotas::new(),
                 metrics,
+                reconciler,
             }),
             tasks: TaskTracker::new(),
         }
@@ -191,6 +194,11 @@ impl Core {
     /// Owner executions still running on their own (their callers went away).
     pub fn tasks(&self) -> &TaskTracker {
         &self.tasks
+    }
+
+    /// What settles unknown outcomes (the server runs its background part).
+    pub fn reconciler(&self) -> &Arc<Reconciler> {
+        &self.shared.reconciler
     }
 
     /// When a new key of this caller would be refused for its quota or its share of the store:
@@ -254,7 +262,9 @@ impl Core {
             };
             let record = match reservation {
                 Reservation::Owner(token) => {
-                    return self.execute(records, *key, token, rules, exec).await;
+                    return self
+                        .execute(records, *key, token, (rules, lookup), exec)
+                        .await;
                 }
                 Reservation::Existing(record) => record,
             };
@@ -295,7 +305,9 @@ impl Core {
                     key = key.short(),
                     "taking over an abandoned or unknown key (on_unknown = \"retry\")"
                 );
-                return self.execute(records, *key, token, rules, exec).await;
+                return self
+                    .execute(records, *key, token, (rules, lookup), exec)
+                    .await;
             }
         }
         Decision::Refused(Refusal::InFlight)
@@ -315,14 +327,24 @@ impl Core {
         let Some(lookup) = lookup else {
             return Some(unknown);
         };
-        let metrics = &self.shared.metrics;
-        match reconcile::settle(&**store, key, lookup, rules.ttl, metrics).await {
+        let reconciler = &self.shared.reconciler;
+        match reconciler.settle(&**store, key, lookup, rules.ttl).await {
             Reconciled::Replay(response) => Some(Decision::Replay {
                 response,
                 waited: false,
             }),
-            Reconciled::Released => None,
-            Reconciled::Unknown => Some(unknown),
+            // It did not happen, or it was settled meanwhile: read the record again.
+            Reconciled::Released | Reconciled::Settled => None,
+            Reconciled::TooEarly(due) => {
+                reconciler.schedule(*key, lookup, rules.ttl, due);
+                Some(unknown)
+            }
+            Reconciled::Unknown => {
+                // The background asks again, with backoff.
+                let due = now_ms().saturating_add(lookup.after.as_millis() as u64);
+                reconciler.schedule(*key, lookup, rules.ttl, due);
+                Some(unknown)
+            }
         }
     }
 
@@ -333,9 +355,11 @@ impl Core {
         records: Records,
         key: StoreKey,
         token: OwnerToken,
-        rules: Rules,
+        (rules, lookup): (Rules, Option<&Lookup>),
         exec: E,
     ) -> Decision<E> {
+        // Owned: the execution may outlive this call.
+        let lookup = lookup.cloned();
         let run = async move {
             let started = Instant::now();
             let forward = exec.execute();
@@ -346,6 +370,20 @@ impl Core {
             };
             let took = started.elapsed();
             let settled = records.settle(&key, token, rules, attempt).await;
+            if let (
+                Settled::Unknown {
+                    retryable: false, ..
+                },
+                Some(lookup),
+            ) = (&settled, &lookup)
+            {
+                // Asked in the background once `after` has passed, whether or not anyone retries.
+                let due = now_ms().saturating_add(lookup.after.as_millis() as u64);
+                records
+                    .shared
+                    .reconciler
+                    .schedule(key, lookup, rules.ttl, due);
+            }
             Decision::Owned { settled, took }
         };
         Detachable::new(run, self.tasks.clone()).await

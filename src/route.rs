@@ -225,6 +225,11 @@ impl<T: Routed> Router<T> {
         }
     }
 
+    /// Every route, in config order.
+    pub fn routes(&self) -> &[Arc<T>] {
+        &self.routes
+    }
+
     /// The route this request belongs to. Config validation refuses overlapping routes, so
     /// there is at most one.
     pub fn find(&self, method: &Method, path: &str) -> Option<&Arc<T>> {

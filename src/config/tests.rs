@@ -418,7 +418,7 @@ fn reconcile_names_an_http_lookup_with_the_key_in_it() {
     );
     for bad in [
         "{ url = \"http://pay/payments\" }",
-        "{ url = \"https://pay/{key}\" }",
+        "{ url = \"ftp://pay/{key}\" }",
         "{ url = \"/by-key/{key}\" }",
     ] {
         assert_eq!(
@@ -432,6 +432,7 @@ fn reconcile_names_an_http_lookup_with_the_key_in_it() {
         "routes[0].reconcile.after"
     );
     assert!(route("{ url = \"http://pay/{key}\", retries = 3 }").is_err());
+    assert!(route("{ url = \"https://pay/{key}\" }").is_ok());
 }
 
 #[test]

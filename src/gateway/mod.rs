@@ -40,6 +40,7 @@ use crate::idempotency::Core;
 use crate::key::StoreKey;
 use crate::metrics::{Metrics, Outcome, RouteMetrics};
 use crate::problem::{self, Problem};
+use crate::reconcile::Reconciler;
 use crate::route::{RoutePattern, Routed, Router};
 use crate::store::Store;
 use crate::upstream::{
@@ -188,13 +189,15 @@ impl Gateway {
             upstream_tls,
             max_buffered,
         } = parts;
+        let reconciler = Reconciler::new(Arc::clone(&metrics), Arc::clone(&upstream_tls));
+        let core = Arc::new(Core::new(Arc::clone(&metrics), Arc::new(reconciler)));
         Gateway {
             upstream_limits,
             upstream_tls,
             budget: Budget::new(max_buffered, metrics.buffered()),
             routing: ArcSwap::from_pointee(routing),
             store,
-            core: Arc::new(Core::new(Arc::clone(&metrics))),
+            core,
             connect_timeout,
             metrics,
             shutting_down: AtomicBool::new(false),
@@ -215,6 +218,11 @@ impl Gateway {
 
     pub fn store(&self) -> &Arc<dyn Store> {
         &self.store
+    }
+
+    /// The routes as they are now (a reload replaces them).
+    pub fn routes(&self) -> Vec<Arc<Route>> {
+        self.routing.load().router.routes().to_vec()
     }
 
     pub fn metrics(&self) -> &Arc<Metrics> {

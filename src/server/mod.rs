@@ -10,6 +10,7 @@
 //! store their results, so nothing a client was promised is lost.
 
 mod acceptor;
+mod reconciling;
 mod reload;
 mod worker;
 
@@ -159,7 +160,11 @@ impl Server {
             tls,
         } = self;
         let (workers, mut all_done) = start_workers(&gateway, &settings, tls).await?;
+        let policies = (consumers.iter())
+            .map(|(c, _)| (c.name.clone(), c.policy.clone()))
+            .collect();
         let consumers = start_consumers(consumers, &gateway, &settings);
+        let reconciling = reconciling::start(&gateway, policies, consumers.stop.clone());
         let admin_task = admin.map(|l| {
             if let Ok(addr) = l.local_addr() {
                 tracing::info!(%addr, operator_api = operator.is_some(), "admin listening (/healthz /readyz /metrics; /keys/{{id}} with operator_api)");
@@ -205,6 +210,9 @@ impl Server {
             tracing::error!(error = %e, "the store could not sync its last changes");
         }
         if let Some(t) = admin_task {
+            t.abort();
+        }
+        if let Some(t) = reconciling {
             t.abort();
         }
         tracing::info!("shut down");

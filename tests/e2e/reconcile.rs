@@ -1,7 +1,10 @@
 //! Reconciliation with an upstream that can answer "did K happen?" (`reconcile` on a route): a
 //! request the upstream executed but whose answer never came back replays the looked-up result;
 //! one it never executed (404) is released and runs once; a lookup that fails leaves it unknown;
-//! a gateway killed mid-flight reconciles after its restart.
+//! a gateway killed mid-flight reconciles after its restart. In the background too: without any
+//! retry, each unknown outcome is settled once `after` has passed, a failing lookup is asked a
+//! bounded number of times, and what a killed gateway left is found by the sweep after the
+//! restart.
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
@@ -51,6 +54,25 @@ fn posts(up: &Upstream, key: &str) -> usize {
         .filter(|s| s.method == http::Method::POST)
         .filter(|s| s.headers["idempotency-key"] == key)
         .count()
+}
+
+/// Lookups of `key` the upstream received.
+fn lookups(up: &Upstream, key: &str) -> usize {
+    let path = format!("/payments/by-key/{key}");
+    up.seen()
+        .iter()
+        .filter(|s| s.path_and_query == path)
+        .count()
+}
+
+/// The `idemgate_reconciliations_total` count for `result` on the admin listener at `admin`.
+async fn reconciliations(admin: std::net::SocketAddr, result: &str) -> f64 {
+    let m = scrape(admin).await;
+    m.get(&format!(
+        "idemgate_reconciliations_total{{result=\"{result}\"}}"
+    ))
+    .copied()
+    .unwrap_or(0.0)
 }
 
 /// Whether `got` is the `outcome-unknown` problem.
@@ -165,4 +187,131 @@ async fn a_gateway_killed_mid_flight_is_reconciled_after_its_restart() {
     assert_eq!(settled.status, 200, "{settled:?}");
     assert_eq!(settled.header("idemgate-reconciled"), Some("true"));
     assert_eq!(posts(&up, "paid-2"), 1, "never executed again");
+}
+
+/// Nobody retries: the background asks about each unknown outcome once `after` has passed and
+/// settles it, and asks a lookup that keeps failing a bounded number of times, then leaves it
+/// to the operator.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_outcomes_are_settled_in_the_background_without_a_retry() {
+    let up = upstream().await;
+    let gw = Running::start(config(&up.url(), &route(&up)).with_admin())
+        .await
+        .unwrap();
+    let (http, admin) = (Http::new(gw.addr()), gw.admin_addr().unwrap());
+    for key in ["paid-b", "none-b", "err-b"] {
+        let lost = http.post("/payments", key, "{}").await;
+        assert_eq!(lost.problem_type(), "outcome-unknown", "{lost:?}");
+    }
+    let settled = eventually_within(Duration::from_secs(30), || async {
+        reconciliations(admin, "reconciled").await == 1.0
+            && reconciliations(admin, "released").await == 1.0
+            && reconciliations(admin, "gave_up").await == 1.0
+    })
+    .await;
+    assert!(settled, "{:?}", scrape(admin).await);
+    assert_eq!(lookups(&up, "paid-b"), 1);
+    assert_eq!(lookups(&up, "none-b"), 1);
+    assert_eq!(
+        lookups(&up, "err-b"),
+        5,
+        "a failing lookup is asked a bounded number of times"
+    );
+    // What the retries find: the looked-up payment, without asking again; a released key,
+    // executed once; still unknown.
+    let paid = http.post("/payments", "paid-b", "{}").await;
+    assert!(paid.is_replay(), "{paid:?}");
+    assert_eq!(paid.header("idemgate-reconciled"), Some("true"));
+    assert_eq!(lookups(&up, "paid-b"), 1);
+    assert_eq!(http.post("/payments", "none-b", "{}").await.status, 201);
+    assert_eq!(posts(&up, "none-b"), 2, "the lost call, then the retry");
+    assert!(unknown(&http.post("/payments", "err-b", "{}").await));
+    assert_eq!(posts(&up, "paid-b") + posts(&up, "err-b"), 2);
+}
+
+/// The gateway is killed mid-flight and restarted; nobody retries. The restarted gateway's
+/// sweep finds the record its predecessor left once that lease has run out, and settles it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_a_killed_gateway_left_is_found_and_settled_by_the_sweep() {
+    let up = upstream().await;
+    let dir = TempDir::new("reconcile-sweep");
+    let admin: std::net::SocketAddr =
+        format!("127.0.0.1:{}", crate::support::redis::free_port(false))
+            .parse()
+            .unwrap();
+    let text = TomlConfig::parse(&format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\n[upstream]\nurl = \"{}\"\n{}",
+        up.url(),
+        route(&up)
+    ))
+    .set("store.backend", "disk")
+    .set("store.path", dir.path.display().to_string())
+    .set("server.admin", admin.to_string())
+    .text();
+    let gw = GatewayProcess::start(&text);
+    let doomed = spawn_post_to_be_killed(&Http::new(gw.addr), "paid-3");
+    up.next_arrival().await;
+    gw.signal_and_wait("-KILL");
+    assert!(doomed.await.unwrap().is_none());
+    let gw = GatewayProcess::start(&text);
+    let settled = eventually_within(Duration::from_secs(30), || async {
+        reconciliations(admin, "reconciled").await == 1.0
+    })
+    .await;
+    assert!(settled, "{}", gw.drain_logs().join("\n"));
+    assert_eq!(lookups(&up, "paid-3"), 1);
+    let replay = Http::new(gw.addr).post("/payments", "paid-3", "{}").await;
+    assert!(replay.is_replay(), "{replay:?}");
+    assert_eq!(replay.body, "{\"payment\":\"pay_paid-3\"}");
+    assert_eq!(posts(&up, "paid-3"), 1, "never executed again");
+}
+
+/// A consumer's handler call without a complete answer: the background asks the handler's
+/// lookup with the message's key and stores what it says; the producer's next copy of the
+/// message gets that answer, and the handler is not called again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumers_unknown_outcome_is_settled_in_the_background() {
+    let redis = crate::support::redis::RedisServer::start();
+    let up = Upstream::start(|seen, n| {
+        if seen.path_and_query == "/orders/by-key/m-1" {
+            return Reply::json(200, "{\"order\":\"o-1\"}");
+        }
+        if n == 1 {
+            Reply::Hang
+        } else {
+            Reply::json(201, "{\"handled\":true}")
+        }
+    })
+    .await;
+    let text = TomlConfig::parse(&format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\n[upstream]\nurl = \"{url}\"\n[[consumers]]\nname = \"orders\"\nsource = {{ redis_stream = \"orders\", group = \"idemgate\" }}\nhandler = \"{url}/orders\"\nkey = {{ json = \"/messageId\" }}\nupstream_timeout = \"500ms\"\nbackoff = \"50ms\"\nreconcile = {{ url = \"{url}/orders/by-key/{{key}}\", after = \"300ms\" }}\n",
+        url = up.url()
+    ))
+    .set("store.backend", "redis")
+    .set("store.url", redis.url())
+    .text();
+    let config = idemgate::config::Config::parse(&text).unwrap().with_admin();
+    let gw = Running::start(config).await.unwrap();
+    let admin = gw.admin_addr().unwrap();
+    let publish = || redis.cli(&["XADD", "orders", "*", "body", r#"{"messageId": "m-1"}"#]);
+    publish();
+    let settled = eventually_within(Duration::from_secs(30), || async {
+        reconciliations(admin, "reconciled").await == 1.0
+    })
+    .await;
+    assert!(settled, "{:?}", scrape(admin).await);
+    publish();
+    let deduplicated =
+        "idemgate_consumer_messages_total{consumer=\"orders\",outcome=\"deduplicated\"}";
+    let replayed = eventually_within(Duration::from_secs(20), || async {
+        scrape(admin).await.get(deduplicated).copied() == Some(1.0)
+    })
+    .await;
+    assert!(replayed, "{:?}", scrape(admin).await);
+    let handled = up
+        .seen()
+        .iter()
+        .filter(|s| s.path_and_query == "/orders")
+        .count();
+    assert_eq!(handled, 1, "the handler ran once, for the first delivery");
 }

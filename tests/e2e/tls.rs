@@ -4,6 +4,7 @@
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
@@ -15,6 +16,8 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use tokio::net::TcpListener;
 
 use crate::support::*;
+use idemgate::config::Config;
+use idemgate::server::Running;
 
 /// A certificate authority for the tests.
 struct Ca {
@@ -748,4 +751,49 @@ async fn the_postgres_store_verifies_the_servers_certificate() {
     let wrong = PostgresStore::new(&settings("other.pem")).unwrap();
     let refused = wrong.ping().await.unwrap_err().to_string();
     assert!(refused.to_lowercase().contains("certificate"), "{refused}");
+}
+
+/// A route whose reconcile lookup is `https://`: asked over TLS with the `[upstream]` TLS
+/// settings (here: trusting only the test CA), and its answer stored as the key's result.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_https_reconcile_lookup_is_verified_with_the_upstream_tls_settings() {
+    let ca = Ca::new("test CA");
+    let (cert, key) = ca.leaf(&["localhost"], false);
+    let lookup = HttpsUpstream::start(&cert, &key, None).await;
+    // The payment "executes" and its answer is lost: the call hangs past upstream_timeout.
+    let up = Upstream::start(|_, _| Reply::Hang).await;
+    let dir = TempDir::new("tls-reconcile");
+    write(&dir, "ca.pem", &ca.cert.pem());
+    let text = TomlConfig::parse(&format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\n[store]\nbackend = \"memory\"\n[upstream]\nurl = \"{}\"\n[[routes]]\nname = \"payments\"\npath = \"/payments\"\nupstream_timeout = \"500ms\"\nreconcile = {{ url = \"https://localhost:{}/payments/by-key/{{key}}\", after = \"200ms\" }}\n",
+        up.url(),
+        lookup.addr.port()
+    ))
+    .set(
+        "upstream.tls_ca_file",
+        dir.path.join("ca.pem").display().to_string(),
+    )
+    .text();
+    let gw = Running::start(Config::parse(&text).unwrap()).await.unwrap();
+    let http = Http::new(gw.addr());
+    let lost = http.post("/payments", "tls-r", "{}").await;
+    assert_eq!(lost.problem_type(), "outcome-unknown", "{lost:?}");
+    let mut settled = lost;
+    for _ in 0..100 {
+        if settled.is_replay() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        settled = http.post("/payments", "tls-r", "{}").await;
+    }
+    assert!(settled.is_replay(), "{settled:?}");
+    assert_eq!(settled.header("idemgate-reconciled"), Some("true"));
+    assert_eq!(settled.status, 201);
+    // The lookup's answer (the background and a retry may both have asked).
+    assert!(
+        settled.text().starts_with("{\"over\":\"tls\""),
+        "{settled:?}"
+    );
+    assert!(lookup.handshakes.load(Ordering::SeqCst) >= 1);
+    assert_eq!(up.executions(), 1);
 }

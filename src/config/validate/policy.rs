@@ -165,12 +165,12 @@ fn apply_limits(
     Ok(())
 }
 
-/// `reconcile`: an `http://` URL with `{key}` in it (https lookups are not made yet), and
-/// `after` from 0s to 1h.
+/// `reconcile`: an `http://` or `https://` URL with `{key}` in it (https with the `[upstream]`
+/// TLS settings), and `after` from 0s to 1h.
 fn reconcile(f: &dyn Fn(&str) -> String, r: &RawReconcile) -> Result<Reconcile, ConfigError> {
-    let example = "an http:// URL with {key} where the client's key goes, such as \"http://payments:3000/payments/by-key/{key}\"";
+    let example = "an http:// or https:// URL with {key} where the client's key goes, such as \"http://payments:3000/payments/by-key/{key}\"";
     let filled = r.url.replace("{key}", "k");
-    let valid = r.url.starts_with("http://")
+    let valid = (r.url.starts_with("http://") || r.url.starts_with("https://"))
         && r.url.contains("{key}")
         && filled
             .parse::<http::Uri>()

@@ -15,22 +15,28 @@
 //! consistent with the upstream's own writes, and nothing may run after `after`
 //! (docs/lifecycle.md).
 
+mod background;
+
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{header, HeaderName, HeaderValue, Request, StatusCode, Uri};
+use http::{header, HeaderName, HeaderValue, Request, Response, StatusCode, Uri};
 use http_body_util::{BodyExt, Empty, Limited};
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
+use hyper::body::Incoming;
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpStream;
 
 use percent_encoding::{utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
 
-use crate::config::Policy;
+use crate::config::{Policy, UpstreamProtocol};
 use crate::key::StoreKey;
 use crate::metrics::Metrics;
 use crate::operator::{self, Change};
 use crate::store::{now_ms, RecordState, Store, StoredResponse};
+use crate::upstream::UpstreamTlsConnector;
+use background::Queue;
+pub use background::{run as run_background, Backlog, Sources};
 
 /// Marks a result the gateway learned from the upstream's lookup rather than its own call.
 pub const RECONCILED_HEADER: HeaderName = HeaderName::from_static("idemgate-reconciled");
@@ -78,8 +84,13 @@ pub enum Reconciled {
     Replay(Arc<StoredResponse>),
     /// It did not: the key is free, and this retry may run it.
     Released,
-    /// Still unknown (too early, the lookup did not say, or the record changed).
+    /// Still unknown: the lookup did not say, or the record changed while it was settled.
     Unknown,
+    /// `after` has not passed since the request last ran: no lookup before this time (ms since
+    /// the Unix epoch).
+    TooEarly(u64),
+    /// The record is no longer an unknown outcome (settled meanwhile, or gone).
+    Settled,
 }
 
 impl Reconciled {
@@ -88,44 +99,99 @@ impl Reconciled {
             Reconciled::Replay(_) => "reconciled",
             Reconciled::Released => "released",
             Reconciled::Unknown => "unknown",
+            Reconciled::TooEarly(_) => "too_early",
+            Reconciled::Settled => "settled",
         }
     }
 }
 
-/// Asks the upstream about `key`'s unknown outcome and settles the record by its answer.
-pub async fn settle(
+/// Settles unknown outcomes by their lookups, now (for a retry) or in the background; one per
+/// process.
+pub struct Reconciler {
+    metrics: Arc<Metrics>,
+    /// For `https://` lookups: the `[upstream]` TLS settings.
+    tls: Arc<UpstreamTlsConnector>,
+    queue: Queue,
+    /// The receiving end of `queue`, until the server starts the background task.
+    backlog: std::sync::Mutex<Option<Backlog>>,
+}
+
+impl Reconciler {
+    pub fn new(metrics: Arc<Metrics>, tls: Arc<UpstreamTlsConnector>) -> Reconciler {
+        let (queue, backlog) = background::queue();
+        Reconciler {
+            metrics,
+            tls,
+            queue,
+            backlog: std::sync::Mutex::new(Some(backlog)),
+        }
+    }
+
+    /// Asks the upstream about `key`'s unknown outcome and settles the record by its answer.
+    pub async fn settle(
+        &self,
+        store: &dyn Store,
+        key: &StoreKey,
+        lookup: &Lookup,
+        ttl: Duration,
+    ) -> Reconciled {
+        let settled = ask(store, key, lookup, ttl, &self.tls).await;
+        // Counted only when the upstream was asked.
+        if matches!(
+            settled,
+            Reconciled::Replay(_) | Reconciled::Released | Reconciled::Unknown
+        ) {
+            self.metrics.reconciliation(settled.as_str());
+        }
+        tracing::info!(
+            key = key.short(),
+            result = settled.as_str(),
+            "reconciliation"
+        );
+        settled
+    }
+
+    /// Has the background ask about `key` from `due_ms` on (ms since the Unix epoch), again
+    /// with backoff while the lookup does not say. Never waits: with the queue full, the key
+    /// is left to retries, the next sweep and the operator.
+    pub fn schedule(&self, key: StoreKey, lookup: &Lookup, ttl: Duration, due_ms: u64) {
+        self.queue.schedule(key, lookup, ttl, due_ms);
+    }
+
+    /// The background's side of the queue, once (the server takes it when it starts).
+    pub fn take_backlog(&self) -> Option<Backlog> {
+        self.backlog
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take()
+    }
+}
+
+async fn ask(
     store: &dyn Store,
     key: &StoreKey,
     lookup: &Lookup,
     ttl: Duration,
-    metrics: &Metrics,
+    tls: &UpstreamTlsConnector,
 ) -> Reconciled {
-    let settled = ask(store, key, lookup, ttl).await;
-    metrics.reconciliation(settled.as_str());
-    tracing::info!(
-        key = key.short(),
-        result = settled.as_str(),
-        "reconciliation"
-    );
-    settled
-}
-
-async fn ask(store: &dyn Store, key: &StoreKey, lookup: &Lookup, ttl: Duration) -> Reconciled {
-    let Ok(Some(record)) = store.get(key).await else {
-        return Reconciled::Unknown;
+    let record = match store.get(key).await {
+        Ok(Some(record)) => record,
+        Ok(None) => return Reconciled::Settled,
+        Err(_) => return Reconciled::Unknown,
     };
     // When the request was last known to run: the original must be over before its lookup
     // can be believed.
     let last_ran = match record.state {
         RecordState::Unknown { since_ms, .. } => since_ms,
         RecordState::Abandoned { lease_until_ms, .. } => lease_until_ms,
-        _ => return Reconciled::Unknown,
+        _ => return Reconciled::Settled,
     };
     let after = u64::try_from(lookup.after.as_millis()).unwrap_or(u64::MAX);
-    if now_ms() < last_ran.saturating_add(after) {
-        return Reconciled::Unknown;
+    let due = last_ran.saturating_add(after);
+    if now_ms() < due {
+        return Reconciled::TooEarly(due);
     }
-    match get(lookup).await {
+    match get(lookup, tls).await {
         Ok(Some(response)) => {
             let stored = Arc::new(response.clone());
             match operator::resolve(store, key, response, false, ttl).await {
@@ -145,18 +211,12 @@ async fn ask(store: &dyn Store, key: &StoreKey, lookup: &Lookup, ttl: Duration) 
 }
 
 /// The lookup: `Some(answer)` for a 2xx, `None` for a 404, why not for anything else.
-async fn get(lookup: &Lookup) -> Result<Option<StoredResponse>, String> {
-    // A connection of its own, on this runtime: lookups are rare, and a pooled connection
-    // would be driven by whichever worker made it.
-    let client: Client<_, Empty<Bytes>> = Client::builder(TokioExecutor::new())
-        .pool_max_idle_per_host(0)
-        .build_http();
-    let request = Request::get(lookup.url.clone())
-        .header(header::ACCEPT, "application/json")
-        .body(Empty::new())
-        .map_err(|e| e.to_string())?;
+async fn get(
+    lookup: &Lookup,
+    tls: &UpstreamTlsConnector,
+) -> Result<Option<StoredResponse>, String> {
     let answer = async {
-        let response = client.request(request).await.map_err(|e| e.to_string())?;
+        let response = send(&lookup.url, tls).await?;
         let (parts, body) = response.into_parts();
         if parts.status == StatusCode::NOT_FOUND {
             return Ok(None);
@@ -188,6 +248,55 @@ async fn get(lookup: &Lookup) -> Result<Option<StoredResponse>, String> {
     tokio::time::timeout(lookup.timeout, answer)
         .await
         .unwrap_or_else(|_| Err(format!("no answer within {:?}", lookup.timeout)))
+}
+
+/// One GET of `url` on a connection of its own, made on this runtime (lookups are rare; a
+/// pooled connection would be driven by whichever worker made it): HTTP/1.1, over TLS for
+/// `https://` with the upstreams' TLS settings (CA, client certificate, server name).
+async fn send(url: &Uri, tls: &UpstreamTlsConnector) -> Result<Response<Incoming>, String> {
+    let (Some(scheme), Some(authority)) = (url.scheme_str(), url.authority()) else {
+        return Err("the lookup URL has no scheme or host".into());
+    };
+    let secure = scheme == "https";
+    let port = authority
+        .port_u16()
+        .unwrap_or(if secure { 443 } else { 80 });
+    let host = authority.host();
+    let tcp = TcpStream::connect((host.trim_start_matches('[').trim_end_matches(']'), port))
+        .await
+        .map_err(|e| format!("cannot connect to {authority}: {e}"))?;
+    let _ = tcp.set_nodelay(true);
+    let request = Request::get(url.path_and_query().map_or("/", |p| p.as_str()))
+        .header(header::HOST, authority.as_str())
+        .header(header::ACCEPT, "application/json")
+        .body(Empty::<Bytes>::new())
+        .map_err(|e| e.to_string())?;
+    if secure {
+        let bare = host.trim_start_matches('[').trim_end_matches(']');
+        let (stream, _) = tls
+            .connect(bare, tcp, UpstreamProtocol::Http1)
+            .await
+            .map_err(|e| e.to_string())?;
+        exchange(TokioIo::new(stream), request).await
+    } else {
+        exchange(TokioIo::new(tcp), request).await
+    }
+}
+
+async fn exchange<T>(io: T, request: Request<Empty<Bytes>>) -> Result<Response<Incoming>, String>
+where
+    T: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+{
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(io)
+        .await
+        .map_err(|e| e.to_string())?;
+    tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    sender
+        .send_request(request)
+        .await
+        .map_err(|e| e.to_string())
 }
 
 fn hop_by_hop(name: &HeaderName) -> bool {
