@@ -1,0 +1,71 @@
+//! An owner's execution that outlives its caller: see [`Detachable`].
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{ready, Context, Poll};
+
+use tokio_util::task::TaskTracker;
+
+/// An owner's execution, run inside the caller's task while the caller waits. If the caller
+/// goes away first (hyper then drops the request's future), the execution moves to a task of its
+/// own, so the operation still completes and its result is still stored; shutdown waits for such
+/// tasks ([`super::Core::tasks`]). Spawning every execution up front would cost a task, a wake-up and a
+/// hand-off per request for the rare caller that hangs up.
+pub(super) struct Detachable<F>
+where
+    F: Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    /// `None` once finished. Boxed so that, half-run, it can still be moved to a task.
+    run: Option<Pin<Box<F>>>,
+    tasks: TaskTracker,
+}
+
+impl<F> Detachable<F>
+where
+    F: Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    pub(super) fn new(run: F, tasks: TaskTracker) -> Self {
+        Detachable {
+            run: Some(Box::pin(run)),
+            tasks,
+        }
+    }
+}
+
+impl<F> Future for Detachable<F>
+where
+    F: Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    type Output = F::Output;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        let Some(run) = self.run.as_mut() else {
+            // Polled again after finishing: a caller's bug, and nothing left to give.
+            return Poll::Pending;
+        };
+        let done = ready!(run.as_mut().poll(cx));
+        self.run = None;
+        Poll::Ready(done)
+    }
+}
+
+impl<F> Drop for Detachable<F>
+where
+    F: Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    fn drop(&mut self) {
+        let Some(run) = self.run.take() else { return };
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                self.tasks.spawn_on(run, &runtime);
+            }
+            // Only when the runtime itself is being torn down, past the shutdown grace: the
+            // record stays pending until its lease runs out, then reads as abandoned.
+            Err(_) => tracing::warn!("an upstream call was cut off by the end of its runtime"),
+        }
+    }
+}
