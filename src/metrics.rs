@@ -14,6 +14,7 @@
 //! - `idemgate_reconciliations_total{result}`: unknown outcomes asked of the upstream's lookup
 //!   ([`crate::reconcile`]): `reconciled`, `released`, `unknown`.
 //! - `idemgate_records_purged_total`: expired records removed by an embedded store.
+//! - `idemgate_store_fill_ratio`: how full an embedded store is (0 for Redis and Postgres).
 //! - `idemgate_store_replica_acks_missed_total{op}`: Redis writes acknowledged by fewer
 //!   replicas than `store.min_replicas` ([`crate::store::redis`]).
 //! - `idemgate_store_syncs_total`: durable commits (fsyncs) of the disk store; divided by the
@@ -245,6 +246,7 @@ pub struct Metrics {
     records_purged: Counter,
     store_syncs: Counter,
     eviction_risk: Family<PolicyLabel, Gauge>,
+    store_fill: Gauge<f64, std::sync::atomic::AtomicU64>,
     replica_acks_missed: Family<OpLabel, Counter>,
     consumer_messages: Family<ConsumerLabels, Counter>,
     consumer_handler: HistogramFamily<ConsumerLabel>,
@@ -337,6 +339,11 @@ impl Metrics {
             "store_syncs",
             "Durable commits (fsyncs) of the disk store",
         );
+        let store_fill: Gauge<f64, std::sync::atomic::AtomicU64> = registered(
+            r,
+            "store_fill_ratio",
+            "How full an embedded store is, 0 to 1 of its tightest bound (max_disk, max_keys, max_bytes); new keys get 503 store-full at 1",
+        );
         let eviction_risk: Family<PolicyLabel, Gauge> = registered(r, "store_eviction_risk", "1 while Redis's maxmemory-policy (the label) can evict live records, 0 under noeviction; absent until read, and where it cannot be");
         let replica_acks_missed: Family<OpLabel, Counter> = registered(
             r,
@@ -356,6 +363,7 @@ impl Metrics {
         );
         Metrics {
             eviction_risk,
+            store_fill,
             consumer_messages,
             consumer_handler,
             consumer_pending,
@@ -534,6 +542,13 @@ impl Metrics {
             self.eviction_risk
                 .get_or_create(&PolicyLabel { policy })
                 .set(risk);
+        }
+    }
+
+    /// How full an embedded store is (`None`: a store without a bound the gateway knows).
+    pub fn set_store_fill(&self, fill: Option<f64>) {
+        if let Some(fill) = fill {
+            self.store_fill.set(fill);
         }
     }
 

@@ -24,6 +24,26 @@ use crate::consumer::BrokerHealth;
 use crate::gateway::Gateway;
 use crate::store::{Readiness, StoreError, StoreOp};
 
+/// How full an embedded store may be before readiness warns: at its bound new keys get
+/// `503 store-full`, and a default bound can be too small for a busy deployment.
+const FILL_WARNING: f64 = 0.8;
+
+/// The store's readiness, with a warning once an embedded store is [`FILL_WARNING`] full.
+fn with_fill(readiness: Readiness, fill: Option<f64>) -> Readiness {
+    let Some(fill) = fill.filter(|f| *f >= FILL_WARNING) else {
+        return readiness;
+    };
+    let full = format!(
+        "the store is {:.0}% full: at 100% new keys get 503 store-full (raise max_disk, max_keys or max_bytes, or lower ttl)",
+        fill * 100.0
+    );
+    match readiness {
+        Readiness::Fine => Readiness::Warning(full),
+        Readiness::Warning(w) => Readiness::Warning(format!("{w}; {full}")),
+        not_ready => not_ready,
+    }
+}
+
 /// A readiness check fails if the store does not answer within this.
 const READY_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -106,7 +126,7 @@ async fn handle(
                     .store_call(StoreOp::Ping, started.elapsed(), failed);
             }
             match ping {
-                Ok(Ok(())) => match gw.store().readiness() {
+                Ok(Ok(())) => match with_fill(gw.store().readiness(), gw.store().fill()) {
                     Readiness::Fine => text(StatusCode::OK, "ready\n"),
                     Readiness::Warning(w) => {
                         owned_text(StatusCode::OK, format!("ready; warning: {w}\n"))
@@ -125,6 +145,7 @@ async fn handle(
         "/metrics" => {
             let metrics = gw.metrics();
             metrics.set_store_stats(gw.store().stats());
+            metrics.set_store_fill(gw.store().fill());
             let mut resp = Response::new(body::full(Bytes::from(metrics.encode())));
             resp.headers_mut().insert(
                 header::CONTENT_TYPE,

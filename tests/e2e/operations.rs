@@ -221,6 +221,44 @@ async fn readiness_turns_false_as_soon_as_shutdown_begins() {
     stopping.await.unwrap();
 }
 
+/// A bound that a busy deployment outgrows is seen coming: from 80 % full, readiness stays
+/// 200 but warns, and `idemgate_store_fill_ratio` says how full; at the bound, 503 store-full.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_warns_before_an_embedded_store_is_full() {
+    let up = Upstream::counting().await;
+    let mut config = config(&up.url(), PAYMENTS).with_admin();
+    config.store = idemgate::config::StoreConfig::Memory {
+        max_keys: 10,
+        max_bytes: 64 << 20,
+    };
+    let gw = Running::start(config).await.unwrap();
+    let (http, admin) = (Http::new(gw.addr()), gw.admin_addr().unwrap());
+    for i in 0..7 {
+        assert_eq!(
+            http.post("/payments", &format!("f{i}"), "{}").await.status,
+            201
+        );
+    }
+    assert_eq!(
+        admin_get(admin, "/readyz").await,
+        (200, "ready\n".to_string())
+    );
+    http.post("/payments", "f7", "{}").await;
+    let (status, text) = admin_get(admin, "/readyz").await;
+    assert_eq!(status, 200);
+    assert!(
+        text.starts_with("ready; warning: the store is 80% full"),
+        "{text}"
+    );
+    assert_eq!(scrape(admin).await["idemgate_store_fill_ratio"], 0.8);
+    http.post("/payments", "f8", "{}").await;
+    http.post("/payments", "f9", "{}").await;
+    assert_eq!(
+        http.post("/payments", "f10", "{}").await.problem_type(),
+        "store-full"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sighup_reloads_routes_under_traffic_and_keeps_the_old_config_on_error() {
     let up = Upstream::counting().await;
