@@ -124,6 +124,8 @@ pub enum SourceConfig {
     },
     /// A NATS JetStream stream, read by a durable pull consumer that every instance shares.
     NatsStream(NatsSource),
+    /// A RabbitMQ queue, consumed with manual acknowledgement by every instance.
+    RabbitQueue(RabbitSource),
 }
 
 /// A consumer's NATS JetStream stream: what [`crate::consumer::NatsStream`] reads.
@@ -138,6 +140,16 @@ pub struct NatsSource {
     pub dead_letter: String,
     /// A message unacknowledged this long is delivered again (to any instance).
     pub ack_wait: Duration,
+}
+
+/// `source = { rabbitmq_queue = "orders", url = "amqp://...", dead_letter = "orders.dead" }`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RabbitSource {
+    /// `amqp://` or `amqps://`, with credentials and the virtual host (`%2f` for `/`).
+    pub url: String,
+    pub queue: String,
+    /// The queue failed messages are published to (through the default exchange).
+    pub dead_letter: String,
 }
 
 impl Config {

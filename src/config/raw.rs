@@ -82,6 +82,7 @@ pub(super) struct RawSource {
     pub(super) durable: Option<String>,
     #[serde(default, deserialize_with = "duration")]
     pub(super) ack_wait: Option<Duration>,
+    pub(super) rabbitmq_queue: Option<String>,
 }
 
 /// A consumer's `key`: JSON pointers into the body and/or fields of the entry.

@@ -1175,6 +1175,44 @@ fn a_nats_consumer_needs_its_url_and_dead_letter_subject() {
     }
 }
 
+#[test]
+fn a_rabbitmq_consumer_needs_its_url_and_another_dead_letter_queue() {
+    let rabbit = ORDERS.replace(
+        r#"{ redis_stream = "orders" }"#,
+        r#"{ rabbitmq_queue = "orders", url = "amqp://app:secret@127.0.0.1:5672/%2f", dead_letter = "orders.dead" }"#,
+    );
+    let c = consumer("", &rabbit).unwrap();
+    let SourceConfig::RabbitQueue(r) = &c.consumers[0].source else {
+        panic!("a RabbitMQ source");
+    };
+    assert_eq!((r.queue.as_str(), r.dead_letter.as_str()), ("orders", "orders.dead"));
+    for (from, to, field) in [
+        (
+            ", dead_letter = \"orders.dead\"",
+            "",
+            "consumers[0].source.dead_letter",
+        ),
+        (
+            "dead_letter = \"orders.dead\"",
+            "dead_letter = \"orders\"",
+            "consumers[0].source.dead_letter",
+        ),
+        ("amqp://", "http://", "consumers[0].source.url"),
+        ("url", "group", "consumers[0].source.group"),
+        ("rabbitmq_queue = \"orders\", ", "", "consumers[0].source"),
+    ] {
+        match consumer("", &rabbit.replace(from, to)) {
+            Err(ConfigError::Invalid { field: f, value, .. }) => {
+                assert_eq!(f, field, "{from} -> {to}");
+                assert!(!value.contains("secret"), "the password was shown: {value}");
+            }
+            Err(ConfigError::Missing { field: f }) => assert_eq!(f, field, "{from} -> {to}"),
+            other => panic!("{from} -> {to}: {other:?}"),
+        }
+    }
+    assert!(consumer("", &rabbit.replace("name = \"orders\"\n", "name = \"orders\"\nbody_field = \"b\"\n")).is_err());
+}
+
 /// Certificate and key files are parsed, not searched for a marker: a file that only looks
 /// like PEM is refused when the config loads, not when the first TLS handshake needs it.
 #[test]

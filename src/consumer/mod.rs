@@ -25,6 +25,7 @@
 
 mod handler;
 pub mod nats;
+pub mod rabbitmq;
 pub mod redis_stream;
 pub mod source;
 
@@ -48,6 +49,7 @@ use crate::upstream::UpstreamPool;
 
 use handler::HandlerCall;
 pub use nats::NatsStream;
+pub use rabbitmq::RabbitQueue;
 pub use redis_stream::RedisStream;
 pub use source::{Message, Source, SourceError};
 
@@ -102,6 +104,7 @@ pub struct ConsumerError {
 pub enum AnySource {
     Redis(Box<RedisStream>),
     Nats(Box<NatsStream>),
+    Rabbit(Box<RabbitQueue>),
 }
 
 impl AnySource {
@@ -111,6 +114,7 @@ impl AnySource {
         match self {
             AnySource::Redis(r) => format!("redis stream, consumer {}", r.consumer_name()),
             AnySource::Nats(n) => format!("nats stream, durable {}", n.durable()),
+            AnySource::Rabbit(r) => format!("rabbitmq queue {}", r.queue()),
         }
     }
 }
@@ -120,6 +124,7 @@ impl Source for AnySource {
         match self {
             AnySource::Redis(s) => s.fetch(max).await,
             AnySource::Nats(s) => s.fetch(max).await,
+            AnySource::Rabbit(s) => s.fetch(max).await,
         }
     }
 
@@ -127,6 +132,7 @@ impl Source for AnySource {
         match self {
             AnySource::Redis(s) => s.ack(message).await,
             AnySource::Nats(s) => s.ack(message).await,
+            AnySource::Rabbit(s) => s.ack(message).await,
         }
     }
 
@@ -134,6 +140,7 @@ impl Source for AnySource {
         match self {
             AnySource::Redis(s) => s.keep(message, redelivery).await,
             AnySource::Nats(s) => s.keep(message, redelivery).await,
+            AnySource::Rabbit(s) => s.keep(message, redelivery).await,
         }
     }
 
@@ -141,6 +148,7 @@ impl Source for AnySource {
         match self {
             AnySource::Redis(s) => s.retry_later(message, delay).await,
             AnySource::Nats(s) => s.retry_later(message, delay).await,
+            AnySource::Rabbit(s) => s.retry_later(message, delay).await,
         }
     }
 
@@ -148,6 +156,7 @@ impl Source for AnySource {
         match self {
             AnySource::Redis(s) => s.dead_letter(message, reason).await,
             AnySource::Nats(s) => s.dead_letter(message, reason).await,
+            AnySource::Rabbit(s) => s.dead_letter(message, reason).await,
         }
     }
 
@@ -155,6 +164,7 @@ impl Source for AnySource {
         match self {
             AnySource::Redis(s) => s.pending().await,
             AnySource::Nats(s) => s.pending().await,
+            AnySource::Rabbit(s) => s.pending().await,
         }
     }
 
@@ -162,6 +172,7 @@ impl Source for AnySource {
         match self {
             AnySource::Redis(s) => s.claim_after(),
             AnySource::Nats(s) => s.claim_after(),
+            AnySource::Rabbit(s) => s.claim_after(),
         }
     }
 }
@@ -194,6 +205,9 @@ pub fn sources(configs: &[ConsumerConfig]) -> Result<Vec<AnySource>, ConsumerErr
                 source.clone(),
                 c.concurrency,
             )))),
+            SourceConfig::RabbitQueue(source) => Ok(AnySource::Rabbit(Box::new(
+                RabbitQueue::new(source.clone(), c.concurrency),
+            ))),
         })
         .collect()
 }

@@ -7,8 +7,8 @@ use super::route::{validate_key_source, KeyParts};
 use super::{entry_name, shown, validate_redis_url};
 use crate::config::raw::{RawConsumer, RawPolicy, RawSource};
 use crate::config::{
-    redact_url, ConfigError, ConsumerConfig, NatsSource, OnStoreError, Policy, RedisSettings,
-    RedisTarget, SourceConfig, StoreConfig, UpstreamUrl,
+    redact_url, ConfigError, ConsumerConfig, NatsSource, OnStoreError, Policy, RabbitSource,
+    RedisSettings, RedisTarget, SourceConfig, StoreConfig, UpstreamUrl,
 };
 
 /// A message's key: fields of the entry and JSON pointers into its body.
@@ -28,16 +28,70 @@ fn validate_source(
     source: RawSource,
     store: &StoreConfig,
 ) -> Result<SourceConfig, ConfigError> {
-    let (redis, nats) = (source.redis_stream.is_some(), source.nats_stream.is_some());
-    match (redis, nats) {
-        (true, false) => redis_source(at, source, store),
-        (false, true) => nats_source(at, source),
+    let kinds = (
+        source.redis_stream.is_some(),
+        source.nats_stream.is_some(),
+        source.rabbitmq_queue.is_some(),
+    );
+    match kinds {
+        (true, false, false) => redis_source(at, source, store),
+        (false, true, false) => nats_source(at, source),
+        (false, false, true) => rabbit_source(at, source),
         _ => Err(ConfigError::invalid(
             at("source"),
-            "(neither or both)",
-            "one of { redis_stream = \"orders\" } and { nats_stream = \"ORDERS\", url = \"nats://host:4222\", dead_letter = \"dead.orders\" }",
+            "(none, or more than one)",
+            "one of { redis_stream = \"orders\" }, { nats_stream = \"ORDERS\", url = \"nats://host:4222\", dead_letter = \"dead.orders\" } and { rabbitmq_queue = \"orders\", url = \"amqp://user:pass@host:5672/%2f\", dead_letter = \"orders.dead\" }",
         )),
     }
+}
+
+fn rabbit_source(
+    at: &dyn Fn(&str) -> String,
+    source: RawSource,
+) -> Result<SourceConfig, ConfigError> {
+    only_with(
+        at,
+        &[
+            ("group", source.group.is_some()),
+            ("claim_idle", source.claim_idle.is_some()),
+            ("subject", source.subject.is_some()),
+            ("durable", source.durable.is_some()),
+            ("ack_wait", source.ack_wait.is_some()),
+        ],
+        "not with rabbitmq_queue, which has url and dead_letter",
+    )?;
+    let queue = stream_name(
+        at,
+        "source.rabbitmq_queue",
+        source.rabbitmq_queue.unwrap_or_default(),
+    )?;
+    let url = source.url.ok_or_else(|| ConfigError::Missing {
+        field: at("source.url"),
+    })?;
+    let parsed = url.parse::<lapin::uri::AMQPUri>();
+    if !(url.starts_with("amqp://") || url.starts_with("amqps://")) || parsed.is_err() {
+        return Err(ConfigError::invalid(
+            at("source.url"),
+            redact_url(&url),
+            "an AMQP URL such as \"amqp://user:pass@127.0.0.1:5672/%2f\" (amqps:// for TLS)",
+        ));
+    }
+    let dead_letter = source.dead_letter.ok_or_else(|| ConfigError::Missing {
+        field: at("source.dead_letter"),
+    })?;
+    let dead_letter = stream_name(at, "source.dead_letter", dead_letter)?;
+    if dead_letter == queue {
+        return Err(ConfigError::invalid(
+            at("source.dead_letter"),
+            dead_letter,
+            "another queue than rabbitmq_queue: every dead letter would come back",
+        ));
+    }
+    Ok(SourceConfig::RabbitQueue(RabbitSource {
+        url,
+        queue,
+        dead_letter,
+    }))
 }
 
 /// A stream, group, subject or consumer name.
@@ -256,11 +310,11 @@ pub(super) fn validate_consumer(
         field: at("source"),
     })?;
     let source = validate_source(&at, source, store)?;
-    if raw.body_field.is_some() && matches!(source, SourceConfig::NatsStream(_)) {
+    if raw.body_field.is_some() && !matches!(source, SourceConfig::RedisStream { .. }) {
         return Err(ConfigError::invalid(
             at("body_field"),
             "(set)",
-            "only with redis_stream: a NATS message's payload is the body",
+            "only with redis_stream: a NATS or RabbitMQ message's payload is the body",
         ));
     }
     let body_field = raw.body_field.unwrap_or_else(|| "body".to_string());
