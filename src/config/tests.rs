@@ -1185,7 +1185,10 @@ fn a_rabbitmq_consumer_needs_its_url_and_another_dead_letter_queue() {
     let SourceConfig::RabbitQueue(r) = &c.consumers[0].source else {
         panic!("a RabbitMQ source");
     };
-    assert_eq!((r.queue.as_str(), r.dead_letter.as_str()), ("orders", "orders.dead"));
+    assert_eq!(
+        (r.queue.as_str(), r.dead_letter.as_str()),
+        ("orders", "orders.dead")
+    );
     for (from, to, field) in [
         (
             ", dead_letter = \"orders.dead\"",
@@ -1202,7 +1205,9 @@ fn a_rabbitmq_consumer_needs_its_url_and_another_dead_letter_queue() {
         ("rabbitmq_queue = \"orders\", ", "", "consumers[0].source"),
     ] {
         match consumer("", &rabbit.replace(from, to)) {
-            Err(ConfigError::Invalid { field: f, value, .. }) => {
+            Err(ConfigError::Invalid {
+                field: f, value, ..
+            }) => {
                 assert_eq!(f, field, "{from} -> {to}");
                 assert!(!value.contains("secret"), "the password was shown: {value}");
             }
@@ -1210,7 +1215,14 @@ fn a_rabbitmq_consumer_needs_its_url_and_another_dead_letter_queue() {
             other => panic!("{from} -> {to}: {other:?}"),
         }
     }
-    assert!(consumer("", &rabbit.replace("name = \"orders\"\n", "name = \"orders\"\nbody_field = \"b\"\n")).is_err());
+    assert!(consumer(
+        "",
+        &rabbit.replace(
+            "name = \"orders\"\n",
+            "name = \"orders\"\nbody_field = \"b\"\n"
+        )
+    )
+    .is_err());
 }
 
 /// Certificate and key files are parsed, not searched for a marker: a file that only looks

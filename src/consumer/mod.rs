@@ -205,9 +205,10 @@ pub fn sources(configs: &[ConsumerConfig]) -> Result<Vec<AnySource>, ConsumerErr
                 source.clone(),
                 c.concurrency,
             )))),
-            SourceConfig::RabbitQueue(source) => Ok(AnySource::Rabbit(Box::new(
-                RabbitQueue::new(source.clone(), c.concurrency),
-            ))),
+            SourceConfig::RabbitQueue(source) => Ok(AnySource::Rabbit(Box::new(RabbitQueue::new(
+                source.clone(),
+                c.concurrency,
+            )))),
         })
         .collect()
 }

@@ -92,9 +92,13 @@ impl RabbitQueue {
             }
         }
         *slot = None;
-        let c = Arc::new(tokio::time::timeout(TIMEOUT, self.connect()).await.map_err(
-            |_| SourceError::Unreachable(format!("no connection within {TIMEOUT:?}")),
-        )??);
+        let c = Arc::new(
+            tokio::time::timeout(TIMEOUT, self.connect())
+                .await
+                .map_err(|_| {
+                    SourceError::Unreachable(format!("no connection within {TIMEOUT:?}"))
+                })??,
+        );
         *slot = Some(Arc::clone(&c));
         Ok(c)
     }

@@ -9,6 +9,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::support::redis::RedisServer;
+
+mod rabbitmq;
 use crate::support::{admin_get, eventually_within, scrape, GatewayProcess, Reply, Upstream};
 
 const STREAM: &str = "orders";

@@ -6,6 +6,7 @@ mod client;
 pub mod nats;
 pub mod postgres;
 mod process;
+pub mod rabbitmq;
 pub mod redis;
 pub mod relay;
 mod upstream;
