@@ -31,11 +31,13 @@
 //!   decisions are pure functions with tests of their own (start here).
 //! - [`signature`] - webhook senders' signatures, verified before a delivery claims its key.
 //! - [`quota`] - records stored per client scope, so no client can fill the store for others.
-//! - [`reconcile`] - asking the upstream whether an unknown outcome happened (`reconcile`).
+//! - [`reconcile`] - asking the upstream whether an unknown outcome happened (`reconcile`),
+//!   for a retry and in the background.
 //! - [`duplicates`] - duplicates waiting on one key: a capped room, one store read for all.
 //! - [`gateway`] - the HTTP front on the core, phase by phase.
-//! - [`consumer`] - the broker front on the same core: `[[consumers]]` read a Redis stream and
-//!   deliver each message to a handler once, acknowledging it only once its result is stored.
+//! - [`consumer`] - the broker front on the same core: `[[consumers]]` read a Redis stream, a
+//!   NATS JetStream stream or a RabbitMQ queue and deliver each message to a handler once,
+//!   acknowledging it only once its result is stored.
 //!   A new broker is one [`consumer::Source`].
 //! - [`problem`] - every response the gateway makes itself (RFC 9457), in one place.
 //! - [`conn`] - one client connection under a deadline in every phase (slow and idle clients).
@@ -43,7 +45,7 @@
 //!   files change.
 //! - [`server`] - the acceptor, worker threads (one runtime and one context each), shutdown.
 //! - [`admin`] - the admin listener: `/healthz`, `/readyz`, `/metrics`, and the operator API
-//!   (`/keys/{id}`, with a token). A new endpoint is one more arm of its path `match`.
+//!   (`/keys`, `/keys/{id}`, with a token). A new endpoint is one more arm of its path `match`.
 //! - [`metrics`] - the Prometheus metrics and the outcome names they count.
 //! - [`telemetry`] - logging.
 //!

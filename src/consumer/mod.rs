@@ -1,6 +1,6 @@
 //! Broker consumers (`[[consumers]]`): the second front on the idempotency core, beside the HTTP
-//! gateway. Each reads one [`Source`] (a Redis stream or a NATS JetStream stream), POSTs every
-//! message to its handler
+//! gateway. Each reads one [`Source`] (a Redis stream, a NATS JetStream stream or a RabbitMQ
+//! queue), POSTs every message to its handler
 //! through [`Core::run`], with the same stores, key hashing, fingerprints and unknown-outcome
 //! rules as an HTTP route, and acknowledges the message only once its result is stored.
 //!
