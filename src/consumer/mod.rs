@@ -482,7 +482,11 @@ impl<S: Source> Consumer<S> {
             &self.ctx.store,
             &store_key,
             claim,
-            (rules(config), lookup.as_ref()),
+            // A message has no client to count records for.
+            (
+                Rules::of(&config.policy, config.check_fingerprint),
+                lookup.as_ref(),
+            ),
             call,
         );
         tokio::pin!(run);
@@ -500,24 +504,6 @@ impl<S: Source> Consumer<S> {
             self.metrics.handler(*took);
         }
         verdict(decision)
-    }
-}
-
-/// The core's rules for a consumer's messages.
-fn rules(config: &ConsumerConfig) -> Rules {
-    let policy = &config.policy;
-    Rules {
-        check_fingerprint: config.check_fingerprint,
-        lease: policy.lock_timeout,
-        ttl: policy.ttl,
-        wait: policy.wait,
-        max_waiters: policy.max_waiters,
-        // A message has no client to count records for.
-        quota: None,
-        share: crate::quota::Share::Unshared,
-        store_server_errors: policy.store_server_errors,
-        on_store_error: policy.on_store_error,
-        on_unknown: policy.on_unknown,
     }
 }
 

@@ -257,18 +257,10 @@ pub(super) struct Allowance {
 
 /// What the core applies to a route's operations: its policy, and what the caller may store.
 fn rules(config: &RouteConfig, allowance: Allowance) -> Rules {
-    let policy = &config.policy;
     Rules {
-        check_fingerprint: config.check_fingerprint,
-        lease: policy.lock_timeout,
-        ttl: policy.ttl,
-        wait: policy.wait,
-        max_waiters: policy.max_waiters,
         quota: allowance.quota,
         share: allowance.share,
-        store_server_errors: policy.store_server_errors,
-        on_store_error: policy.on_store_error,
-        on_unknown: policy.on_unknown,
+        ..Rules::of(&config.policy, config.check_fingerprint)
     }
 }
 

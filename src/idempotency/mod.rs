@@ -28,7 +28,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 
-use crate::config::{OnStoreError, OnUnknown};
+use crate::config::{OnStoreError, OnUnknown, Policy};
 use crate::duplicates::{Rooms, Seen};
 use crate::error::BoxError;
 use crate::fingerprint::Fingerprint;
@@ -67,6 +67,25 @@ pub struct Rules {
     pub store_server_errors: bool,
     pub on_store_error: OnStoreError,
     pub on_unknown: OnUnknown,
+}
+
+impl Rules {
+    /// The rules of a route's or consumer's `policy`, for callers with no quota and no share of
+    /// the store to keep (a front with clients sets its own).
+    pub fn of(policy: &Policy, check_fingerprint: bool) -> Rules {
+        Rules {
+            check_fingerprint,
+            lease: policy.lock_timeout,
+            ttl: policy.ttl,
+            wait: policy.wait,
+            max_waiters: policy.max_waiters,
+            quota: None,
+            share: Share::Unshared,
+            store_server_errors: policy.store_server_errors,
+            on_store_error: policy.on_store_error,
+            on_unknown: policy.on_unknown,
+        }
+    }
 }
 
 /// How a front runs its operation once this call owns the key.

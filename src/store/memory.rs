@@ -563,9 +563,7 @@ impl Store for MemoryStore {
         cursor: Option<&str>,
         want: usize,
     ) -> Result<ScanPage, StoreError> {
-        let after = cursor
-            .map(|c| StoreKey::from_hex(c).ok_or(StoreError::BadCursor))
-            .transpose()?;
+        let after = super::after_cursor(cursor)?;
         let (records, more) = self.shared.open_after(after, want);
         let cursor = more.then(|| records.last().map(|r| r.key.hex())).flatten();
         Ok(ScanPage { records, cursor })

@@ -186,6 +186,14 @@ pub struct ScanPage {
     pub cursor: Option<String>,
 }
 
+/// A key-ordered store's cursor (the hex id of the last record a page read) as the key to go on
+/// after.
+pub fn after_cursor(cursor: Option<&str>) -> Result<Option<StoreKey>, StoreError> {
+    cursor
+        .map(|c| StoreKey::from_hex(c).ok_or(StoreError::BadCursor))
+        .transpose()
+}
+
 /// A record found by [`Store::scan_unknown`].
 #[derive(Debug, Clone)]
 pub struct Scanned {

@@ -56,6 +56,17 @@ fn posts(up: &Upstream, key: &str) -> usize {
         .count()
 }
 
+/// The gateway in front of `up` with the reconciling route, on the disk store in `dir`.
+fn on_disk(up: &Upstream, dir: &TempDir) -> TomlConfig {
+    TomlConfig::parse(&format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\n[upstream]\nurl = \"{}\"\n{}",
+        up.url(),
+        route(up)
+    ))
+    .set("store.backend", "disk")
+    .set("store.path", dir.path.display().to_string())
+}
+
 /// Lookups of `key` the upstream received.
 fn lookups(up: &Upstream, key: &str) -> usize {
     let path = format!("/payments/by-key/{key}");
@@ -161,14 +172,7 @@ async fn unknown_outcomes_are_settled_by_the_upstreams_lookup() {
 async fn a_gateway_killed_mid_flight_is_reconciled_after_its_restart() {
     let up = upstream().await;
     let dir = TempDir::new("reconcile");
-    let text = TomlConfig::parse(&format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\n[upstream]\nurl = \"{}\"\n{}",
-        up.url(),
-        route(&up)
-    ))
-    .set("store.backend", "disk")
-    .set("store.path", dir.path.display().to_string())
-    .text();
+    let text = on_disk(&up, &dir).text();
     let gw = GatewayProcess::start(&text);
     let doomed = spawn_post_to_be_killed(&Http::new(gw.addr), "paid-2");
     up.next_arrival().await;
@@ -239,15 +243,9 @@ async fn what_a_killed_gateway_left_is_found_and_settled_by_the_sweep() {
         format!("127.0.0.1:{}", crate::support::redis::free_port(false))
             .parse()
             .unwrap();
-    let text = TomlConfig::parse(&format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\n[upstream]\nurl = \"{}\"\n{}",
-        up.url(),
-        route(&up)
-    ))
-    .set("store.backend", "disk")
-    .set("store.path", dir.path.display().to_string())
-    .set("server.admin", admin.to_string())
-    .text();
+    let text = on_disk(&up, &dir)
+        .set("server.admin", admin.to_string())
+        .text();
     let gw = GatewayProcess::start(&text);
     let doomed = spawn_post_to_be_killed(&Http::new(gw.addr), "paid-3");
     up.next_arrival().await;

@@ -535,9 +535,7 @@ impl Store for DiskStore {
         cursor: Option<&str>,
         want: usize,
     ) -> Result<ScanPage, StoreError> {
-        let after = cursor
-            .map(|c| StoreKey::from_hex(c).ok_or(StoreError::BadCursor))
-            .transpose()?;
+        let after = super::after_cursor(cursor)?;
         let db = Arc::clone(&self.shared.db);
         tokio::task::spawn_blocking(move || scan::unknown_after(&db, after, want))
             .await

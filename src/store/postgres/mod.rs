@@ -478,13 +478,7 @@ impl Store for PostgresStore {
         cursor: Option<&str>,
         want: usize,
     ) -> Result<ScanPage, StoreError> {
-        let after = match cursor {
-            Some(c) => StoreKey::from_hex(c)
-                .ok_or(StoreError::BadCursor)?
-                .as_bytes()
-                .to_vec(),
-            None => Vec::new(),
-        };
+        let after = super::after_cursor(cursor)?.map_or(Vec::new(), |k| k.as_bytes().to_vec());
         let budget = SCAN_BUDGET as i64;
         let rows = self
             .rows("scan", &self.shared.sql.scan, &[&after, &budget])
