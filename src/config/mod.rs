@@ -150,6 +150,8 @@ pub struct RabbitSource {
     pub queue: String,
     /// The queue failed messages are published to (through the default exchange).
     pub dead_letter: String,
+    /// With `amqps://`: the only CA trusted for the broker's certificate (else the system's).
+    pub tls_ca_file: Option<std::path::PathBuf>,
 }
 
 impl Config {

@@ -83,6 +83,7 @@ pub(super) struct RawSource {
     #[serde(default, deserialize_with = "duration")]
     pub(super) ack_wait: Option<Duration>,
     pub(super) rabbitmq_queue: Option<String>,
+    pub(super) tls_ca_file: Option<String>,
 }
 
 /// A consumer's `key`: JSON pointers into the body and/or fields of the entry.

@@ -1203,6 +1203,11 @@ fn a_rabbitmq_consumer_needs_its_url_and_another_dead_letter_queue() {
         ("amqp://", "http://", "consumers[0].source.url"),
         ("url", "group", "consumers[0].source.group"),
         ("rabbitmq_queue = \"orders\", ", "", "consumers[0].source"),
+        (
+            "dead_letter = \"orders.dead\"",
+            "dead_letter = \"orders.dead\", tls_ca_file = \"/nonexistent.pem\"",
+            "consumers[0].source.tls_ca_file",
+        ),
     ] {
         match consumer("", &rabbit.replace(from, to)) {
             Err(ConfigError::Invalid {

@@ -14,6 +14,8 @@
 //! - A lost connection: the next fetch connects again. The broker returns what was unacknowledged
 //!   to the queue, and acknowledgements of messages from the old connection fail: they are
 //!   delivered again and find their stored result (a replay), never a second execution.
+//! - `amqps://` is verified against the system's roots and, when set, the CAs of
+//!   `tls_ca_file`.
 //! - The gateway declares nothing: the queue and the dead-letter queue must exist (a passive
 //!   declare checks both at connect, and says which is missing).
 
@@ -28,6 +30,7 @@ use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
     ConfirmSelectOptions, QueueDeclareOptions,
 };
+use lapin::tcp::OwnedTLSConfig;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, Consumer};
 use tokio::sync::Mutex as AsyncMutex;
@@ -104,7 +107,19 @@ impl RabbitQueue {
     }
 
     async fn connect(&self) -> Result<Connected, SourceError> {
-        let connection = Connection::connect(&self.source.url, ConnectionProperties::default())
+        let ca = match &self.source.tls_ca_file {
+            Some(path) => Some(std::fs::read_to_string(path).map_err(|e| {
+                SourceError::Refused(format!("tls_ca_file {}: {e}", path.display()))
+            })?),
+            None => None,
+        };
+        let tls = OwnedTLSConfig {
+            identity: None,
+            cert_chain: ca,
+        };
+        let runtime = lapin::runtime::default_runtime().map_err(unreachable)?;
+        let props = ConnectionProperties::default();
+        let connection = Connection::connect_with_config(&self.source.url, props, tls, runtime)
             .await
             .map_err(unreachable)?;
         let consuming = connection.create_channel().await.map_err(unreachable)?;

@@ -797,3 +797,54 @@ async fn an_https_reconcile_lookup_is_verified_with_the_upstream_tls_settings() 
     assert!(lookup.handshakes.load(Ordering::SeqCst) >= 1);
     assert_eq!(up.executions(), 1);
 }
+
+/// A RabbitMQ consumer over `amqps://`: the broker's certificate, signed by a private CA, is
+/// verified against `source.tls_ca_file`; without it the consumer stays unready and says why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rabbitmq_consumer_over_amqps_verifies_the_broker_against_its_ca_file() {
+    let ca = Ca::new("broker CA");
+    let (cert, key) = ca.leaf(&["127.0.0.1"], false);
+    let rabbit = crate::support::rabbitmq::RabbitMq::start_tls(&cert, &key, &ca.cert.pem()).await;
+    rabbit.declare("orders", true).await;
+    rabbit.declare("orders.dead", true).await;
+    let up = Upstream::counting().await;
+    let dir = TempDir::new("tls-amqps");
+    write(&dir, "ca.pem", &ca.cert.pem());
+    let admin = SocketAddr::from(([127, 0, 0, 1], crate::support::redis::free_port(false)));
+    let text = |ca_file: bool| {
+        let extra = if ca_file {
+            format!(", tls_ca_file = \"{}\"", dir.path.join("ca.pem").display())
+        } else {
+            String::new()
+        };
+        format!(
+            "[server]\nlisten = \"127.0.0.1:0\"\nadmin = \"{admin}\"\n[store]\nbackend = \"memory\"\n[upstream]\nurl = \"{up}\"\n[[consumers]]\nname = \"orders\"\nsource = {{ rabbitmq_queue = \"orders\", url = \"{url}\", dead_letter = \"orders.dead\"{extra} }}\nhandler = \"{up}/orders\"\nkey = {{ json = \"/messageId\" }}\n",
+            up = up.url(),
+            url = rabbit.tls_url(),
+        )
+    };
+    // Trusting only the system's roots: refused, unready, and the log says why.
+    let gw = GatewayProcess::start(&text(false));
+    gw.wait_log("certificate");
+    assert_eq!(admin_get(admin, "/readyz").await.0, 503);
+    drop(gw);
+    let _gw = GatewayProcess::start(&text(true));
+    let body = br#"{"messageId": "tls-m-1"}"#.to_vec();
+    let message = ("tls-m-1".to_string(), body);
+    rabbit.publish("orders", &[message.clone(), message]).await;
+    let done = eventually_within(Duration::from_secs(20), || async {
+        admin_get(admin, "/readyz").await.0 == 200 && up.executions() == 1
+    })
+    .await;
+    assert!(done, "ready and applied over amqps");
+    let deduplicated = eventually_within(Duration::from_secs(20), || async {
+        scrape(admin)
+            .await
+            .get("idemgate_consumer_messages_total{consumer=\"orders\",outcome=\"deduplicated\"}")
+            .copied()
+            == Some(1.0)
+    })
+    .await;
+    assert!(deduplicated);
+    assert_eq!(up.executions(), 1);
+}

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use super::route::{validate_key_source, KeyParts};
-use super::{entry_name, shown, validate_redis_url};
+use super::{entry_name, pem_file, shown, validate_redis_url, Pem};
 use crate::config::raw::{RawConsumer, RawPolicy, RawSource};
 use crate::config::{
     redact_url, ConfigError, ConsumerConfig, NatsSource, OnStoreError, Policy, RabbitSource,
@@ -87,10 +87,22 @@ fn rabbit_source(
             "another queue than rabbitmq_queue: every dead letter would come back",
         ));
     }
+    let tls_ca_file = match source.tls_ca_file {
+        Some(_) if !url.starts_with("amqps://") => {
+            return Err(ConfigError::invalid(
+                at("source.tls_ca_file"),
+                "(set)",
+                "only with an amqps:// url",
+            ))
+        }
+        Some(path) => Some(pem_file(&at("source.tls_ca_file"), path, Pem::Certificate)?),
+        None => None,
+    };
     Ok(SourceConfig::RabbitQueue(RabbitSource {
         url,
         queue,
         dead_letter,
+        tls_ca_file,
     }))
 }
 
@@ -152,8 +164,9 @@ fn redis_source(
             ("subject", source.subject.is_some()),
             ("durable", source.durable.is_some()),
             ("ack_wait", source.ack_wait.is_some()),
+            ("tls_ca_file", source.tls_ca_file.is_some()),
         ],
-        "only with nats_stream; a Redis stream has group and claim_idle",
+        "only with nats_stream or rabbitmq_queue; a Redis stream has group and claim_idle",
     )?;
     let stream = stream_name(
         at,
@@ -230,8 +243,9 @@ fn nats_source(
         &[
             ("group", source.group.is_some()),
             ("claim_idle", source.claim_idle.is_some()),
+            ("tls_ca_file", source.tls_ca_file.is_some()),
         ],
-        "only with redis_stream; a NATS stream has durable and ack_wait",
+        "only with redis_stream or rabbitmq_queue; a NATS stream has durable and ack_wait",
     )?;
     let stream = stream_name(
         at,

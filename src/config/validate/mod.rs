@@ -210,14 +210,18 @@ fn validate_upstream_tls(raw: RawUpstream) -> Result<UpstreamTls, ConfigError> {
 
 /// What a PEM file must hold.
 #[derive(Clone, Copy)]
-enum Pem {
+pub(super) enum Pem {
     Certificate,
     PrivateKey,
 }
 
 /// A PEM file that must parse and hold at least one certificate or a private key (PKCS#8,
 /// PKCS#1 or SEC1); errors name the file, never its content.
-fn pem_file(field: &str, path: String, what: Pem) -> Result<std::path::PathBuf, ConfigError> {
+pub(super) fn pem_file(
+    field: &str,
+    path: String,
+    what: Pem,
+) -> Result<std::path::PathBuf, ConfigError> {
     let (found, block) = match what {
         Pem::Certificate => (
             CertificateDer::pem_file_iter(&path).and_then(|certs| {

@@ -21,6 +21,8 @@ const SERVER: &str = "/usr/lib/rabbitmq/bin/rabbitmq-server";
 
 pub struct RabbitMq {
     pub port: u16,
+    /// With [`RabbitMq::start_tls`]: the AMQPS listener.
+    pub tls_port: Option<u16>,
     dist_port: u16,
     epmd_port: u16,
     dir: TempDir,
@@ -31,6 +33,16 @@ pub struct RabbitMq {
 impl RabbitMq {
     /// A node, once it takes AMQP connections.
     pub async fn start() -> RabbitMq {
+        Self::start_with(None).await
+    }
+
+    /// A node that also takes AMQPS connections on `tls_port`, presenting `cert` (with `key`,
+    /// both PEM) and trusting `ca` for clients that present one.
+    pub async fn start_tls(cert: &str, key: &str, ca: &str) -> RabbitMq {
+        Self::start_with(Some((cert, key, ca))).await
+    }
+
+    async fn start_with(tls: Option<(&str, &str, &str)>) -> RabbitMq {
         assert!(
             Path::new(SERVER).exists(),
             "no RabbitMQ server at {SERVER}: these tests need a real one. Install it (Debian: apt-get install rabbitmq-server), or run scripts/test, which does"
@@ -38,9 +50,25 @@ impl RabbitMq {
         let dir = TempDir::new("rabbitmq");
         std::fs::create_dir_all(dir.path.join("mnesia")).unwrap();
         std::fs::write(dir.path.join("enabled_plugins"), "[].\n").unwrap();
-        std::fs::write(dir.path.join("rabbitmq.conf"), "log.console = false\n").unwrap();
+        let mut conf = "log.console = false\n".to_string();
+        let tls_port = tls.map(|(cert, key, ca)| {
+            let port = free_port(false);
+            for (name, pem) in [("cert.pem", cert), ("key.pem", key), ("ca.pem", ca)] {
+                std::fs::write(dir.path.join(name), pem).unwrap();
+            }
+            let at = |name: &str| dir.path.join(name).display().to_string();
+            conf.push_str(&format!(
+                "listeners.ssl.1 = 127.0.0.1:{port}\nssl_options.certfile = {}\nssl_options.keyfile = {}\nssl_options.cacertfile = {}\nssl_options.verify = verify_none\nssl_options.fail_if_no_peer_cert = false\n",
+                at("cert.pem"),
+                at("key.pem"),
+                at("ca.pem")
+            ));
+            port
+        });
+        std::fs::write(dir.path.join("rabbitmq.conf"), conf).unwrap();
         let mut node = RabbitMq {
             port: free_port(false),
+            tls_port,
             dist_port: free_port(false),
             epmd_port: free_port(false),
             dir,
@@ -106,6 +134,12 @@ impl RabbitMq {
 
     pub fn url(&self) -> String {
         format!("amqp://guest:guest@127.0.0.1:{}/%2f", self.port)
+    }
+
+    /// The AMQPS URL of a node made by [`RabbitMq::start_tls`].
+    pub fn tls_url(&self) -> String {
+        let port = self.tls_port.expect("a node started with TLS");
+        format!("amqps://guest:guest@127.0.0.1:{port}/%2f")
     }
 
     /// Kills the node with SIGKILL and starts it again on the same ports and data: durable
