@@ -266,6 +266,32 @@ where
     metric
 }
 
+/// The consumers' families: messages by outcome, handler durations, pending messages.
+fn consumer_families(
+    r: &mut Registry,
+) -> (
+    Family<ConsumerLabels, Counter>,
+    HistogramFamily<ConsumerLabel>,
+    Family<ConsumerLabel, Gauge>,
+) {
+    let messages = registered(
+        r,
+        "consumer_messages",
+        "Broker messages by consumer and outcome (delivered, deduplicated, retried, dead_lettered)",
+    );
+    let handler = histograms(
+        r,
+        "consumer_handler_duration_seconds",
+        "Time to the handler's complete answer, per consumer",
+    );
+    let pending = registered(
+        r,
+        "consumer_pending",
+        "Messages read and not acknowledged (and, for NATS and RabbitMQ, those waiting to be delivered)",
+    );
+    (messages, handler, pending)
+}
+
 /// A new family of latency histograms, registered under `name`.
 fn histograms<L>(registry: &mut Registry, name: &str, help: &str) -> HistogramFamily<L>
 where
@@ -303,7 +329,7 @@ impl Metrics {
         let reconciliations: Family<ResultLabel, Counter> = registered(
             r,
             "reconciliations",
-            "Unknown outcomes asked of the upstream's lookup, by result (reconciled, released, unknown)",
+            "Unknown outcomes asked of the upstream's lookup, by result (reconciled, released, unknown, gave_up)",
         );
         let upstream_seconds: HistogramFamily<RouteLabel> = histograms(
             r,
@@ -350,17 +376,7 @@ impl Metrics {
             "store_replica_acks_missed",
             "Redis writes acknowledged by fewer replicas than store.min_replicas within replica_timeout, by store call; absent until the first",
         );
-        let consumer_messages: Family<ConsumerLabels, Counter> = registered(r, "consumer_messages", "Broker messages by consumer and outcome (delivered, deduplicated, retried, dead_lettered)");
-        let consumer_handler: HistogramFamily<ConsumerLabel> = histograms(
-            r,
-            "consumer_handler_duration_seconds",
-            "Time to the handler's complete answer, per consumer",
-        );
-        let consumer_pending: Family<ConsumerLabel, Gauge> = registered(
-            r,
-            "consumer_pending",
-            "Entries the consumer group has read but not acknowledged (every instance's)",
-        );
+        let (consumer_messages, consumer_handler, consumer_pending) = consumer_families(r);
         Metrics {
             eviction_risk,
             store_fill,
