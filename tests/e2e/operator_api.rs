@@ -77,25 +77,6 @@ fn client_keys(entries: &[serde_json::Value]) -> Vec<&str> {
     keys
 }
 
-/// `idemgate keys list` beside the running gateway: one JSON object per line.
-fn keys_list(config: &std::path::Path, args: &[&str]) -> Vec<serde_json::Value> {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_idemgate"))
-        .args(["keys", "list", "--config"])
-        .arg(config)
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
-}
-
 async fn state_of(admin: SocketAddr, id: &str) -> serde_json::Value {
     let got = keys_request(admin, "GET", id, Some(TOKEN)).send().await;
     assert_eq!(got.status, 200, "{}", got.text());

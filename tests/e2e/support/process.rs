@@ -131,6 +131,26 @@ pub fn wait_listening(
 }
 
 /// Runs `idemgate keys <action> --route <route> --key <part>... --config <config>`.
+/// `idemgate keys list --config CONFIG ARGS...`: the entries it printed, one JSON object per
+/// line (through the gateway's operator API when one runs, else from the store).
+pub fn keys_list(config: &std::path::Path, args: &[&str]) -> Vec<serde_json::Value> {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_idemgate"))
+        .args(["keys", "list", "--config"])
+        .arg(config)
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
 pub fn keys_cmd(
     config: &std::path::Path,
     action: &str,
