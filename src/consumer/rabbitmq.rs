@@ -102,6 +102,11 @@ impl RabbitQueue {
                     SourceError::Unreachable(format!("no connection within {TIMEOUT:?}"))
                 })??,
         );
+        // Messages of an earlier connection can no longer be acknowledged (the broker gave them
+        // back): forget them, and let that connection go.
+        if let Ok(mut held) = self.held.lock() {
+            held.retain(|_, h| h.connected.generation == c.generation);
+        }
         *slot = Some(Arc::clone(&c));
         Ok(c)
     }
