@@ -12,7 +12,7 @@
 //! - `idemgate_connections_closed_total{reason}`: client connections closed by a deadline
 //!   (`header_timeout`, `idle_timeout`, `send_timeout`).
 //! - `idemgate_reconciliations_total{result}`: unknown outcomes asked of the upstream's lookup
-//!   ([`crate::reconcile`]): `reconciled`, `released`, `unknown`.
+//!   ([`crate::reconcile`]): `reconciled`, `released`, `unknown`, `gave_up`.
 //! - `idemgate_records_purged_total`: expired records removed by an embedded store.
 //! - `idemgate_store_fill_ratio`: how full an embedded store is (0 for Redis and Postgres).
 //! - `idemgate_store_replica_acks_missed_total{op}`: Redis writes acknowledged by fewer
@@ -481,7 +481,6 @@ impl Metrics {
         InFlight(&self.in_flight)
     }
 
-    /// The connection count of worker `index`; the acceptor balances on it.
     /// One reconciliation and its result ([`crate::reconcile`]).
     pub fn reconciliation(&self, result: &'static str) {
         self.reconciliations
@@ -497,6 +496,7 @@ impl Metrics {
             .inc();
     }
 
+    /// The connection count of worker `index`; the acceptor balances on it.
     pub fn worker_connections(&self, index: usize) -> Gauge {
         self.worker_connections
             .get_or_create(&WorkerLabel {

@@ -181,9 +181,12 @@ fn live(record: &Record) -> bool {
 /// contract (`take_over` of exactly that record, then `then` as its new owner), so that an owner
 /// completing meanwhile is never overwritten. A live pending record only with `force`. `ttl`
 /// bounds the replacement if `then` fails midway: it then reads as abandoned, never as free.
+/// `seen`: the record the decision was made on, when the caller read it itself (a
+/// reconciliation decides on a lookup made after its read: a record settled meanwhile must not
+/// be replaced by that answer); else the record as it is now.
 async fn replace<F, Fut>(
     store: &dyn Store,
-    key: &StoreKey,
+    (key, seen): (&StoreKey, Option<&Record>),
     force: bool,
     ttl: Duration,
     then: F,
@@ -192,8 +195,12 @@ where
     F: FnOnce(store::OwnerToken) -> Fut,
     Fut: std::future::Future<Output = Result<(), StoreError>>,
 {
-    let Some(record) = store.get(key).await? else {
-        return Ok(Change::NotFound);
+    let record = match seen {
+        Some(record) => record.clone(),
+        None => match store.get(key).await? {
+            Some(record) => record,
+            None => return Ok(Change::NotFound),
+        },
     };
     if live(&record) && !force {
         return Ok(Change::Live);
@@ -213,24 +220,28 @@ where
 }
 
 /// Releases a record: the operator says its request did not happen, so the next retry executes.
+/// `seen`: only if the record is still exactly this one (see [`replace`]).
 pub async fn release(
     store: &dyn Store,
-    key: &StoreKey,
+    (key, seen): (&StoreKey, Option<&Record>),
     force: bool,
     ttl: Duration,
 ) -> Result<Change, StoreError> {
-    replace(store, key, force, ttl, |owner| store.release(key, owner)).await
+    replace(store, (key, seen), force, ttl, |owner| {
+        store.release(key, owner)
+    })
+    .await
 }
 
 /// Resolves a record as completed with `response`: retries replay exactly that, kept for `ttl`.
 pub async fn resolve(
     store: &dyn Store,
-    key: &StoreKey,
+    (key, seen): (&StoreKey, Option<&Record>),
     response: store::StoredResponse,
     force: bool,
     ttl: Duration,
 ) -> Result<Change, StoreError> {
-    replace(store, key, force, ttl, |owner| {
+    replace(store, (key, seen), force, ttl, |owner| {
         store.complete(key, owner, response, ttl)
     })
     .await
@@ -276,11 +287,11 @@ pub async fn list_unknown(
     let mut found = Vec::new();
     for _ in 0..LIST_ROUNDS {
         let page = store
-            .scan_unknown(cursor.as_deref(), limit - found.len())
+            .scan_unknown(cursor.as_deref(), limit.saturating_sub(found.len()))
             .await?;
         found.extend(page.records.into_iter().filter(|s| filter.admits(s)));
         cursor = page.cursor;
-        if found.len() == limit || cursor.is_none() {
+        if found.len() >= limit || cursor.is_none() {
             break;
         }
     }
@@ -337,4 +348,63 @@ pub fn view(key: &StoreKey, record: &Record) -> serde_json::Value {
         out.extend(fields);
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fingerprint::Fingerprint;
+    use crate::store::memory::MemoryStore;
+    use crate::store::{Reservation, StoredResponse, UnknownReason};
+
+    fn answer() -> StoredResponse {
+        StoredResponse {
+            status: http::StatusCode::CREATED,
+            headers: vec![],
+            trailers: vec![],
+            body: bytes::Bytes::from_static(b"ok"),
+            body_kept: true,
+            completed_ms: 1,
+        }
+    }
+
+    /// A reconciliation decides on the record it read before asking the upstream: if a retry
+    /// settled the key meanwhile, the late answer changes nothing.
+    #[tokio::test]
+    async fn a_change_made_on_a_stale_read_leaves_the_record_as_it_is() {
+        let store = MemoryStore::new(100, 1 << 20);
+        let key = StoreKey::from_bytes([3; 32]);
+        let (lease, ttl) = (Duration::from_secs(30), Duration::from_secs(60));
+        let claim = Fingerprint([1; 32]).into();
+        let Reservation::Owner(t) = store.reserve(&key, &claim, lease, ttl).await.unwrap() else {
+            panic!("a new key");
+        };
+        store
+            .mark_unknown(&key, t, UnknownReason::Timeout)
+            .await
+            .unwrap();
+        let seen = store.get(&key).await.unwrap().unwrap();
+        // Meanwhile, the key is released, runs again and completes.
+        let t2 = store
+            .take_over(&key, &seen, &claim, lease, ttl)
+            .await
+            .unwrap()
+            .unwrap();
+        store.complete(&key, t2, answer(), ttl).await.unwrap();
+        for change in [
+            release(&store, (&key, Some(&seen)), false, ttl).await,
+            resolve(&store, (&key, Some(&seen)), answer(), false, ttl).await,
+        ] {
+            assert_eq!(change, Ok(Change::Changed));
+        }
+        assert!(matches!(
+            store.get(&key).await.unwrap().unwrap().state,
+            RecordState::Completed(_)
+        ));
+        // Without a record of its own, an operator's release applies to the record as it is.
+        assert_eq!(
+            release(&store, (&key, None), false, ttl).await,
+            Ok(Change::Done)
+        );
+    }
 }

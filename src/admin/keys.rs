@@ -152,12 +152,13 @@ pub(super) async fn handle(
     let answer = match *req.method() {
         Method::GET | Method::HEAD => read(store, &key).await,
         Method::DELETE => {
-            let done = operator::release(store, &key, force, operator.ttl).await;
+            let done = operator::release(store, (&key, None), force, operator.ttl).await;
             changed(store, &key, done).await
         }
         Method::PUT => match resolution(req.into_body()).await {
             Ok(response) => {
-                let done = operator::resolve(store, &key, response, force, operator.ttl).await;
+                let done =
+                    operator::resolve(store, (&key, None), response, force, operator.ttl).await;
                 changed(store, &key, done).await
             }
             Err(why) => return bad(why),

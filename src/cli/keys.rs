@@ -336,9 +336,9 @@ async fn direct(config: &Config, key: &StoreKey, route: &str, op: Op, force: boo
                 }
             }
         }
-        Op::Release => operator::release(&*store, key, force, ttl).await,
+        Op::Release => operator::release(&*store, (key, None), force, ttl).await,
         Op::Resolve(json) => match crate::admin::resolution_of(json.as_bytes()) {
-            Ok(response) => operator::resolve(&*store, key, response, force, ttl).await,
+            Ok(response) => operator::resolve(&*store, (key, None), response, force, ttl).await,
             Err(why) => {
                 eprintln!("idemgate: {why}");
                 return ExitCode::from(EXIT_BAD_CONFIG);

@@ -194,12 +194,12 @@ async fn ask(
     match get(lookup, tls).await {
         Ok(Some(response)) => {
             let stored = Arc::new(response.clone());
-            match operator::resolve(store, key, response, false, ttl).await {
+            match operator::resolve(store, (key, Some(&record)), response, false, ttl).await {
                 Ok(Change::Done) => Reconciled::Replay(stored),
                 _ => Reconciled::Unknown,
             }
         }
-        Ok(None) => match operator::release(store, key, false, ttl).await {
+        Ok(None) => match operator::release(store, (key, Some(&record)), false, ttl).await {
             Ok(Change::Done) => Reconciled::Released,
             _ => Reconciled::Unknown,
         },

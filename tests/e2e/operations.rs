@@ -243,7 +243,7 @@ async fn readiness_warns_before_an_embedded_store_is_full() {
         admin_get(admin, "/readyz").await,
         (200, "ready\n".to_string())
     );
-    http.post("/payments", "f7", "{}").await;
+    assert_eq!(http.post("/payments", "f7", "{}").await.status, 201);
     let (status, text) = admin_get(admin, "/readyz").await;
     assert_eq!(status, 200);
     assert!(
@@ -251,12 +251,11 @@ async fn readiness_warns_before_an_embedded_store_is_full() {
         "{text}"
     );
     assert_eq!(scrape(admin).await["idemgate_store_fill_ratio"], 0.8);
-    http.post("/payments", "f8", "{}").await;
-    http.post("/payments", "f9", "{}").await;
-    assert_eq!(
-        http.post("/payments", "f10", "{}").await.problem_type(),
-        "store-full"
-    );
+    assert_eq!(http.post("/payments", "f8", "{}").await.status, 201);
+    assert_eq!(http.post("/payments", "f9", "{}").await.status, 201);
+    let full = http.post("/payments", "f10", "{}").await;
+    assert_eq!(full.status, 503);
+    assert_eq!(full.problem_type(), "store-full");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -494,7 +494,10 @@ async fn a_version_1_table_is_upgraded_in_place() {
     assert_eq!(pg.psql("SELECT version FROM idemgate_records_schema"), "2");
     // Another request with the old key (its fingerprint is made up here) is refused, and the
     // record stays as it was.
-    assert_eq!(http.post("/payments", "old", "{}").await.status, 409);
+    assert_eq!(
+        http.post("/payments", "old", "{}").await.problem_type(),
+        "key-reused"
+    );
     let store = ready(&settings(pg.url())).await;
     assert!(store.get(&id).await.unwrap().unwrap().is_unknown());
     let page = store.scan_unknown(None, 10).await.unwrap();

@@ -401,53 +401,9 @@ async fn keys_are_independent(store: Arc<dyn Store>) {
     ));
 }
 
-/// The operator's listing: every unknown outcome (marked unknown, or abandoned) comes back
-/// once across pages, with the route and the key its client sent; nothing else does.
-async fn unknown_outcomes_are_listed_with_their_origin(store: Arc<dyn Store>) {
-    // Other checks may share the store: this one's records are told apart by their route.
-    let route = format!("listing-{}", rand::random::<u32>());
-    let claim = |key: &str| Claim {
-        fingerprint: FP,
-        origin: Some(Origin::new(OriginKind::Route, &route, key.to_owned())),
-    };
-    let reserve = |name: &'static str, lease: Duration| {
-        let (store, claim) = (Arc::clone(&store), claim(name));
-        let k = key(&format!("{route}-{name}"));
-        async move {
-            match store.reserve(&k, &claim, lease, TTL).await.unwrap() {
-                Reservation::Owner(t) => (k, t),
-                other => panic!("expected ownership, got {other:?}"),
-            }
-        }
-    };
-    // Only settled and running records (on a store of its own): an empty listing.
-    let (done, t) = reserve("done", LEASE).await;
-    store.complete(&done, t, response(), TTL).await.unwrap();
-    reserve("running", LEASE).await;
-    store.scan_unknown(None, 5).await.unwrap();
-    let mut expected = Vec::new();
-    for name in ["timeout 1", "interrupted", "a/b?c=d"] {
-        let (k, t) = reserve(name, LEASE).await;
-        // A waiter's flag on the pending record must not cost the origin (the Redis scripts).
-        store.watch(&k).await.unwrap();
-        store
-            .mark_unknown(&k, t, UnknownReason::Timeout)
-            .await
-            .unwrap();
-        expected.push(name);
-    }
-    for name in ["crashed 1", "crashed 2"] {
-        reserve(name, Duration::from_millis(1)).await;
-        expected.push(name);
-    }
-    assert_eq!(
-        store.get(&done).await.unwrap().unwrap().origin,
-        None,
-        "a completed record drops it"
-    );
-    // Past the 1 ms leases.
-    tokio::time::sleep(Duration::from_millis(20)).await;
-
+/// The client keys of every unknown outcome listed from `route`, paging 2 at a time, each
+/// page at most what was asked and each entry checked against its origin.
+async fn listed(store: &dyn Store, route: &str) -> Vec<String> {
     let mut listed = Vec::new();
     let mut cursor: Option<String> = None;
     for page_no in 0.. {
@@ -473,6 +429,60 @@ async fn unknown_outcomes_are_listed_with_their_origin(store: Arc<dyn Store>) {
             break;
         }
     }
+    listed
+}
+
+/// The operator's listing: every unknown outcome (marked unknown, or abandoned) comes back
+/// once across pages, with the route and the key its client sent; nothing else does.
+async fn unknown_outcomes_are_listed_with_their_origin(store: Arc<dyn Store>) {
+    // Other checks may share the store: this one's records are told apart by their route.
+    let route = format!("listing-{}", rand::random::<u32>());
+    let claim = |key: &str| Claim {
+        fingerprint: FP,
+        origin: Some(Origin::new(OriginKind::Route, &route, key.to_owned())),
+    };
+    let reserve = |name: &'static str, lease: Duration| {
+        let (store, claim) = (Arc::clone(&store), claim(name));
+        let k = key(&format!("{route}-{name}"));
+        async move {
+            match store.reserve(&k, &claim, lease, TTL).await.unwrap() {
+                Reservation::Owner(t) => (k, t),
+                other => panic!("expected ownership, got {other:?}"),
+            }
+        }
+    };
+    // Only settled and running records (on a store of its own): an empty listing.
+    let (done, t) = reserve("done", LEASE).await;
+    store.complete(&done, t, response(), TTL).await.unwrap();
+    reserve("running", LEASE).await;
+    assert!(
+        listed(&*store, &route).await.is_empty(),
+        "settled and running records are not unknown"
+    );
+    let mut expected = Vec::new();
+    for name in ["timeout 1", "timeout 2", "a/b?c=d"] {
+        let (k, t) = reserve(name, LEASE).await;
+        // A waiter's flag on the pending record must not cost the origin (the Redis scripts).
+        store.watch(&k).await.unwrap();
+        store
+            .mark_unknown(&k, t, UnknownReason::Timeout)
+            .await
+            .unwrap();
+        expected.push(name);
+    }
+    for name in ["crashed 1", "crashed 2"] {
+        reserve(name, Duration::from_millis(1)).await;
+        expected.push(name);
+    }
+    assert_eq!(
+        store.get(&done).await.unwrap().unwrap().origin,
+        None,
+        "a completed record drops it"
+    );
+    // Past the 1 ms leases.
+    tokio::time::sleep(Duration::from_millis(20)).await;
+
+    let mut listed = listed(&*store, &route).await;
     listed.sort();
     expected.sort();
     assert_eq!(listed, expected, "each unknown outcome once, nothing else");

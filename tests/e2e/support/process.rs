@@ -130,7 +130,6 @@ pub fn wait_listening(
     }
 }
 
-/// Runs `idemgate keys <action> --route <route> --key <part>... --config <config>`.
 /// `idemgate keys list --config CONFIG ARGS...`: the entries it printed, one JSON object per
 /// line (through the gateway's operator API when one runs, else from the store).
 pub fn keys_list(config: &std::path::Path, args: &[&str]) -> Vec<serde_json::Value> {
@@ -151,6 +150,7 @@ pub fn keys_list(config: &std::path::Path, args: &[&str]) -> Vec<serde_json::Val
         .collect()
 }
 
+/// Runs `idemgate keys <action> --route <route> --key <part>... --config <config>`.
 pub fn keys_cmd(
     config: &std::path::Path,
     action: &str,
