@@ -36,8 +36,8 @@
 //! - [`duplicates`] - duplicates waiting on one key: a capped room, one store read for all.
 //! - [`gateway`] - the HTTP front on the core, phase by phase.
 //! - [`consumer`] - the broker front on the same core: `[[consumers]]` read a Redis stream, a
-//!   NATS JetStream stream or a RabbitMQ queue and deliver each message to a handler once,
-//!   acknowledging it only once its result is stored.
+//!   NATS JetStream stream, a RabbitMQ queue or a Kafka topic and deliver each message to a
+//!   handler once, acknowledging it (Kafka: committing past it) only once its result is stored.
 //!   A new broker is one [`consumer::Source`].
 //! - [`problem`] - every response the gateway makes itself (RFC 9457), in one place.
 //! - [`conn`] - one client connection under a deadline in every phase (slow and idle clients).

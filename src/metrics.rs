@@ -287,7 +287,7 @@ fn consumer_families(
     let pending = registered(
         r,
         "consumer_pending",
-        "Messages read and not acknowledged (and, for NATS and RabbitMQ, those waiting to be delivered)",
+        "Messages read and not acknowledged (and, for NATS, RabbitMQ and Kafka, those waiting to be delivered)",
     );
     (messages, handler, pending)
 }

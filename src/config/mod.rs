@@ -126,6 +126,8 @@ pub enum SourceConfig {
     NatsStream(NatsSource),
     /// A RabbitMQ queue, consumed with manual acknowledgement by every instance.
     RabbitQueue(RabbitSource),
+    /// A Kafka topic, read by a consumer group whose offsets move only past finished messages.
+    KafkaTopic(KafkaSource),
 }
 
 /// A consumer's NATS JetStream stream: what [`crate::consumer::NatsStream`] reads.
@@ -152,6 +154,34 @@ pub struct RabbitSource {
     pub dead_letter: String,
     /// With `amqps://`: the only CA trusted for the broker's certificate (else the system's).
     pub tls_ca_file: Option<std::path::PathBuf>,
+}
+
+/// `source = { kafka_topic = "orders", brokers = ["host:9092"], group = "idemgate",
+/// dead_letter = "orders.dead" }`.
+#[derive(Clone, PartialEq, Eq)]
+pub struct KafkaSource {
+    /// `host:port` of at least one broker (the rest are found from it).
+    pub brokers: Vec<String>,
+    pub topic: String,
+    /// The consumer group every instance joins.
+    pub group: String,
+    /// The topic failed messages are produced to.
+    pub dead_letter: String,
+    /// librdkafka settings, passed as they are (TLS, SASL, timeouts); never logged: they may
+    /// hold a password.
+    pub options: std::collections::BTreeMap<String, String>,
+}
+
+impl std::fmt::Debug for KafkaSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KafkaSource")
+            .field("brokers", &self.brokers)
+            .field("topic", &self.topic)
+            .field("group", &self.group)
+            .field("dead_letter", &self.dead_letter)
+            .field("options", &self.options.keys().collect::<Vec<_>>())
+            .finish()
+    }
 }
 
 impl Config {

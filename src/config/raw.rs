@@ -84,6 +84,9 @@ pub(super) struct RawSource {
     pub(super) ack_wait: Option<Duration>,
     pub(super) rabbitmq_queue: Option<String>,
     pub(super) tls_ca_file: Option<String>,
+    pub(super) kafka_topic: Option<String>,
+    pub(super) brokers: Option<Vec<String>>,
+    pub(super) options: Option<std::collections::BTreeMap<String, String>>,
 }
 
 /// A consumer's `key`: JSON pointers into the body and/or fields of the entry.

@@ -1230,6 +1230,68 @@ fn a_rabbitmq_consumer_needs_its_url_and_another_dead_letter_queue() {
     .is_err());
 }
 
+#[test]
+fn a_kafka_consumer_needs_brokers_and_another_dead_letter_topic_and_keeps_its_offsets_setting() {
+    let kafka = ORDERS.replace(
+        r#"{ redis_stream = "orders" }"#,
+        r#"{ kafka_topic = "orders", brokers = ["127.0.0.1:9092"], dead_letter = "orders.dead", options = { "sasl.password" = "secret" } }"#,
+    );
+    let c = consumer("", &kafka).unwrap();
+    let SourceConfig::KafkaTopic(k) = &c.consumers[0].source else {
+        panic!("a Kafka source");
+    };
+    assert_eq!(
+        (k.topic.as_str(), k.group.as_str(), k.dead_letter.as_str()),
+        ("orders", "idemgate", "orders.dead")
+    );
+    assert_eq!(k.brokers, vec!["127.0.0.1:9092"]);
+    assert!(
+        !format!("{k:?}").contains("secret"),
+        "options' values stay out of logs"
+    );
+    for (from, to, field) in [
+        (
+            ", dead_letter = \"orders.dead\"",
+            "",
+            "consumers[0].source.dead_letter",
+        ),
+        (
+            "dead_letter = \"orders.dead\"",
+            "dead_letter = \"orders\"",
+            "consumers[0].source.dead_letter",
+        ),
+        ("[\"127.0.0.1:9092\"]", "[]", "consumers[0].source.brokers"),
+        (
+            "[\"127.0.0.1:9092\"]",
+            "[\"kafka://127.0.0.1:9092\"]",
+            "consumers[0].source.brokers",
+        ),
+        (
+            "kafka_topic = \"orders\"",
+            "kafka_topic = \"or ders\"",
+            "consumers[0].source.kafka_topic",
+        ),
+        (
+            "\"sasl.password\"",
+            "\"enable.auto.commit\"",
+            "consumers[0].source.options.enable.auto.commit",
+        ),
+        (
+            "brokers =",
+            "url = \"x\", brokers =",
+            "consumers[0].source.url",
+        ),
+        ("kafka_topic = \"orders\", ", "", "consumers[0].source"),
+    ] {
+        match consumer("", &kafka.replace(from, to)) {
+            Err(ConfigError::Invalid { field: f, .. }) | Err(ConfigError::Missing { field: f }) => {
+                assert_eq!(f, field, "{from} -> {to}")
+            }
+            other => panic!("{from} -> {to}: {other:?}"),
+        }
+    }
+}
+
 /// Certificate and key files are parsed, not searched for a marker: a file that only looks
 /// like PEM is refused when the config loads, not when the first TLS handshake needs it.
 #[test]

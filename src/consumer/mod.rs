@@ -1,6 +1,6 @@
 //! Broker consumers (`[[consumers]]`): the second front on the idempotency core, beside the HTTP
-//! gateway. Each reads one [`Source`] (a Redis stream, a NATS JetStream stream or a RabbitMQ
-//! queue), POSTs every message to its handler
+//! gateway. Each reads one [`Source`] (a Redis stream, a NATS JetStream stream, a RabbitMQ
+//! queue or a Kafka topic), POSTs every message to its handler
 //! through [`Core::run`], with the same stores, key hashing, fingerprints and unknown-outcome
 //! rules as an HTTP route, and acknowledges the message only once its result is stored.
 //!
@@ -24,6 +24,7 @@
 //! `server.shutdown_grace`) and leaves those waiting for a retry pending, for the next claim.
 
 mod handler;
+pub mod kafka;
 pub mod nats;
 pub mod rabbitmq;
 pub mod redis_stream;
@@ -48,6 +49,7 @@ use crate::store::{Claim, Origin, OriginKind, Store};
 use crate::upstream::UpstreamPool;
 
 use handler::HandlerCall;
+pub use kafka::KafkaTopic;
 pub use nats::NatsStream;
 pub use rabbitmq::RabbitQueue;
 pub use redis_stream::RedisStream;
@@ -105,6 +107,7 @@ pub enum AnySource {
     Redis(Box<RedisStream>),
     Nats(Box<NatsStream>),
     Rabbit(Box<RabbitQueue>),
+    Kafka(Box<KafkaTopic>),
 }
 
 impl AnySource {
@@ -115,6 +118,7 @@ impl AnySource {
             AnySource::Redis(r) => format!("redis stream, consumer {}", r.consumer_name()),
             AnySource::Nats(n) => format!("nats stream, durable {}", n.durable()),
             AnySource::Rabbit(r) => format!("rabbitmq queue {}", r.queue()),
+            AnySource::Kafka(k) => format!("kafka topic {}, group {}", k.topic(), k.group()),
         }
     }
 }
@@ -125,6 +129,7 @@ impl Source for AnySource {
             AnySource::Redis(s) => s.fetch(max).await,
             AnySource::Nats(s) => s.fetch(max).await,
             AnySource::Rabbit(s) => s.fetch(max).await,
+            AnySource::Kafka(s) => s.fetch(max).await,
         }
     }
 
@@ -133,6 +138,7 @@ impl Source for AnySource {
             AnySource::Redis(s) => s.ack(message).await,
             AnySource::Nats(s) => s.ack(message).await,
             AnySource::Rabbit(s) => s.ack(message).await,
+            AnySource::Kafka(s) => s.ack(message).await,
         }
     }
 
@@ -141,6 +147,7 @@ impl Source for AnySource {
             AnySource::Redis(s) => s.keep(message, redelivery).await,
             AnySource::Nats(s) => s.keep(message, redelivery).await,
             AnySource::Rabbit(s) => s.keep(message, redelivery).await,
+            AnySource::Kafka(s) => s.keep(message, redelivery).await,
         }
     }
 
@@ -149,6 +156,7 @@ impl Source for AnySource {
             AnySource::Redis(s) => s.retry_later(message, delay).await,
             AnySource::Nats(s) => s.retry_later(message, delay).await,
             AnySource::Rabbit(s) => s.retry_later(message, delay).await,
+            AnySource::Kafka(s) => s.retry_later(message, delay).await,
         }
     }
 
@@ -157,6 +165,7 @@ impl Source for AnySource {
             AnySource::Redis(s) => s.dead_letter(message, reason).await,
             AnySource::Nats(s) => s.dead_letter(message, reason).await,
             AnySource::Rabbit(s) => s.dead_letter(message, reason).await,
+            AnySource::Kafka(s) => s.dead_letter(message, reason).await,
         }
     }
 
@@ -165,6 +174,7 @@ impl Source for AnySource {
             AnySource::Redis(s) => s.pending().await,
             AnySource::Nats(s) => s.pending().await,
             AnySource::Rabbit(s) => s.pending().await,
+            AnySource::Kafka(s) => s.pending().await,
         }
     }
 
@@ -173,6 +183,7 @@ impl Source for AnySource {
             AnySource::Redis(s) => s.claim_after(),
             AnySource::Nats(s) => s.claim_after(),
             AnySource::Rabbit(s) => s.claim_after(),
+            AnySource::Kafka(s) => s.claim_after(),
         }
     }
 }
@@ -209,6 +220,12 @@ pub fn sources(configs: &[ConsumerConfig]) -> Result<Vec<AnySource>, ConsumerErr
                 source.clone(),
                 c.concurrency,
             )))),
+            SourceConfig::KafkaTopic(source) => KafkaTopic::new(source.clone())
+                .map(|s| AnySource::Kafka(Box::new(s)))
+                .map_err(|source| ConsumerError {
+                    consumer: c.name.clone(),
+                    source,
+                }),
         })
         .collect()
 }

@@ -1,6 +1,6 @@
 //! Where a consumer's messages come from: one small trait ([`Source`]) that a broker implements
 //! (Redis Streams, [`super::redis_stream`]; NATS JetStream, [`super::nats`]; RabbitMQ,
-//! [`super::rabbitmq`]; Kafka or SQS next), and the
+//! [`super::rabbitmq`]; Kafka, [`super::kafka`]), and the
 //! message as the consumer sees it ([`Message`]).
 
 use std::future::Future;

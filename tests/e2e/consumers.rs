@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use crate::support::redis::RedisServer;
 
+mod kafka;
 mod rabbitmq;
 use crate::support::{admin_get, eventually_within, scrape, GatewayProcess, Reply, Upstream};
 
@@ -32,6 +33,25 @@ fn gateway_config(
     admin: SocketAddr,
     extra: &str,
 ) -> String {
+    keyed_config(
+        store,
+        source,
+        handler,
+        admin,
+        r#"{ json = "/messageId" }"#,
+        extra,
+    )
+}
+
+/// [`gateway_config`] with the consumer's `key` (its TOML value) given.
+fn keyed_config(
+    store: &str,
+    source: &str,
+    handler: &str,
+    admin: SocketAddr,
+    key: &str,
+    extra: &str,
+) -> String {
     let fast = if extra.contains("backoff") {
         ""
     } else {
@@ -50,7 +70,7 @@ url = "{handler}"
 name = "orders"
 source = {source}
 handler = "{handler}/orders"
-key = {{ json = "/messageId" }}
+key = {key}
 {fast}
 {extra}
 "#

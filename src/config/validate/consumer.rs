@@ -1,5 +1,6 @@
 //! `[[consumers]]`: a broker's messages delivered to a handler through the same core, and the
-//! source each one reads (a Redis stream or a NATS JetStream stream).
+//! source each one reads (a Redis stream, a NATS JetStream stream, a RabbitMQ queue or a Kafka
+//! topic).
 
 use std::time::Duration;
 
@@ -7,8 +8,8 @@ use super::route::{validate_key_source, KeyParts};
 use super::{entry_name, pem_file, shown, validate_redis_url, Pem};
 use crate::config::raw::{RawConsumer, RawPolicy, RawSource};
 use crate::config::{
-    redact_url, ConfigError, ConsumerConfig, NatsSource, OnStoreError, Policy, RabbitSource,
-    RedisSettings, RedisTarget, SourceConfig, StoreConfig, UpstreamUrl,
+    redact_url, ConfigError, ConsumerConfig, KafkaSource, NatsSource, OnStoreError, Policy,
+    RabbitSource, RedisSettings, RedisTarget, SourceConfig, StoreConfig, UpstreamUrl,
 };
 
 /// A message's key: fields of the entry and JSON pointers into its body.
@@ -22,7 +23,7 @@ const MAX_CONCURRENCY: i64 = 4096;
 /// Most deliveries of one message before it is dead-lettered.
 const MAX_ATTEMPTS: i64 = 1000;
 
-/// A consumer's `source`: a Redis stream or a NATS JetStream stream.
+/// A consumer's `source`: which broker, and where in it.
 fn validate_source(
     at: &dyn Fn(&str) -> String,
     source: RawSource,
@@ -32,16 +33,111 @@ fn validate_source(
         source.redis_stream.is_some(),
         source.nats_stream.is_some(),
         source.rabbitmq_queue.is_some(),
+        source.kafka_topic.is_some(),
     );
     match kinds {
-        (true, false, false) => redis_source(at, source, store),
-        (false, true, false) => nats_source(at, source),
-        (false, false, true) => rabbit_source(at, source),
+        (true, false, false, false) => redis_source(at, source, store),
+        (false, true, false, false) => nats_source(at, source),
+        (false, false, true, false) => rabbit_source(at, source),
+        (false, false, false, true) => kafka_source(at, source),
         _ => Err(ConfigError::invalid(
             at("source"),
             "(none, or more than one)",
-            "one of { redis_stream = \"orders\" }, { nats_stream = \"ORDERS\", url = \"nats://host:4222\", dead_letter = \"dead.orders\" } and { rabbitmq_queue = \"orders\", url = \"amqp://user:pass@host:5672/%2f\", dead_letter = \"orders.dead\" }",
+            "one of { redis_stream = \"orders\" }, { nats_stream = \"ORDERS\", url = \"nats://host:4222\", dead_letter = \"dead.orders\" }, { rabbitmq_queue = \"orders\", url = \"amqp://user:pass@host:5672/%2f\", dead_letter = \"orders.dead\" } and { kafka_topic = \"orders\", brokers = [\"host:9092\"], dead_letter = \"orders.dead\" }",
         )),
+    }
+}
+
+/// librdkafka settings the gateway sets itself: what the offsets mean depends on them.
+const KAFKA_OWN_OPTIONS: &[&str] = &[
+    "bootstrap.servers",
+    "metadata.broker.list",
+    "group.id",
+    "enable.auto.commit",
+    "enable.auto.offset.store",
+];
+
+fn kafka_source(
+    at: &dyn Fn(&str) -> String,
+    source: RawSource,
+) -> Result<SourceConfig, ConfigError> {
+    only_with(
+        at,
+        &[
+            ("url", source.url.is_some()),
+            ("claim_idle", source.claim_idle.is_some()),
+            ("subject", source.subject.is_some()),
+            ("durable", source.durable.is_some()),
+            ("ack_wait", source.ack_wait.is_some()),
+            ("tls_ca_file", source.tls_ca_file.is_some()),
+        ],
+        "not with kafka_topic, which has brokers, group, dead_letter and options",
+    )?;
+    let topic = kafka_name(
+        at,
+        "source.kafka_topic",
+        source.kafka_topic.unwrap_or_default(),
+    )?;
+    let brokers = source.brokers.unwrap_or_default();
+    let well_formed = |b: &String| {
+        b.rsplit_once(':').is_some_and(|(host, port)| {
+            !host.is_empty() && !host.contains('/') && port.parse::<u16>().is_ok_and(|p| p > 0)
+        })
+    };
+    if brokers.is_empty() || brokers.len() > 64 || !brokers.iter().all(well_formed) {
+        return Err(ConfigError::invalid(
+            at("source.brokers"),
+            format!("{brokers:?}"),
+            "1 to 64 brokers as \"host:port\", such as [\"kafka-1:9092\"]",
+        ));
+    }
+    let group = stream_name(
+        at,
+        "source.group",
+        source.group.unwrap_or_else(|| "idemgate".to_string()),
+    )?;
+    let dead_letter = source.dead_letter.ok_or_else(|| ConfigError::Missing {
+        field: at("source.dead_letter"),
+    })?;
+    let dead_letter = kafka_name(at, "source.dead_letter", dead_letter)?;
+    if dead_letter == topic {
+        return Err(ConfigError::invalid(
+            at("source.dead_letter"),
+            dead_letter,
+            "another topic than kafka_topic: every dead letter would come back",
+        ));
+    }
+    let options = source.options.unwrap_or_default();
+    if let Some(own) = options
+        .keys()
+        .find(|k| KAFKA_OWN_OPTIONS.contains(&k.as_str()))
+    {
+        return Err(ConfigError::invalid(
+            at(&format!("source.options.{own}")),
+            "(set)",
+            "a setting the gateway makes itself (brokers, group; offsets are committed only past finished messages)",
+        ));
+    }
+    Ok(SourceConfig::KafkaTopic(KafkaSource {
+        brokers,
+        topic,
+        group,
+        dead_letter,
+        options,
+    }))
+}
+
+/// A Kafka topic's name: what the brokers accept.
+fn kafka_name(at: &dyn Fn(&str) -> String, field: &str, v: String) -> Result<String, ConfigError> {
+    let legal = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-');
+    if v.is_empty() || v.len() > 249 || !v.chars().all(legal) || v == "." || v == ".." {
+        Err(ConfigError::invalid(
+            at(field),
+            v,
+            "1 to 249 characters of a-z, A-Z, 0-9, '.', '_' and '-'",
+        ))
+    } else {
+        Ok(v)
     }
 }
 
@@ -57,6 +153,8 @@ fn rabbit_source(
             ("subject", source.subject.is_some()),
             ("durable", source.durable.is_some()),
             ("ack_wait", source.ack_wait.is_some()),
+            ("brokers", source.brokers.is_some()),
+            ("options", source.options.is_some()),
         ],
         "not with rabbitmq_queue, which has url and dead_letter",
     )?;
@@ -165,8 +263,10 @@ fn redis_source(
             ("durable", source.durable.is_some()),
             ("ack_wait", source.ack_wait.is_some()),
             ("tls_ca_file", source.tls_ca_file.is_some()),
+            ("brokers", source.brokers.is_some()),
+            ("options", source.options.is_some()),
         ],
-        "only with nats_stream or rabbitmq_queue; a Redis stream has group and claim_idle",
+        "not with redis_stream, which has group, claim_idle, url and dead_letter",
     )?;
     let stream = stream_name(
         at,
@@ -244,8 +344,10 @@ fn nats_source(
             ("group", source.group.is_some()),
             ("claim_idle", source.claim_idle.is_some()),
             ("tls_ca_file", source.tls_ca_file.is_some()),
+            ("brokers", source.brokers.is_some()),
+            ("options", source.options.is_some()),
         ],
-        "only with redis_stream or rabbitmq_queue; a NATS stream has durable and ack_wait",
+        "not with nats_stream, which has url, subject, durable, ack_wait and dead_letter",
     )?;
     let stream = stream_name(
         at,
@@ -328,7 +430,7 @@ pub(super) fn validate_consumer(
         return Err(ConfigError::invalid(
             at("body_field"),
             "(set)",
-            "only with redis_stream: a NATS or RabbitMQ message's payload is the body",
+            "only with redis_stream: a NATS, RabbitMQ or Kafka message's payload is the body",
         ));
     }
     let body_field = raw.body_field.unwrap_or_else(|| "body".to_string());
