@@ -29,6 +29,7 @@ use bytes::Bytes;
 use futures_util::FutureExt;
 use http::{HeaderMap, HeaderName, HeaderValue};
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, Rebalance, StreamConsumer};
+use rdkafka::error::KafkaError;
 use rdkafka::message::{BorrowedMessage, Header, Headers, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::{ClientConfig, ClientContext, Message as _, Offset, TopicPartitionList};
@@ -44,6 +45,9 @@ const WAIT: Duration = Duration::from_millis(1000);
 const TIMEOUT: Duration = Duration::from_secs(5);
 /// While nothing arrives, how often the brokers are asked whether the topics exist.
 const CHECK_EVERY: Duration = Duration::from_secs(5);
+/// Tries at producing one dead letter (1, 2, 4 and 8 s apart) before the message is left
+/// unfinished, its partition's offset held back until a restart or a rebalance reads it again.
+const DEAD_LETTER_TRIES: u32 = 5;
 /// The field that holds the message's Kafka key (`key = { field = "kafka-key" }`).
 pub const KEY_FIELD: &str = "kafka-key";
 
@@ -91,7 +95,7 @@ impl KafkaTopic {
         };
         let consumer: StreamConsumer<Rebalances> = config
             .create_with_context(context)
-            .map_err(|e| SourceError::Refused(format!("the Kafka consumer's settings: {e}")))?;
+            .map_err(|e| refused_setting("consumer", &e))?;
         consumer
             .subscribe(&[&source.topic])
             .map_err(|e| SourceError::Refused(e.to_string()))?;
@@ -106,7 +110,7 @@ impl KafkaTopic {
         }
         let producer = producing
             .create()
-            .map_err(|e| SourceError::Refused(format!("the Kafka producer's settings: {e}")))?;
+            .map_err(|e| refused_setting("dead letters' producer", &e))?;
         Ok(KafkaTopic {
             source,
             consumer: Arc::new(consumer),
@@ -184,6 +188,20 @@ impl KafkaTopic {
         }
         message
     }
+}
+
+/// A setting librdkafka refused, by its name only: librdkafka's message quotes the value, which
+/// may be a password.
+fn refused_setting(client: &str, e: &KafkaError) -> SourceError {
+    SourceError::Refused(match e {
+        KafkaError::ClientConfig(_, _, name, _) => {
+            format!("librdkafka refused the setting {name:?} for the Kafka {client}")
+        }
+        // librdkafka's check of the settings together (a missing file, a mechanism it was built
+        // without): names settings, not their values.
+        KafkaError::ClientCreation(why) => format!("the Kafka {client} cannot be made: {why}"),
+        other => format!("the Kafka {client} cannot be made: {other}"),
+    })
 }
 
 /// Settings librdkafka's producer does not know (it warns about each).
@@ -339,23 +357,31 @@ impl Source for KafkaTopic {
             });
         }
         let body = message.body.clone().unwrap_or_default();
-        let mut record = FutureRecord::to(&self.source.dead_letter)
-            .payload(body.as_ref())
-            .headers(headers);
-        if let Some(key) = &key {
-            record = record.key(key.as_slice());
-        }
-        let sent = tokio::time::timeout(TIMEOUT * 2, self.producer.send(record, TIMEOUT)).await;
-        match sent {
-            Ok(Ok(_)) => self.ack(message).await,
-            Ok(Err((e, _))) => Err(SourceError::Refused(format!(
-                "the dead-letter topic {:?} did not take the message: {e}",
-                self.source.dead_letter
-            ))),
-            Err(_) => Err(SourceError::Unreachable(format!(
-                "no answer within {:?}",
-                TIMEOUT * 2
-            ))),
+        // Kafka gives the message back to no one while this instance holds its partition:
+        // the dead letter is tried again here before the message is left unfinished.
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            let mut record = FutureRecord::to(&self.source.dead_letter)
+                .payload(body.as_ref())
+                .headers(headers.clone());
+            if let Some(key) = &key {
+                record = record.key(key.as_slice());
+            }
+            let sent = tokio::time::timeout(TIMEOUT * 2, self.producer.send(record, TIMEOUT)).await;
+            let failed = match sent {
+                Ok(Ok(_)) => return self.ack(message).await,
+                Ok(Err((e, _))) => SourceError::Refused(format!(
+                    "the dead-letter topic {:?} did not take the message: {e}",
+                    self.source.dead_letter
+                )),
+                Err(_) => SourceError::Unreachable(format!("no answer within {:?}", TIMEOUT * 2)),
+            };
+            if tries >= DEAD_LETTER_TRIES {
+                return Err(failed);
+            }
+            tracing::warn!(id = %message.id, error = %failed, "dead letter not taken; trying again");
+            tokio::time::sleep(Duration::from_secs(1 << tries)).await;
         }
     }
 

@@ -160,6 +160,16 @@ async fn failures_are_retried_then_dead_lettered_and_a_message_without_its_heade
         "{reason}"
     );
     assert_eq!(poison.header("idemgate-topic"), TOPIC);
+    assert_eq!(poison.header("idemgate-deliveries"), "4");
+    let (partition, offset) = (
+        poison.header("idemgate-partition"),
+        poison.header("idemgate-offset"),
+    );
+    assert!(
+        partition.parse::<i32>().is_ok_and(|p| (0..2).contains(&p))
+            && offset.parse::<i64>().is_ok(),
+        "where the original was: {partition} {offset}"
+    );
     assert_eq!(poison.key.as_deref(), Some("key-p-1"), "the original key");
     assert_eq!(poison.header("order-id"), "o-1", "the original headers");
     let keyless = dead.iter().find(|r| r.value.contains("none")).unwrap();

@@ -45,6 +45,7 @@ pub struct Kafka {
     broker: Child,
 }
 
+/// `$TANSU` (scripts/test sets it to the build it keeps), else a `cargo install`ed one.
 fn tansu() -> PathBuf {
     let candidates = std::env::var_os("TANSU")
         .map(PathBuf::from)
@@ -57,7 +58,7 @@ fn tansu() -> PathBuf {
         }
     }
     panic!(
-        "no tansu broker found ($TANSU, $CARGO_HOME/bin or ~/.cargo/bin): the Kafka tests need one. Install it with `cargo install tansu --version {TANSU_VERSION} --features dynostore --locked`, or run scripts/test, which does"
+        "no tansu broker found ($TANSU, $CARGO_HOME/bin or ~/.cargo/bin): the Kafka tests need one. Run scripts/test, which builds it, or install it with `cargo install tansu --version {TANSU_VERSION} --features dynostore --locked`"
     )
 }
 
