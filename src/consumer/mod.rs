@@ -23,6 +23,7 @@
 //! is done. Shutdown stops reading, lets the messages being handled finish (within
 //! `server.shutdown_grace`) and leaves those waiting for a retry pending, for the next claim.
 
+mod any;
 mod handler;
 pub mod kafka;
 pub mod nats;
@@ -40,7 +41,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::config::{ConsumerConfig, SourceConfig};
+use crate::config::ConsumerConfig;
 use crate::fingerprint::{fingerprint, IgnoredFields, RequestParts};
 use crate::idempotency::{Core, Decision, Refusal, Rules, Settled};
 use crate::key::{ClientScope, Sent, StoreKey};
@@ -48,6 +49,7 @@ use crate::metrics::{ConsumerMetrics, ConsumerOutcome, Metrics};
 use crate::store::{Claim, Origin, OriginKind, Store};
 use crate::upstream::UpstreamPool;
 
+pub use any::{sources, AnySource};
 use handler::HandlerCall;
 pub use kafka::KafkaTopic;
 pub use nats::NatsStream;
@@ -99,135 +101,6 @@ impl BrokerHealth {
 pub struct ConsumerError {
     consumer: String,
     source: SourceError,
-}
-
-/// A consumer's source, whichever broker it is.
-// Both boxed: their connection state is large, and one is made per consumer.
-pub enum AnySource {
-    Redis(Box<RedisStream>),
-    Nats(Box<NatsStream>),
-    Rabbit(Box<RabbitQueue>),
-    Kafka(Box<KafkaTopic>),
-}
-
-impl AnySource {
-    /// Who this instance is to the broker: its consumer name in the group, or the durable it
-    /// shares.
-    pub fn describe(&self) -> String {
-        match self {
-            AnySource::Redis(r) => format!("redis stream, consumer {}", r.consumer_name()),
-            AnySource::Nats(n) => format!("nats stream, durable {}", n.durable()),
-            AnySource::Rabbit(r) => format!("rabbitmq queue {}", r.queue()),
-            AnySource::Kafka(k) => format!("kafka topic {}, group {}", k.topic(), k.group()),
-        }
-    }
-}
-
-impl Source for AnySource {
-    async fn fetch(&self, max: usize) -> Result<Vec<Message>, SourceError> {
-        match self {
-            AnySource::Redis(s) => s.fetch(max).await,
-            AnySource::Nats(s) => s.fetch(max).await,
-            AnySource::Rabbit(s) => s.fetch(max).await,
-            AnySource::Kafka(s) => s.fetch(max).await,
-        }
-    }
-
-    async fn ack(&self, message: &Message) -> Result<(), SourceError> {
-        match self {
-            AnySource::Redis(s) => s.ack(message).await,
-            AnySource::Nats(s) => s.ack(message).await,
-            AnySource::Rabbit(s) => s.ack(message).await,
-            AnySource::Kafka(s) => s.ack(message).await,
-        }
-    }
-
-    async fn keep(&self, message: &Message, redelivery: bool) -> Result<(), SourceError> {
-        match self {
-            AnySource::Redis(s) => s.keep(message, redelivery).await,
-            AnySource::Nats(s) => s.keep(message, redelivery).await,
-            AnySource::Rabbit(s) => s.keep(message, redelivery).await,
-            AnySource::Kafka(s) => s.keep(message, redelivery).await,
-        }
-    }
-
-    async fn retry_later(&self, message: &Message, delay: Duration) -> Result<bool, SourceError> {
-        match self {
-            AnySource::Redis(s) => s.retry_later(message, delay).await,
-            AnySource::Nats(s) => s.retry_later(message, delay).await,
-            AnySource::Rabbit(s) => s.retry_later(message, delay).await,
-            AnySource::Kafka(s) => s.retry_later(message, delay).await,
-        }
-    }
-
-    async fn dead_letter(&self, message: &Message, reason: &str) -> Result<(), SourceError> {
-        match self {
-            AnySource::Redis(s) => s.dead_letter(message, reason).await,
-            AnySource::Nats(s) => s.dead_letter(message, reason).await,
-            AnySource::Rabbit(s) => s.dead_letter(message, reason).await,
-            AnySource::Kafka(s) => s.dead_letter(message, reason).await,
-        }
-    }
-
-    async fn pending(&self) -> Result<u64, SourceError> {
-        match self {
-            AnySource::Redis(s) => s.pending().await,
-            AnySource::Nats(s) => s.pending().await,
-            AnySource::Rabbit(s) => s.pending().await,
-            AnySource::Kafka(s) => s.pending().await,
-        }
-    }
-
-    fn claim_after(&self) -> Duration {
-        match self {
-            AnySource::Redis(s) => s.claim_after(),
-            AnySource::Nats(s) => s.claim_after(),
-            AnySource::Rabbit(s) => s.claim_after(),
-            AnySource::Kafka(s) => s.claim_after(),
-        }
-    }
-}
-
-/// Makes each consumer's source (without connecting yet).
-pub fn sources(configs: &[ConsumerConfig]) -> Result<Vec<AnySource>, ConsumerError> {
-    configs
-        .iter()
-        .map(|c| match &c.source {
-            SourceConfig::RedisStream {
-                stream,
-                group,
-                redis,
-                dead_letter,
-                claim_idle,
-            } => RedisStream::new(
-                redis,
-                stream,
-                group,
-                dead_letter,
-                *claim_idle,
-                &c.body_field,
-            )
-            .map(|s| AnySource::Redis(Box::new(s)))
-            .map_err(|source| ConsumerError {
-                consumer: c.name.clone(),
-                source,
-            }),
-            SourceConfig::NatsStream(source) => Ok(AnySource::Nats(Box::new(NatsStream::new(
-                source.clone(),
-                c.concurrency,
-            )))),
-            SourceConfig::RabbitQueue(source) => Ok(AnySource::Rabbit(Box::new(RabbitQueue::new(
-                source.clone(),
-                c.concurrency,
-            )))),
-            SourceConfig::KafkaTopic(source) => KafkaTopic::new(source.clone())
-                .map(|s| AnySource::Kafka(Box::new(s)))
-                .map_err(|source| ConsumerError {
-                    consumer: c.name.clone(),
-                    source,
-                }),
-        })
-        .collect()
 }
 
 /// One consumer, running until `shutdown`: reads, hands each message to a task of its own

@@ -848,3 +848,91 @@ async fn a_rabbitmq_consumer_over_amqps_verifies_the_broker_against_its_ca_file(
     assert!(deduplicated);
     assert_eq!(up.executions(), 1);
 }
+
+/// A TLS terminator in front of a plaintext TCP server on `target`: presents `cert_pem`
+/// (signed by the test's CA) and relays the bytes. Its port.
+async fn tls_relay(cert_pem: &str, key_pem: &str, target: u16) -> u16 {
+    let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(cert_pem.as_bytes())
+        .collect::<Result<_, _>>()
+        .unwrap();
+    let key = PrivateKeyDer::from_pem_slice(key_pem.as_bytes()).unwrap();
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(chain, key)
+        .unwrap();
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        while let Ok((sock, _)) = listener.accept().await {
+            let acceptor = acceptor.clone();
+            tokio::spawn(async move {
+                let Ok(mut tls) = acceptor.accept(sock).await else {
+                    return;
+                };
+                let Ok(mut plain) = tokio::net::TcpStream::connect(("127.0.0.1", target)).await
+                else {
+                    return;
+                };
+                let _ = tokio::io::copy_bidirectional(&mut tls, &mut plain).await;
+            });
+        }
+    });
+    port
+}
+
+/// A Kafka consumer over TLS (`security.protocol = "ssl"` in `source.options`): the brokers'
+/// certificate, signed by a private CA, is verified against `ssl.ca.location`; trusting only
+/// the system's roots, the consumer stays unready and says why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kafka_consumer_over_tls_verifies_the_brokers_against_its_ca_file() {
+    use crate::support::kafka::{Kafka, Record};
+    let ca = Ca::new("broker CA");
+    let (cert, key) = ca.leaf(&["127.0.0.1"], false);
+    let dir = TempDir::new("tls-kafka");
+    write(&dir, "ca.pem", &ca.cert.pem());
+    let ca_file = dir.path.join("ca.pem");
+    let plain_port = crate::support::redis::free_port(false);
+    let relay = tls_relay(&cert, &key, plain_port).await;
+    let kafka = Kafka::start_tls(plain_port, relay, ca_file.clone()).await;
+    kafka.create_topic("orders", 1).await;
+    kafka.create_topic("orders.dead", 1).await;
+    let up = Upstream::counting().await;
+    let admin = SocketAddr::from(([127, 0, 0, 1], crate::support::redis::free_port(false)));
+    let text = |ca: Option<&std::path::Path>| {
+        let ca = ca.map_or(String::new(), |p| {
+            format!(", \"ssl.ca.location\" = \"{}\"", p.display())
+        });
+        format!(
+            "[server]\nlisten = \"127.0.0.1:0\"\nadmin = \"{admin}\"\n[store]\nbackend = \"memory\"\n[upstream]\nurl = \"{up}\"\n[[consumers]]\nname = \"orders\"\nsource = {{ kafka_topic = \"orders\", brokers = [\"{brokers}\"], dead_letter = \"orders.dead\", options = {{ \"security.protocol\" = \"ssl\"{ca} }} }}\nhandler = \"{up}/orders\"\nkey = {{ json = \"/messageId\" }}\n",
+            up = up.url(),
+            brokers = kafka.brokers(),
+        )
+    };
+    // Trusting only the system's roots: refused, unready, and the log says why.
+    let gw = GatewayProcess::start(&text(None));
+    gw.wait_log("certificate verify failed");
+    assert_eq!(admin_get(admin, "/readyz").await.0, 503);
+    drop(gw);
+    let _gw = GatewayProcess::start(&text(Some(&ca_file)));
+    let m = Record {
+        key: None,
+        value: r#"{"messageId": "tls-k-1"}"#.into(),
+        headers: vec![],
+    };
+    kafka.produce("orders", &[m.clone(), m]).await;
+    let done = eventually_within(Duration::from_secs(20), || async {
+        admin_get(admin, "/readyz").await.0 == 200
+            && scrape(admin)
+                .await
+                .get("idemgate_consumer_messages_total{consumer=\"orders\",outcome=\"deduplicated\"}")
+                .copied()
+                == Some(1.0)
+    })
+    .await;
+    assert!(done, "ready, applied and deduplicated over TLS");
+    assert_eq!(up.executions(), 1);
+}

@@ -41,7 +41,10 @@ impl Record {
 }
 
 pub struct Kafka {
+    /// Where clients connect: the broker's port, or the TLS relay's in front of it.
     pub port: u16,
+    /// With [`Kafka::start_tls`]: the CA file clients trust.
+    tls_ca: Option<PathBuf>,
     broker: Child,
 }
 
@@ -66,17 +69,32 @@ impl Kafka {
     /// A broker, once it answers a metadata request.
     pub async fn start() -> Kafka {
         let port = free_port(false);
+        Self::start_with(port, port, None).await
+    }
+
+    /// A broker on `port` that clients reach only over TLS, through a relay on `advertised`
+    /// (tansu 0.6 takes TLS settings but serves none), trusting `ca`.
+    pub async fn start_tls(port: u16, advertised: u16, ca: PathBuf) -> Kafka {
+        Self::start_with(port, advertised, Some(ca)).await
+    }
+
+    async fn start_with(port: u16, advertised: u16, tls_ca: Option<PathBuf>) -> Kafka {
         let listener = format!("tcp://127.0.0.1:{port}");
+        let advertised_url = format!("tcp://127.0.0.1:{advertised}");
         let broker = Command::new(tansu())
             .args(["broker", "--listener-url", &listener])
-            .args(["--advertised-listener-url", &listener])
+            .args(["--advertised-listener-url", &advertised_url])
             .args(["--storage-engine", "memory://tansu/"])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
             .expect("start tansu");
-        let kafka = Kafka { port, broker };
+        let kafka = Kafka {
+            port: advertised,
+            tls_ca,
+            broker,
+        };
         let admin = kafka.admin();
         let ready = super::eventually_within(Duration::from_secs(20), || async {
             admin
@@ -96,6 +114,10 @@ impl Kafka {
     fn client(&self) -> ClientConfig {
         let mut c = ClientConfig::new();
         c.set("bootstrap.servers", self.brokers());
+        if let Some(ca) = &self.tls_ca {
+            c.set("security.protocol", "ssl")
+                .set("ssl.ca.location", ca.display().to_string());
+        }
         c
     }
 
