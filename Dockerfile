@@ -38,6 +38,12 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry,sharing=locked \
 
 # The demo upstream (docker-compose.yml's `demo`): a deliberately non-idempotent API.
 FROM debian:bookworm-slim AS demo
+# libssl3: the gateway's binary (beside the demo, for its health check) links OpenSSL, for
+# librdkafka's TLS to Kafka brokers.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends libssl3 \
+ && apt-get clean \
+ && rm -rf /var/lib/apt/lists/*
 COPY --from=build /usr/local/bin/demo_upstream /usr/local/bin/demo_upstream
 COPY --from=build /usr/local/bin/idemgate /usr/local/bin/idemgate
 USER 10001
@@ -47,7 +53,7 @@ CMD ["0.0.0.0:3000"]
 # The gateway: the image that ships.
 FROM debian:bookworm-slim
 RUN apt-get update \
- && apt-get install -y --no-install-recommends ca-certificates \
+ && apt-get install -y --no-install-recommends ca-certificates libssl3 \
  && apt-get clean \
  && rm -rf /var/lib/apt/lists/* \
  && groupadd --system --gid 10001 idemgate \

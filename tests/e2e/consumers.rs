@@ -19,8 +19,7 @@ const GROUP: &str = "idemgate";
 
 /// A port free now, for the admin listener.
 fn free_addr() -> SocketAddr {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap()
+    SocketAddr::from(([127, 0, 0, 1], crate::support::redis::free_port(false)))
 }
 
 /// A gateway config with `store` (its `[store]` lines) and one consumer named "orders" reading

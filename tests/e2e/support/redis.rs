@@ -28,20 +28,35 @@ fn binary(name: &str) -> PathBuf {
     );
 }
 
-/// A loopback port that is free now, never 6379; with `bus`, port + 10000 is free too (cluster bus).
+/// First and last port [`free_port`] hands out: below Linux's ephemeral range (32768 and up), so
+/// that no socket bound to port 0 (a gateway's listener, a client connection's local end) takes
+/// one between the test choosing it and its server binding it, or between a server's kill and
+/// its restart on the same port; a cluster's bus ports (+10000) stay below it too.
+const PORTS: std::ops::Range<u16> = 20000..22760;
+
+/// A loopback port that is free now, never handed out before by this process (until all of
+/// [`PORTS`] were), never 6379; with `bus`, port + 10000 is free too (cluster bus).
 pub fn free_port(bus: bool) -> u16 {
-    for _ in 0..200 {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let port = l.local_addr().unwrap().port();
-        if port == 6379 || (bus && port > 55000) {
-            continue;
+    use std::sync::atomic::{AtomicU32, Ordering};
+    // Starts somewhere else in each run, so that two runs one after the other do not meet
+    // ports the last one's servers may still hold in TIME_WAIT.
+    static NEXT: AtomicU32 = AtomicU32::new(u32::MAX);
+    let span = u32::from(PORTS.end - PORTS.start);
+    let _ = NEXT.compare_exchange(
+        u32::MAX,
+        std::process::id() % span,
+        Ordering::Relaxed,
+        Ordering::Relaxed,
+    );
+    for _ in 0..span {
+        let n = NEXT.fetch_add(1, Ordering::Relaxed) % span;
+        let port = PORTS.start + u16::try_from(n).unwrap();
+        let free = |p: u16| TcpListener::bind(("127.0.0.1", p)).is_ok();
+        if free(port) && (!bus || free(port + 10000)) {
+            return port;
         }
-        if bus && TcpListener::bind(("127.0.0.1", port + 10000)).is_err() {
-            continue;
-        }
-        return port;
     }
-    panic!("no free port found");
+    panic!("no free port found in {PORTS:?}");
 }
 
 fn scratch_dir(tag: &str) -> PathBuf {
