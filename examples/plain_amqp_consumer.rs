@@ -14,6 +14,7 @@ use std::time::Instant;
 use bytes::Bytes;
 use futures_util::StreamExt;
 use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use lapin::options::{
@@ -128,22 +129,32 @@ async fn consume(
             Arc::clone(&done),
         );
         tokio::spawn(async move {
-            let request = http::Request::post(handler)
-                .header("content-type", "application/json")
-                .body(Full::new(Bytes::from(delivery.data.clone())));
-            if let Ok(request) = request {
-                if let Ok(response) = http.request(request).await {
-                    let _ = response.into_body().collect().await;
-                    if delivery.ack(BasicAckOptions::default()).await.is_ok()
-                        && acked.fetch_add(1, Ordering::Relaxed) + 1 >= count
-                    {
-                        done.notify_one();
-                    }
-                }
+            post(&http, &handler, Bytes::from(delivery.data.clone())).await;
+            if delivery.ack(BasicAckOptions::default()).await.is_ok()
+                && acked.fetch_add(1, Ordering::Relaxed) + 1 >= count
+            {
+                done.notify_one();
             }
             drop(slot);
         });
     }
     println!("{:.3}", started.elapsed().as_secs_f64());
     Ok(())
+}
+
+/// POSTs `body` until the handler answers (a plain loop that gave up on a failed POST would
+/// never reach COUNT and the bench would wait for ever).
+async fn post(http: &Client<HttpConnector, Full<Bytes>>, handler: &http::Uri, body: Bytes) {
+    loop {
+        let request = http::Request::post(handler.clone())
+            .header("content-type", "application/json")
+            .body(Full::new(body.clone()));
+        if let Ok(request) = request {
+            if let Ok(response) = http.request(request).await {
+                let _ = response.into_body().collect().await;
+                return;
+            }
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
 }

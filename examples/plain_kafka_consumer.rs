@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
@@ -119,24 +120,32 @@ async fn consume(
             topic.to_string(),
         );
         tokio::spawn(async move {
-            let request = http::Request::post(handler)
-                .header("content-type", "application/json")
-                .body(Full::new(body));
-            if let Ok(request) = request {
-                if let Ok(response) = http.request(request).await {
-                    let _ = response.into_body().collect().await;
-                    let mut done = TopicPartitionList::new();
-                    let stored = done
-                        .add_partition_offset(&topic, partition, Offset::Offset(offset + 1))
-                        .and_then(|()| consumer.store_offsets(&done));
-                    if stored.is_ok() {
-                        answered.fetch_add(1, Ordering::Relaxed);
-                    }
-                }
-            }
+            post(&http, &handler, body).await;
+            let mut done = TopicPartitionList::new();
+            let _ = done
+                .add_partition_offset(&topic, partition, Offset::Offset(offset + 1))
+                .and_then(|()| consumer.store_offsets(&done));
+            answered.fetch_add(1, Ordering::Relaxed);
             drop(slot);
         });
     }
     println!("{:.3}", started.elapsed().as_secs_f64());
     Ok(())
+}
+
+/// POSTs `body` until the handler answers (a plain loop that gave up on a failed POST would
+/// never reach COUNT and the bench would wait for ever).
+async fn post(http: &Client<HttpConnector, Full<Bytes>>, handler: &http::Uri, body: Bytes) {
+    loop {
+        let request = http::Request::post(handler.clone())
+            .header("content-type", "application/json")
+            .body(Full::new(body.clone()));
+        if let Ok(request) = request {
+            if let Ok(response) = http.request(request).await {
+                let _ = response.into_body().collect().await;
+                return;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }

@@ -113,7 +113,7 @@ impl RabbitQueue {
 
     async fn connect(&self) -> Result<Connected, SourceError> {
         let ca = match &self.source.tls_ca_file {
-            Some(path) => Some(std::fs::read_to_string(path).map_err(|e| {
+            Some(path) => Some(tokio::fs::read_to_string(path).await.map_err(|e| {
                 SourceError::Refused(format!("tls_ca_file {}: {e}", path.display()))
             })?),
             None => None,

@@ -201,6 +201,9 @@ pub async fn run(
     ));
     let mut schedule = Schedule::default();
     let mut asking = JoinSet::new();
+    // Which key each lookup task asks about: a task that panics hands back no job, and its key
+    // must leave `asking` (a later sweep finds it again).
+    let mut tasks: HashMap<tokio::task::Id, StoreKey> = HashMap::new();
     loop {
         let wait = schedule
             .next_due()
@@ -215,19 +218,30 @@ pub async fn run(
             () = tokio::time::sleep(wait.unwrap_or(MAX_BACKOFF)), if wait.is_some() && room => {
                 if let Some(job) = schedule.pop_due(now_ms()) {
                     let (reconciler, store) = (Arc::clone(&reconciler), Arc::clone(&store));
-                    asking.spawn(async move {
+                    let key = job.key;
+                    let task = asking.spawn(async move {
                         let result = reconciler.settle(&*store, &job.key, &job.lookup, job.ttl).await;
                         (job, result)
                     });
+                    tasks.insert(task.id(), key);
                 }
             }
-            Some(Ok((job, result))) = asking.join_next() => {
-                let key = job.key;
-                if schedule.after_try(job, &result) {
-                    reconciler.metrics.reconciliation("gave_up");
-                    tracing::warn!(key = key.short(), tries = MAX_TRIES, "reconciliation: the lookup never said; the outcome is left to the operator");
+            Some(joined) = asking.join_next_with_id() => match joined {
+                Ok((id, (job, result))) => {
+                    tasks.remove(&id);
+                    let key = job.key;
+                    if schedule.after_try(job, &result) {
+                        reconciler.metrics.reconciliation("gave_up");
+                        tracing::warn!(key = key.short(), tries = MAX_TRIES, "reconciliation: the lookup never said; the outcome is left to the operator");
+                    }
                 }
-            }
+                Err(e) => {
+                    if let Some(key) = tasks.remove(&e.id()) {
+                        schedule.asking.remove(&key);
+                        tracing::error!(key = key.short(), error = %e, "reconciliation: a lookup task failed; the key is taken up again by the next sweep");
+                    }
+                }
+            },
         }
     }
     sweeper.abort();

@@ -22,6 +22,9 @@ use crate::store::{codec, now_ms, ScanPage, Scanned, StoreError, SCAN_BUDGET};
 /// Ids carried at most; a batch with more unknown outcomes than that past the page's room
 /// (only when `SCAN` answers far more keys than asked) makes the page longer instead.
 const MAX_CARRIED: usize = 64;
+/// `SCAN` calls per page at most: on a Redis holding mostly other keys, a call may match
+/// none, and the page ends early (with a cursor) rather than walking the whole keyspace.
+const MAX_SCANS: usize = 1000;
 
 /// Where a listing is.
 #[derive(Debug, Default, PartialEq)]
@@ -99,11 +102,12 @@ impl RedisStore {
             return Err(StoreError::BadCursor);
         }
         let mut page = ScanPage::default();
-        let mut read = 0;
-        while page.records.len() < want && read < SCAN_BUDGET {
+        let (mut read, mut scans) = (0, 0);
+        while page.records.len() < want && read < SCAN_BUDGET && scans < MAX_SCANS {
             let carried = std::mem::take(&mut at.carried);
             let keys = if carried.is_empty() {
                 let Some(scan) = at.scan else { break };
+                scans += 1;
                 let (next, keys) = self
                     .scan(&mut conn, at.slot, scan, want - page.records.len())
                     .await?;
