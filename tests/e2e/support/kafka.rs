@@ -48,11 +48,17 @@ pub struct Kafka {
     broker: Child,
 }
 
-/// `$TANSU` (scripts/test sets it to the build it keeps), else a `cargo install`ed one.
+/// `$TANSU` (scripts/test sets it), else the build scripts/test keeps, else a `cargo install`ed
+/// one.
 fn tansu() -> PathBuf {
+    let kept = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+        .map(|c| c.join(format!("idemgate/tansu-{TANSU_VERSION}-debug/bin/tansu")));
     let candidates = std::env::var_os("TANSU")
         .map(PathBuf::from)
         .into_iter()
+        .chain(kept)
         .chain(std::env::var_os("CARGO_HOME").map(|h| PathBuf::from(h).join("bin/tansu")))
         .chain(std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cargo/bin/tansu")));
     for c in candidates {
@@ -199,18 +205,23 @@ impl Kafka {
         Ok(())
     }
 
-    /// Every record of `topic` once at least `n` are there (within 30 s), read from the start
-    /// of each partition.
+    /// Every record of `topic` once at least `n` are there (or 30 s have passed), read from the
+    /// start of each partition.
     pub async fn read(&self, topic: &str, n: usize) -> Vec<Record> {
+        self.read_for(topic, n, Duration::from_secs(30)).await
+    }
+
+    /// [`Kafka::read`], waiting at most `within` for the `n` records.
+    pub async fn read_for(&self, topic: &str, n: usize, within: Duration) -> Vec<Record> {
         let (client, topic) = (self.client(), topic.to_string());
-        tokio::task::spawn_blocking(move || read(client, &topic, n))
+        tokio::task::spawn_blocking(move || read(client, &topic, n, within))
             .await
             .unwrap()
     }
 }
 
 /// [`Kafka::read`], on a thread that may block.
-fn read(mut client: ClientConfig, topic: &str, n: usize) -> Vec<Record> {
+fn read(mut client: ClientConfig, topic: &str, n: usize, within: Duration) -> Vec<Record> {
     let consumer: BaseConsumer = client
         .set("group.id", "test-reader")
         .set("enable.auto.commit", "false")
@@ -225,7 +236,7 @@ fn read(mut client: ClientConfig, topic: &str, n: usize) -> Vec<Record> {
             .unwrap();
     }
     consumer.assign(&list).unwrap();
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let deadline = std::time::Instant::now() + within;
     let mut out = Vec::new();
     while out.len() < n && std::time::Instant::now() < deadline {
         let Some(m) = consumer.poll(Duration::from_millis(200)) else {
