@@ -304,9 +304,11 @@ async fn readiness_fails_until_the_topic_exists() {
     let up = Upstream::counting().await;
     let admin = free_addr();
     let gw = GatewayProcess::start(&config(&kafka, &dir, &up.url(), admin, (BY_JSON, "")));
+    // The log says which topic is missing; readiness fails meanwhile.
+    gw.wait_log("topic \"orders\" does not exist");
     let unready = eventually_within(Duration::from_secs(20), || async {
         let (status, body) = admin_get(admin, "/readyz").await;
-        status == 503 && body.contains("orders")
+        status == 503 && body.contains("broker unreachable")
     })
     .await;
     assert!(unready, "{:?}", admin_get(admin, "/readyz").await);
