@@ -75,7 +75,7 @@ impl Gateway {
         match self.admit(route, &parts, incoming).await {
             Err(problem) => Answer::problem(problem),
             Ok(Admitted::Unkeyed(body)) => {
-                let response = self.pass_through_route(route, parts, body, conn).await;
+                let response = Box::pin(self.pass_through_route(route, parts, body, conn)).await;
                 Answer::of(response, Outcome::Passthrough)
             }
             Ok(Admitted::Keyed {
@@ -177,19 +177,17 @@ impl Gateway {
             key: *key,
             _lease: lease,
         };
-        let decision = self
-            .core
-            .run(
-                &conn.worker.store,
-                key,
-                Claim {
-                    fingerprint: fp,
-                    origin: Some(origin),
-                },
-                (rules, lookup.as_deref()),
-                forward,
-            )
-            .await;
+        let decision = Box::pin(self.core.run(
+            &conn.worker.store,
+            key,
+            Claim {
+                fingerprint: fp,
+                origin: Some(origin),
+            },
+            (rules, lookup.as_deref()),
+            forward,
+        ))
+        .await;
         match decision {
             Decision::Owned { settled, took } => {
                 let mut answer = settled_answer(settled);
@@ -209,9 +207,8 @@ impl Gateway {
             Decision::Bypass(Forward {
                 route, parts, body, ..
             }) => {
-                let response = self
-                    .pass_through_route(&route, parts, body::full(body), conn)
-                    .await;
+                let response =
+                    Box::pin(self.pass_through_route(&route, parts, body::full(body), conn)).await;
                 Answer::of(response, Outcome::StoreError)
             }
         }

@@ -308,7 +308,7 @@ impl Core {
                     }
                 }
                 Err(Waited::Refused(Refusal::OutcomeUnknown(reason))) => {
-                    match self.reconciled(store, key, lookup, rules, reason).await {
+                    match Box::pin(self.reconciled(store, key, lookup, rules, reason)).await {
                         Some(decision) => return decision,
                         // The upstream says it did not happen: this call may run it now.
                         None => continue,

@@ -31,6 +31,7 @@
 //!   fails its checksum, is `Corrupt` (`outcome-unknown`): nothing ever reads as "no record".
 
 mod purge;
+mod recent;
 mod scan;
 mod writer;
 
@@ -124,12 +125,21 @@ struct Db {
     /// promised (synced, or with `sync = "batch"` committed). A batch is visible in fjall as soon
     /// as it is committed, before its fsync; read from there, a duplicate could be answered with
     /// a result that a crash then takes back.
-    published: arc_swap::ArcSwap<fjall::Snapshot>,
+    published: arc_swap::ArcSwap<Published>,
+}
+
+/// A snapshot readers may use, and the number of the writer's batch it ends with.
+struct Published {
+    snapshot: fjall::Snapshot,
+    batch: u64,
 }
 
 impl Db {
-    fn publish(&self) {
-        self.published.store(Arc::new(self.db.snapshot()));
+    fn publish(&self, batch: u64) {
+        self.published.store(Arc::new(Published {
+            snapshot: self.db.snapshot(),
+            batch,
+        }));
     }
 }
 
@@ -157,6 +167,9 @@ enum Change {
         owner: OwnerToken,
         record: Record,
         ttl: Duration,
+        /// The published batch in whose snapshot the caller found no record for the key: the
+        /// writer then need not read fjall unless a later batch wrote it ([`recent`]).
+        absent_at: Option<u64>,
     },
     Complete {
         owner: OwnerToken,
@@ -214,7 +227,10 @@ impl DiskStore {
             .and_then(|db| {
                 let records = db.keyspace(RECORDS, KeyspaceCreateOptions::default)?;
                 let expiry = db.keyspace(EXPIRY, KeyspaceCreateOptions::default)?;
-                let published = arc_swap::ArcSwap::from_pointee(db.snapshot());
+                let published = arc_swap::ArcSwap::from_pointee(Published {
+                    snapshot: db.snapshot(),
+                    batch: 0,
+                });
                 Ok(Db {
                     db,
                     records,
@@ -289,21 +305,27 @@ impl DiskStore {
     /// The live record for `key` as last published ([`Db::published`]), read on the caller's
     /// thread.
     fn read(&self, key: &StoreKey) -> Result<Option<Record>, StoreError> {
+        self.read_at(key).map(|(record, _)| record)
+    }
+
+    /// [`Self::read`], and when there is no record at all (not even an expired one), the number
+    /// of the batch whose snapshot says so.
+    fn read_at(&self, key: &StoreKey) -> Result<(Option<Record>, Option<u64>), StoreError> {
         use fjall::Readable;
-        let snapshot = self.shared.db.published.load();
-        let Some(value) = snapshot
+        let published = self.shared.db.published.load();
+        let Some(value) = published
+            .snapshot
             .get(&self.shared.db.records, key.as_bytes())
             .map_err(read_error)?
         else {
-            return Ok(None);
+            return Ok((None, Some(published.batch)));
         };
         let (expires_at, raw) = split(&value)?;
         if expires_at <= now_ms() {
-            return Ok(None);
+            return Ok((None, None));
         }
-        Ok(Some(
-            codec::decode(&Bytes::copy_from_slice(raw))?.checked_lease(),
-        ))
+        let record = codec::decode(&Bytes::copy_from_slice(raw))?.checked_lease();
+        Ok((Some(record), None))
     }
 }
 
@@ -424,14 +446,19 @@ impl Store for DiskStore {
     ) -> Result<Reservation, StoreError> {
         // A key that exists (every replay, every duplicate) is answered from a read, without
         // waiting for the writer; only a new key needs the writer's insert-if-absent.
-        if let Some(record) = self.read(key)? {
+        let (found, absent_at) = self.read_at(key)?;
+        if let Some(record) = found {
             return Ok(Reservation::Existing(record));
         }
         let (owner, record) = super::pending(claim, lease);
         let guard = ReleaseOnDrop::new(self, key, owner);
-        let answer = self
-            .submit(key, Change::Reserve { owner, record, ttl })
-            .await;
+        let change = Change::Reserve {
+            owner,
+            record,
+            ttl,
+            absent_at,
+        };
+        let answer = self.submit(key, change).await;
         guard.disarm();
         match answer? {
             Done::Reserved(r) => Ok(r),

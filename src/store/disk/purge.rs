@@ -6,6 +6,7 @@ use std::time::{Duration, Instant as StdInstant};
 
 use super::writer::Writer;
 use super::{cost, expiry_key, split};
+use crate::key::StoreKey;
 use crate::store::now_ms;
 
 /// Expired records removed in one purge pass at most. A pass runs after a batch once a tick, and
@@ -44,6 +45,7 @@ impl Writer {
         let mut freed = 0u64;
         let mut seen = 0;
         let mut last = None;
+        let mut removed = Vec::new();
         // A key filed twice (released, then reserved again) is purged once.
         let mut handled = std::collections::HashSet::new();
         let from = match &self.purged_to {
@@ -67,6 +69,8 @@ impl Writer {
                     if let Ok((at, _)) = split(&v) {
                         if at <= now {
                             batch.remove(&self.db.records, key.to_vec());
+                            removed
+                                .extend(<[u8; 32]>::try_from(key).ok().map(StoreKey::from_bytes));
                             freed += cost(key.len(), v.len());
                             purged += 1;
                         } else {
@@ -78,8 +82,12 @@ impl Writer {
             Ok(())
         })();
         let done = scanned.and_then(|()| batch.commit());
+        self.batches += 1;
         match done {
             Ok(()) => {
+                for key in removed {
+                    self.recent.wrote(self.batches, key, None);
+                }
                 if last.is_some() {
                     self.purged_to = last;
                 }
@@ -94,6 +102,7 @@ impl Writer {
                 }
             }
             Err(e) => {
+                self.recent.clear(self.batches + 1);
                 tracing::warn!(error = %e, "disk store: purging expired records failed; retrying later");
                 return false;
             }

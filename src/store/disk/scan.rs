@@ -18,7 +18,8 @@ pub(super) fn unknown_after(
     after: Option<StoreKey>,
     want: usize,
 ) -> Result<ScanPage, StoreError> {
-    let snapshot = db.published.load();
+    let published = db.published.load();
+    let snapshot = &published.snapshot;
     let from = match after {
         Some(k) => std::ops::Bound::Excluded(k.as_bytes().to_vec()),
         None => std::ops::Bound::Unbounded,

@@ -12,6 +12,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use std::collections::HashMap;
 
+use super::recent::{Lookup, Recent};
 use super::{cost, expiry_key, read_error, split, stored_value, Change, Counters, Db, Done, Job};
 use crate::config::{DiskSettings, SyncMode};
 use crate::key::StoreKey;
@@ -63,6 +64,10 @@ pub(super) struct Writer {
     pub(super) purged_to: Option<Vec<u8>>,
     /// The wall clock at the last purge, to notice it stepping back.
     pub(super) purged_at: u64,
+    /// The number of the last batch committed (or failed), purges included.
+    pub(super) batches: u64,
+    /// The records the last batches wrote, so that most changes read nothing from fjall.
+    pub(super) recent: Recent,
 }
 
 /// What one batch did, to apply once it is committed.
@@ -91,6 +96,8 @@ impl Writer {
             unsynced_since: None,
             purged_to: None,
             purged_at: 0,
+            batches: 0,
+            recent: Recent::new(),
         }
     }
 
@@ -144,11 +151,13 @@ impl Writer {
         let mut effects = Effects::default();
         let mut answers: Vec<(Reply, Result<Done, StoreError>)> = Vec::with_capacity(jobs.len());
         let mut used = self.counters.used.load(Ordering::Relaxed) as i64;
+        let mut written = HashMap::new();
         let committed = (|| -> Result<bool, String> {
             let mut tables = Tables {
                 db: &self.db,
+                recent: &self.recent,
                 batch: self.db.db.batch(),
-                written: HashMap::new(),
+                written: &mut written,
             };
             let now = now_ms();
             for job in jobs {
@@ -186,10 +195,14 @@ impl Writer {
             }
             Ok(durable)
         })();
+        self.batches += 1;
         match committed {
             Ok(durable) => {
+                for (key, value) in written {
+                    self.recent.wrote(self.batches, key, value.as_deref());
+                }
                 // Readers see the batch only now: synced if it had to be.
-                self.db.publish();
+                self.db.publish(self.batches);
                 if durable {
                     self.counters.syncs.fetch_add(1, Ordering::Relaxed);
                     self.unsynced_since = None;
@@ -217,6 +230,8 @@ impl Writer {
                 // recovers the journal.
                 tracing::error!(error = %e, "disk store: a write failed; the store refuses writes until the gateway restarts");
                 self.counters.failing.store(true, Ordering::Relaxed);
+                // Some of the batch may be in fjall: nothing recent is to be trusted.
+                self.recent.clear(self.batches + 1);
                 let msg = format!("disk: {e}");
                 for (reply, _) in answers {
                     let _ = reply.send(Err(StoreError::Unavailable(msg.clone())));
@@ -264,12 +279,18 @@ impl Writer {
         effects: &mut Effects,
     ) -> Result<Done, StoreError> {
         let k = key.as_bytes().as_slice();
-        let current = t.live(k, now, used, effects)?;
+        let absent_at = match &change {
+            Change::Reserve { absent_at, .. } => *absent_at,
+            _ => None,
+        };
+        let current = t.live(key, absent_at, now, used, effects)?;
         // The stored value's length, for the `max_disk` count: known here, not read again.
         let old_len = current.as_ref().map(|(_, raw)| 8 + raw.len());
         let sync = self.must_sync(&change);
         let done = match change {
-            Change::Reserve { owner, record, ttl } => {
+            Change::Reserve {
+                owner, record, ttl, ..
+            } => {
                 if let Some((_, raw)) = current {
                     let record = codec::decode(&raw)?.checked_lease();
                     return Ok(Done::Reserved(Reservation::Existing(record)));
@@ -279,7 +300,7 @@ impl Writer {
                 if *used + size > self.max_disk as i64 {
                     return Err(StoreError::Full(Bound::MaxDisk));
                 }
-                t.put(k, None, ms_after(ttl), &raw, used);
+                t.put(key, None, ms_after(ttl), &raw, used);
                 Done::Reserved(Reservation::Owner(owner))
             }
             Change::Complete {
@@ -289,7 +310,7 @@ impl Writer {
             } => {
                 let response = self.within_max_disk(response, k.len(), old_len, *used);
                 let state = RecordState::Completed(Arc::new(response));
-                t.rewrite_owned(k, current, owner, Some(ms_after(ttl)), state, used)?;
+                t.rewrite_owned(key, current, owner, Some(ms_after(ttl)), state, used)?;
                 effects.wake.push(*key);
                 Done::Changed
             }
@@ -298,13 +319,13 @@ impl Writer {
                     since_ms: now_ms(),
                     reason,
                 };
-                t.rewrite_owned(k, current, owner, None, state, used)?;
+                t.rewrite_owned(key, current, owner, None, state, used)?;
                 effects.wake.push(*key);
                 Done::Changed
             }
             Change::Release { owner } => {
                 owned(current, owner)?;
-                t.remove(k, old_len, used);
+                t.remove(key, old_len, used);
                 effects.wake.push(*key);
                 Done::Changed
             }
@@ -313,7 +334,7 @@ impl Writer {
                     owner,
                     lease_until_ms: ms_after(lease),
                 };
-                t.rewrite_owned(k, current, owner, None, state, used)?;
+                t.rewrite_owned(key, current, owner, None, state, used)?;
                 Done::Changed
             }
             Change::TakeOver {
@@ -329,7 +350,7 @@ impl Writer {
                     return Ok(Done::TakenOver(None));
                 }
                 t.put(
-                    k,
+                    key,
                     Some((expires_at, old_len.unwrap_or(0))),
                     ms_after(ttl),
                     &codec::encode(&record),
@@ -340,7 +361,7 @@ impl Writer {
             Change::Delete => match current {
                 None => Done::Deleted(false),
                 Some(_) => {
-                    t.remove(k, old_len, used);
+                    t.remove(key, old_len, used);
                     effects.wake.push(*key);
                     Done::Deleted(true)
                 }
@@ -366,30 +387,37 @@ fn owned(current: Option<(u64, Bytes)>, owner: OwnerToken) -> Result<(u64, Recor
 /// The keyspaces as one batch sees them: what the batch wrote so far, else what is committed.
 struct Tables<'a> {
     db: &'a Db,
+    recent: &'a Recent,
     batch: OwnedWriteBatch,
     /// Records this batch wrote (`None`: removed), for the batch's own later reads: a batch is
     /// applied only when it commits.
-    written: HashMap<Vec<u8>, Option<Vec<u8>>>,
+    written: &'a mut HashMap<StoreKey, Option<Vec<u8>>>,
 }
 
 impl Tables<'_> {
-    /// The live record under `k`: (expiry, codec bytes). An expired one is removed on the spot.
+    /// The live record under `key`: (expiry, codec bytes). An expired one is removed on the
+    /// spot. `absent_at`: see [`Change::Reserve`].
     fn live(
         &mut self,
-        k: &[u8],
+        key: &StoreKey,
+        absent_at: Option<u64>,
         now: u64,
         used: &mut i64,
         effects: &mut Effects,
     ) -> Result<Option<(u64, Bytes)>, StoreError> {
+        let k = key.as_bytes().as_slice();
         // One copy of the stored value; the codec bytes are a slice of it.
-        let value = match self.written.get(k) {
+        let value = match self.written.get(key) {
             Some(v) => v.as_deref().map(Bytes::copy_from_slice),
-            None => self
-                .db
-                .records
-                .get(k)
-                .map_err(read_error)?
-                .map(|v| Bytes::copy_from_slice(&v)),
+            None => match self.recent.lookup(key, absent_at) {
+                Lookup::Known(v) => v,
+                Lookup::Read => self
+                    .db
+                    .records
+                    .get(k)
+                    .map_err(read_error)?
+                    .map(|v| Bytes::copy_from_slice(&v)),
+            },
         };
         let found = match value {
             None => None,
@@ -400,7 +428,7 @@ impl Tables<'_> {
         };
         match found {
             Some((at, raw)) if at <= now => {
-                self.remove(k, Some(8 + raw.len()), used);
+                self.remove(key, Some(8 + raw.len()), used);
                 effects.purged += 1;
                 Ok(None)
             }
@@ -408,16 +436,17 @@ impl Tables<'_> {
         }
     }
 
-    /// Writes `raw` under `k`, expiring at `expires_at`. `old`: the record's expiry and stored
+    /// Writes `raw` under `key`, expiring at `expires_at`. `old`: the record's expiry and stored
     /// length, if there is one (it is filed already).
     fn put(
         &mut self,
-        k: &[u8],
+        key: &StoreKey,
         old: Option<(u64, usize)>,
         expires_at: u64,
         raw: &[u8],
         used: &mut i64,
     ) {
+        let k = key.as_bytes().as_slice();
         let value = stored_value(expires_at, raw);
         if let Some((_, len)) = old {
             *used -= cost(k.len(), len) as i64;
@@ -425,7 +454,7 @@ impl Tables<'_> {
         *used += cost(k.len(), value.len()) as i64;
         self.batch
             .insert(&self.db.records, k.to_vec(), value.clone());
-        self.written.insert(k.to_vec(), Some(value));
+        self.written.insert(*key, Some(value));
         // A record already filed keeps its entry: a rewrite only moves the expiry later, and the
         // purge files it again at its new expiry when the old one comes up. One index entry per
         // key rather than one removal and one insertion per write.
@@ -439,7 +468,7 @@ impl Tables<'_> {
     /// (`None`: when it did), or answers `NotOwner`.
     fn rewrite_owned(
         &mut self,
-        k: &[u8],
+        key: &StoreKey,
         current: Option<(u64, Bytes)>,
         owner: OwnerToken,
         expires_at: Option<u64>,
@@ -451,7 +480,7 @@ impl Tables<'_> {
         let record = Record { state, ..pending };
         let expires_at = expires_at.unwrap_or(old_expiry);
         self.put(
-            k,
+            key,
             Some((old_expiry, old_len)),
             expires_at,
             &codec::encode(&record),
@@ -462,11 +491,12 @@ impl Tables<'_> {
 
     /// Removes the record under `k` (stored length `old_len`). Its expiry entry stays until it
     /// comes up, and the purge then finds no record (or a newer one, which it files again).
-    fn remove(&mut self, k: &[u8], old_len: Option<usize>, used: &mut i64) {
+    fn remove(&mut self, key: &StoreKey, old_len: Option<usize>, used: &mut i64) {
+        let k = key.as_bytes().as_slice();
         if let Some(len) = old_len {
             *used -= cost(k.len(), len) as i64;
         }
         self.batch.remove(&self.db.records, k.to_vec());
-        self.written.insert(k.to_vec(), None);
+        self.written.insert(*key, None);
     }
 }
