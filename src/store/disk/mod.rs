@@ -73,6 +73,40 @@ const QUEUE: usize = 4096;
 #[derive(Clone)]
 pub struct DiskStore {
     shared: Arc<Shared>,
+    /// A worker's handle ([`Store::for_worker`]): where the writer hands its answers.
+    inbox: Option<Inbox>,
+}
+
+/// Where the writer sends its answer to a change.
+type Reply = oneshot::Sender<Result<Done, StoreError>>;
+
+/// The answers of one batch to one worker's callers.
+type Answers = Vec<(Reply, Result<Done, StoreError>)>;
+
+/// A worker's inbox for answers: the writer hands over all of a batch's answers to a worker at
+/// once, and a task on that worker sends them on. Answered one by one from the writer's
+/// thread, each answer woke the worker's event loop with a system call of its own (two per new
+/// key, `perf stat` in bench/run), on the one thread every change waits for. Unbounded, but it
+/// never holds more than the changes in flight, which the writer's queue and the callers
+/// waiting on them bound.
+#[derive(Clone)]
+struct Inbox(mpsc::UnboundedSender<Answers>);
+
+impl Inbox {
+    /// An inbox served by a task on the current runtime, if there is one.
+    fn on_this_runtime() -> Option<Self> {
+        let runtime = tokio::runtime::Handle::try_current().ok()?;
+        let (tx, mut rx) = mpsc::unbounded_channel::<Answers>();
+        // Ends once every handle with this inbox is gone.
+        runtime.spawn(async move {
+            while let Some(answers) = rx.recv().await {
+                for (reply, result) in answers {
+                    let _ = reply.send(result);
+                }
+            }
+        });
+        Some(Inbox(tx))
+    }
 }
 
 struct Shared {
@@ -152,12 +186,14 @@ enum Job {
     Change {
         key: StoreKey,
         change: Change,
-        reply: oneshot::Sender<Result<Done, StoreError>>,
+        reply: Reply,
+        /// Answered through this worker's inbox, if the caller is a worker.
+        inbox: Option<Inbox>,
     },
     /// The ticker: time to purge, or to sync (`sync = "batch"`).
     Tick,
     /// Sync whatever is not yet synced, then answer (at shutdown, [`Store::flush`]).
-    Flush(oneshot::Sender<Result<Done, StoreError>>),
+    Flush(Reply),
 }
 
 enum Change {
@@ -267,6 +303,7 @@ impl DiskStore {
             .map_err(|e| fail(format!("cannot start the writer thread ({e})")))?;
         tokio::spawn(tick(tx.downgrade(), settings.sync));
         Ok(DiskStore {
+            inbox: None,
             shared: Arc::new(Shared {
                 db,
                 writer: tx,
@@ -289,6 +326,7 @@ impl DiskStore {
             key: *key,
             change,
             reply,
+            inbox: self.inbox.clone(),
         };
         if self.shared.writer.send(job).await.is_err() {
             return Err(StoreError::Unavailable(
@@ -360,6 +398,7 @@ impl Drop for ReleaseOnDrop {
             key,
             change: Change::Release { owner },
             reply,
+            inbox: None,
         };
         if let Err(mpsc::error::TrySendError::Full(job)) = writer.try_send(job) {
             // The queue is full: wait for room in the background rather than here.
@@ -615,6 +654,9 @@ impl Store for DiskStore {
     }
 
     fn for_worker(&self) -> Arc<dyn Store> {
-        Arc::new(self.clone())
+        Arc::new(DiskStore {
+            shared: Arc::clone(&self.shared),
+            inbox: Inbox::on_this_runtime(),
+        })
     }
 }

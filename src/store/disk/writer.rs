@@ -8,12 +8,15 @@ use std::time::{Duration, Instant as StdInstant};
 
 use bytes::Bytes;
 use fjall::{OwnedWriteBatch, PersistMode};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 
 use std::collections::HashMap;
 
 use super::recent::{Lookup, Recent};
-use super::{cost, expiry_key, read_error, split, stored_value, Change, Counters, Db, Done, Job};
+use super::{
+    cost, expiry_key, read_error, split, stored_value, Answers, Change, Counters, Db, Done, Inbox,
+    Job, Reply,
+};
 use crate::config::{DiskSettings, SyncMode};
 use crate::key::StoreKey;
 use crate::store::changes::Waiters;
@@ -147,9 +150,9 @@ impl Writer {
 
     /// Applies `jobs` as one atomic batch, commits it (with one fsync if any needs it), answers.
     fn batch(&mut self, jobs: Vec<Job>) {
-        type Reply = oneshot::Sender<Result<Done, StoreError>>;
         let mut effects = Effects::default();
-        let mut answers: Vec<(Reply, Result<Done, StoreError>)> = Vec::with_capacity(jobs.len());
+        let mut answers: Vec<(Reply, Option<Inbox>, Result<Done, StoreError>)> =
+            Vec::with_capacity(jobs.len());
         let mut used = self.counters.used.load(Ordering::Relaxed) as i64;
         let mut written = HashMap::new();
         let committed = (|| -> Result<bool, String> {
@@ -161,11 +164,16 @@ impl Writer {
             };
             let now = now_ms();
             for job in jobs {
-                let (key, change, reply) = match job {
-                    Job::Change { key, change, reply } => (key, change, reply),
+                let (key, change, reply, inbox) = match job {
+                    Job::Change {
+                        key,
+                        change,
+                        reply,
+                        inbox,
+                    } => (key, change, reply, inbox),
                     Job::Flush(reply) => {
                         effects.sync = true;
-                        answers.push((reply, Ok(Done::Changed)));
+                        answers.push((reply, None, Ok(Done::Changed)));
                         continue;
                     }
                     Job::Tick => continue,
@@ -175,7 +183,7 @@ impl Writer {
                 if let Err(StoreError::Unavailable(e)) = &result {
                     return Err(e.clone());
                 }
-                answers.push((reply, result));
+                answers.push((reply, inbox, result));
             }
             let due = match self.sync {
                 SyncMode::Always => false,
@@ -215,9 +223,7 @@ impl Writer {
                 self.counters
                     .purged
                     .fetch_add(effects.purged, Ordering::Relaxed);
-                for (reply, result) in answers {
-                    let _ = reply.send(result);
-                }
+                deliver(answers);
                 for key in &effects.wake {
                     self.waiters.notify(key);
                 }
@@ -233,9 +239,10 @@ impl Writer {
                 // Some of the batch may be in fjall: nothing recent is to be trusted.
                 self.recent.clear(self.batches + 1);
                 let msg = format!("disk: {e}");
-                for (reply, _) in answers {
-                    let _ = reply.send(Err(StoreError::Unavailable(msg.clone())));
-                }
+                let failed = answers.into_iter().map(|(reply, inbox, _)| {
+                    (reply, inbox, Err(StoreError::Unavailable(msg.clone())))
+                });
+                deliver(failed.collect());
             }
         }
     }
@@ -369,6 +376,26 @@ impl Writer {
         };
         effects.sync |= sync;
         Ok(done)
+    }
+}
+
+/// Sends a batch's answers: those of a worker's callers in one hand-off to its inbox, the others
+/// one by one.
+fn deliver(answers: Vec<(Reply, Option<Inbox>, Result<Done, StoreError>)>) {
+    let mut inboxes: Vec<(Inbox, Answers)> = Vec::new();
+    for (reply, inbox, result) in answers {
+        let Some(inbox) = inbox else {
+            let _ = reply.send(result);
+            continue;
+        };
+        match inboxes.iter_mut().find(|(i, _)| i.0.same_channel(&inbox.0)) {
+            Some((_, list)) => list.push((reply, result)),
+            None => inboxes.push((inbox, vec![(reply, result)])),
+        }
+    }
+    for (inbox, list) in inboxes {
+        // A worker that is gone took its callers with it.
+        let _ = inbox.0.send(list);
     }
 }
 
