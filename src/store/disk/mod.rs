@@ -8,7 +8,9 @@
 //! - Every change goes through one writer thread, which applies whatever has queued up as one
 //!   atomic batch with one fsync of the journal (group commit) and only then answers: under
 //!   concurrent load, many requests share one fsync. The writer is also what makes `reserve`
-//!   atomic (insert if absent).
+//!   atomic (insert if absent). It remembers what its recent batches wrote ([`recent`]), so a
+//!   new key and its result need no read of fjall, and hands each worker a batch's answers at
+//!   once ([`Inbox`]).
 //! - What reaches the disk before the caller hears back: a new pending record always (the
 //!   request is forwarded only after); a result, an unknown outcome, a release or a delete with
 //!   `sync = "always"`; with `sync = "batch"`, those within `sync_interval`, so a crash in that
@@ -230,6 +232,16 @@ enum Change {
         ttl: Duration,
     },
     Delete,
+}
+
+impl Change {
+    /// See [`Change::Reserve`]'s `absent_at`.
+    fn absent_at(&self) -> Option<u64> {
+        match self {
+            Change::Reserve { absent_at, .. } => *absent_at,
+            _ => None,
+        }
+    }
 }
 
 enum Done {

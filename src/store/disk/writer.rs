@@ -286,11 +286,7 @@ impl Writer {
         effects: &mut Effects,
     ) -> Result<Done, StoreError> {
         let k = key.as_bytes().as_slice();
-        let absent_at = match &change {
-            Change::Reserve { absent_at, .. } => *absent_at,
-            _ => None,
-        };
-        let current = t.live(key, absent_at, now, used, effects)?;
+        let current = t.live(key, change.absent_at(), now, used, effects)?;
         // The stored value's length, for the `max_disk` count: known here, not read again.
         let old_len = current.as_ref().map(|(_, raw)| 8 + raw.len());
         let sync = self.must_sync(&change);
