@@ -75,6 +75,9 @@ impl Gateway {
         match self.admit(route, &parts, incoming).await {
             Err(problem) => Answer::problem(problem),
             Ok(Admitted::Unkeyed(body)) => {
+                // Boxed, as every branch a keyed request does not take: an `async fn` holds the
+                // futures it awaits inline, so this one would size, and be copied with, every
+                // request's (bench/README.md, "Before and after issue 32").
                 let response = Box::pin(self.pass_through_route(route, parts, body, conn)).await;
                 Answer::of(response, Outcome::Passthrough)
             }
@@ -177,6 +180,8 @@ impl Gateway {
             key: *key,
             _lease: lease,
         };
+        // Boxed: inline, the core's future (several KB) is copied into this one and this one
+        // into its caller's at every call.
         let decision = Box::pin(self.core.run(
             &conn.worker.store,
             key,

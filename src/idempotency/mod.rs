@@ -308,6 +308,7 @@ impl Core {
                     }
                 }
                 Err(Waited::Refused(Refusal::OutcomeUnknown(reason))) => {
+                    // Boxed: the upstream's lookup is rare, and inline it would size every call.
                     match Box::pin(self.reconciled(store, key, lookup, rules, reason)).await {
                         Some(decision) => return decision,
                         // The upstream says it did not happen: this call may run it now.
