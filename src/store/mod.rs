@@ -469,7 +469,8 @@ pub trait Store: Send + Sync + 'static {
 
     /// A handle to this same store for one worker thread, made on that thread and used only
     /// there: a backend whose connections are driven by the runtime that made them (Redis)
-    /// gives each worker its own, so no command hops threads; the others share themselves.
+    /// gives each worker its own, so no command hops threads; the disk store gives each worker
+    /// an inbox for its writer's answers (one wake-up per batch); the others share themselves.
     fn for_worker(&self) -> Arc<dyn Store>;
 }
 

@@ -26,8 +26,7 @@ const KEYS: usize = 8192;
 const VALUE: usize = 512;
 
 /// A key's stored value as of its last write in a recent batch.
-#[derive(Clone, Debug, PartialEq)]
-pub(super) enum Known {
+enum Known {
     /// The stored value (expiry, then codec bytes).
     Value(Bytes),
     /// Removed (released, deleted, purged).
@@ -80,10 +79,10 @@ impl Recent {
     }
 
     /// Records what the committed batch `batch` wrote under `key` (`None`: removed).
-    pub(super) fn wrote(&mut self, batch: u64, key: StoreKey, value: Option<&[u8]>) {
+    pub(super) fn wrote(&mut self, batch: u64, key: StoreKey, value: Option<Vec<u8>>) {
         let known = match value {
             None => Known::Removed,
-            Some(v) if v.len() <= VALUE => Known::Value(Bytes::copy_from_slice(v)),
+            Some(v) if v.len() <= VALUE => Known::Value(Bytes::from(v)),
             Some(_) => Known::Present,
         };
         self.keys.insert(key, (batch, known));
@@ -119,7 +118,7 @@ mod tests {
     #[test]
     fn a_written_key_is_known_and_an_unwritten_one_only_with_a_snapshot_recent_enough() {
         let mut r = Recent::new();
-        r.wrote(1, key(1), Some(b"pending"));
+        r.wrote(1, key(1), Some(b"pending".to_vec()));
         r.wrote(2, key(2), None);
         assert_eq!(
             r.lookup(&key(1), None),
@@ -135,7 +134,7 @@ mod tests {
     #[test]
     fn a_long_value_is_read_from_fjall() {
         let mut r = Recent::new();
-        r.wrote(1, key(1), Some(&[0u8; VALUE + 1]));
+        r.wrote(1, key(1), Some(vec![0u8; VALUE + 1]));
         assert_eq!(r.lookup(&key(1), Some(0)), Lookup::Read);
     }
 
@@ -145,7 +144,7 @@ mod tests {
         for i in 0..=KEYS as u64 {
             let mut k = [0u8; 32];
             k[..8].copy_from_slice(&i.to_be_bytes());
-            r.wrote(i + 1, StoreKey::from_bytes(k), Some(b"v"));
+            r.wrote(i + 1, StoreKey::from_bytes(k), Some(b"v".to_vec()));
         }
         // Batch 1's write is forgotten: a snapshot from before it says nothing any more.
         assert_eq!(r.lookup(&key(9), Some(0)), Lookup::Read);
@@ -157,8 +156,8 @@ mod tests {
     #[test]
     fn the_last_write_of_a_key_wins_and_stale_order_entries_forget_nothing() {
         let mut r = Recent::new();
-        r.wrote(1, key(1), Some(b"a"));
-        r.wrote(2, key(1), Some(b"b"));
+        r.wrote(1, key(1), Some(b"a".to_vec()));
+        r.wrote(2, key(1), Some(b"b".to_vec()));
         assert_eq!(
             r.lookup(&key(1), None),
             Lookup::Known(Some(Bytes::from_static(b"b")))

@@ -151,8 +151,7 @@ impl Writer {
     /// Applies `jobs` as one atomic batch, commits it (with one fsync if any needs it), answers.
     fn batch(&mut self, jobs: Vec<Job>) {
         let mut effects = Effects::default();
-        let mut answers: Vec<(Reply, Option<Inbox>, Result<Done, StoreError>)> =
-            Vec::with_capacity(jobs.len());
+        let mut answers: Vec<Answer> = Vec::with_capacity(jobs.len());
         let mut used = self.counters.used.load(Ordering::Relaxed) as i64;
         let mut written = HashMap::new();
         let committed = (|| -> Result<bool, String> {
@@ -207,7 +206,7 @@ impl Writer {
         match committed {
             Ok(durable) => {
                 for (key, value) in written {
-                    self.recent.wrote(self.batches, key, value.as_deref());
+                    self.recent.wrote(self.batches, key, value);
                 }
                 // Readers see the batch only now: synced if it had to be.
                 self.db.publish(self.batches);
@@ -375,9 +374,12 @@ impl Writer {
     }
 }
 
+/// An answer of the writer's: where it goes, and through which worker's inbox if any.
+type Answer = (Reply, Option<Inbox>, Result<Done, StoreError>);
+
 /// Sends a batch's answers: those of a worker's callers in one hand-off to its inbox, the others
 /// one by one.
-fn deliver(answers: Vec<(Reply, Option<Inbox>, Result<Done, StoreError>)>) {
+fn deliver(answers: Vec<Answer>) {
     let mut inboxes: Vec<(Inbox, Answers)> = Vec::new();
     for (reply, inbox, result) in answers {
         let Some(inbox) = inbox else {
@@ -512,7 +514,7 @@ impl Tables<'_> {
         Ok(())
     }
 
-    /// Removes the record under `k` (stored length `old_len`). Its expiry entry stays until it
+    /// Removes the record under `key` (stored length `old_len`). Its expiry entry stays until it
     /// comes up, and the purge then finds no record (or a newer one, which it files again).
     fn remove(&mut self, key: &StoreKey, old_len: Option<usize>, used: &mut i64) {
         let k = key.as_bytes().as_slice();
