@@ -1,7 +1,7 @@
 //! The disk store: one instance, durable. Every key survives a restart, `kill -9` and an OOM
 //! kill, with no server to run. Built on fjall, an embedded log-structured key-value store with
-//! a checksummed journal and atomic write batches (chosen over redb and RocksDB, both slower on
-//! this workload with the same fsyncs: bench/README.md, "bench/embedded-stores").
+//! a checksummed journal and atomic write batches (chosen over redb, slower on this workload
+//! with the same fsyncs, and RocksDB, no faster: bench/README.md, "bench/embedded-stores").
 //!
 //! - One directory, opened by one process at a time (fjall locks it; a second process is refused
 //!   at startup with a message that says why).
