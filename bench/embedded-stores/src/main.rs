@@ -68,14 +68,37 @@ fn completed() -> Vec<u8> {
     vec![2; 350]
 }
 
-/// Reserves `k` in `fresh` (this batch's reservations: a batch is applied at commit) unless the
-/// engine already holds it.
-fn reserve(fresh: &mut HashSet<Vec<u8>>, k: &[u8], held: impl FnOnce() -> bool) -> bool {
-    let absent = !fresh.contains(k) && !held();
-    if absent {
-        fresh.insert(k.to_vec());
-    }
-    absent
+/// A write of a batch: the key and its new value (`None`: delete).
+type Write<'a> = (&'a [u8], Option<Vec<u8>>);
+
+/// What a batch of ops answers and writes, whatever the engine; `held` says whether the engine
+/// already holds a key. A batch is applied at commit, so a key reserved twice in one batch is
+/// answered from the batch's own reservations.
+fn plan<'a>(ops: &'a [Op], held: impl Fn(&[u8]) -> bool) -> (Vec<bool>, Vec<Write<'a>>) {
+    let mut fresh = HashSet::new();
+    let mut writes = Vec::with_capacity(ops.len());
+    let answers = ops
+        .iter()
+        .map(|op| match op {
+            Op::Reserve(k) => {
+                let owned = !fresh.contains(k.as_slice()) && !held(k);
+                if owned {
+                    fresh.insert(k.as_slice());
+                    writes.push((k.as_slice(), Some(PENDING.to_vec())));
+                }
+                owned
+            }
+            Op::Complete(k) => {
+                writes.push((k.as_slice(), Some(completed())));
+                true
+            }
+            Op::Delete(k) => {
+                writes.push((k.as_slice(), None));
+                true
+            }
+        })
+        .collect();
+    (answers, writes)
 }
 
 /// Configured as the gateway's disk store is (`src/store/disk/mod.rs`).
@@ -100,30 +123,16 @@ impl Fjall {
 
 impl Engine for Fjall {
     fn write(&self, ops: &[Op]) -> Vec<bool> {
-        let mut fresh = HashSet::new();
+        let (answers, writes) = plan(ops, |k| self.ks.get(k).unwrap().is_some());
         let mut batch = self.db.batch();
-        let out = ops
-            .iter()
-            .map(|op| match op {
-                Op::Reserve(k) => {
-                    let owned = reserve(&mut fresh, k, || self.ks.get(k).unwrap().is_some());
-                    if owned {
-                        batch.insert(&self.ks, k.clone(), PENDING.to_vec());
-                    }
-                    owned
-                }
-                Op::Complete(k) => {
-                    batch.insert(&self.ks, k.clone(), completed());
-                    true
-                }
-                Op::Delete(k) => {
-                    batch.remove(&self.ks, k.clone());
-                    true
-                }
-            })
-            .collect();
+        for (k, value) in writes {
+            match value {
+                Some(v) => batch.insert(&self.ks, k, v),
+                None => batch.remove(&self.ks, k),
+            }
+        }
         batch.commit().unwrap();
-        out
+        answers
     }
 
     fn sync(&self) {
@@ -139,43 +148,33 @@ struct Rocks {
 
 impl Rocks {
     fn open(dir: &Path) -> Self {
-        let mut options = rocksdb::Options::default();
-        options.create_if_missing(true);
-        options.set_compression_type(rocksdb::DBCompressionType::None);
         Rocks {
-            db: rocksdb::DB::open(&options, dir).unwrap(),
+            db: rocksdb::DB::open(&rocks_options(), dir).unwrap(),
         }
     }
 }
 
+/// The options of both RocksDB setups: its defaults, no compression.
+fn rocks_options() -> rocksdb::Options {
+    let mut options = rocksdb::Options::default();
+    options.create_if_missing(true);
+    options.set_compression_type(rocksdb::DBCompressionType::None);
+    options
+}
+
 impl Engine for Rocks {
     fn write(&self, ops: &[Op]) -> Vec<bool> {
-        let mut fresh = HashSet::new();
+        let (answers, writes) = plan(ops, |k| self.db.get_pinned(k).unwrap().is_some());
         let mut batch = rocksdb::WriteBatch::default();
-        let out = ops
-            .iter()
-            .map(|op| match op {
-                Op::Reserve(k) => {
-                    let owned = reserve(&mut fresh, k, || self.db.get_pinned(k).unwrap().is_some());
-                    if owned {
-                        batch.put(k, PENDING);
-                    }
-                    owned
-                }
-                Op::Complete(k) => {
-                    batch.put(k, completed());
-                    true
-                }
-                Op::Delete(k) => {
-                    batch.delete(k);
-                    true
-                }
-            })
-            .collect();
-        let mut options = rocksdb::WriteOptions::default();
-        options.set_sync(false);
-        self.db.write_opt(batch, &options).unwrap();
-        out
+        for (k, value) in writes {
+            match value {
+                Some(v) => batch.put(k, v),
+                None => batch.delete(k),
+            }
+        }
+        // Not synced here: `sync` does that (`FlushWAL`), serially or on the syncer thread.
+        self.db.write(batch).unwrap();
+        answers
     }
 
     fn sync(&self) {
@@ -193,9 +192,7 @@ struct RocksTransactions {
 
 impl RocksTransactions {
     fn open(dir: &Path) -> Self {
-        let mut options = rocksdb::Options::default();
-        options.create_if_missing(true);
-        options.set_compression_type(rocksdb::DBCompressionType::None);
+        let mut options = rocks_options();
         options.enable_statistics();
         let db = rocksdb::TransactionDB::open(&options, &Default::default(), dir).unwrap();
         RocksTransactions {
@@ -235,7 +232,7 @@ impl Client for RocksTransactions {
     }
 }
 
-#[derive(Clone, Copy, PartialEq)]
+#[derive(Clone, Copy)]
 enum Mode {
     Serial,
     Pipelined,
@@ -487,8 +484,14 @@ fn main() {
     let baseline: Vec<f64> = results[0].iter().map(|f| f.rps).collect();
     for (s, figures) in setups.iter().zip(results) {
         let pick = |f: fn(&Figures) -> f64| median(figures.iter().map(f).collect());
-        let ratios: Vec<f64> = figures.iter().zip(&baseline).map(|(f, b)| f.rps / b).collect();
-        let (low, high) = ratios.iter().fold((f64::MAX, 0f64), |(l, h), r| (l.min(*r), h.max(*r)));
+        let ratios: Vec<f64> = figures
+            .iter()
+            .zip(&baseline)
+            .map(|(f, b)| f.rps / b)
+            .collect();
+        let (low, high) = ratios
+            .iter()
+            .fold((f64::MAX, 0f64), |(l, h), r| (l.min(*r), h.max(*r)));
         println!(
             "{:20} {:8.0} req/s  p50 {:6.2} ms  p99 {:6.2} ms  CPU {:5.1} us/req  x fjall serial {:.2} ({low:.2}-{high:.2})",
             s.name(),
