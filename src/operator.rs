@@ -168,19 +168,28 @@ pub enum Change {
     NotFound,
     /// A pending record whose lease still runs: its request may still be executing.
     Live,
+    /// A completed record: its request ran and retries replay its answer. Releasing or
+    /// overwriting it needs `force` (a wrong id must not re-enable a payment that completed).
+    Completed,
     /// The record changed between the read and the change: read it again.
     Changed,
 }
 
-/// Whether `record` is pending with its owner's lease still running.
-fn live(record: &Record) -> bool {
-    matches!(record.state, RecordState::Pending { .. })
+/// Why `record` may be changed only with `force`: a pending record whose owner's lease still
+/// runs, or a completed one.
+fn guarded(record: &Record) -> Option<Change> {
+    match record.state {
+        RecordState::Pending { .. } => Some(Change::Live),
+        RecordState::Completed(_) => Some(Change::Completed),
+        RecordState::Abandoned { .. } | RecordState::Unknown { .. } => None,
+    }
 }
 
 /// Replaces the record the operator saw, and nothing else: a compare and set through the store
 /// contract (`take_over` of exactly that record, then `then` as its new owner), so that an owner
-/// completing meanwhile is never overwritten. A live pending record only with `force`. `ttl`
-/// bounds the replacement if `then` fails midway: it then reads as abandoned, never as free.
+/// completing meanwhile is never overwritten. A live pending record or a completed one only
+/// with `force`. `ttl` bounds the replacement if `then` fails midway: it then reads as
+/// abandoned, never as free; a take-over whose own answer is lost leaves the record as it was.
 /// `seen`: the record the decision was made on, when the caller read it itself (a
 /// reconciliation decides on a lookup made after its read: a record settled meanwhile must not
 /// be replaced by that answer); else the record as it is now.
@@ -202,8 +211,8 @@ where
             None => return Ok(Change::NotFound),
         },
     };
-    if live(&record) && !force {
-        return Ok(Change::Live);
+    if let (Some(refusal), false) = (guarded(&record), force) {
+        return Ok(refusal);
     }
     // The origin stays with the record, so that it is still listed if `then` fails midway.
     let claim = store::Claim {
@@ -401,10 +410,21 @@ mod tests {
             store.get(&key).await.unwrap().unwrap().state,
             RecordState::Completed(_)
         ));
-        // Without a record of its own, an operator's release applies to the record as it is.
+        // Without a record of its own, an operator's release applies to the record as it is:
+        // a completed one only with force.
         assert_eq!(
             release(&store, (&key, None), false, ttl).await,
+            Ok(Change::Completed)
+        );
+        assert_eq!(
+            resolve(&store, (&key, None), answer(), false, ttl).await,
+            Ok(Change::Completed)
+        );
+        assert!(store.get(&key).await.unwrap().is_some());
+        assert_eq!(
+            release(&store, (&key, None), true, ttl).await,
             Ok(Change::Done)
         );
+        assert_eq!(store.get(&key).await.unwrap(), None);
     }
 }

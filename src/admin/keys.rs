@@ -11,9 +11,9 @@
 //!   ([`operator::list_unknown`]).
 //! - `GET /keys/{id}`: the record (state, times; stored status, headers, body size).
 //! - `DELETE /keys/{id}[?force=true]`: release: the request did not happen, the next retry
-//!   executes. A pending record whose lease still runs needs `force`.
+//!   executes. A pending record whose lease still runs, or a completed one, needs `force`.
 //! - `PUT /keys/{id}[?force=true]` with `{"status", "headers", "body" | "body_base64"}`: resolve
-//!   as completed; retries replay exactly that.
+//!   as completed; retries replay exactly that. The same records need `force`.
 //!
 //! Both changes replace exactly the record read (compare and set, [`operator::release`]).
 
@@ -257,6 +257,7 @@ async fn changed(
         },
         Ok(Change::NotFound) => no_record(),
         Ok(Change::Live) => problem(StatusCode::CONFLICT, "record-live", "Request still running", "The record is pending and its lease still runs: its request may still be executing. Wait, or add ?force=true.".into()),
+        Ok(Change::Completed) => problem(StatusCode::CONFLICT, "record-completed", "Request completed", "The record is completed: its request ran, and retries replay its answer. Releasing it would let the next retry run the request again; overwriting it would replay another answer. If that is what you mean, add ?force=true.".into()),
         Ok(Change::Changed) => problem(StatusCode::CONFLICT, "record-changed", "Record changed", "The record changed while it was being replaced, and was left as it is now: read it again.".into()),
         Err(e) => store_failed(&e),
     }

@@ -18,6 +18,7 @@ use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
 use crate::body::{self, Body};
+use crate::config::identity::KeyIdentity;
 use crate::config::Deadlines;
 use crate::conn::{self, ClientBody};
 use crate::consumer::BrokerHealth;
@@ -155,9 +156,23 @@ async fn handle(
             );
             resp
         }
+        // What the running routes' stored keys are derived from, for `idemgate check
+        // --running`: names, paths and header names, no secret.
+        "/routes" => {
+            let routes: Vec<KeyIdentity> = (gw.routes().iter())
+                .map(|r| KeyIdentity::of(&r.config))
+                .collect();
+            let json = serde_json::json!({ "routes": routes }).to_string();
+            let mut resp = Response::new(body::full(Bytes::from(json)));
+            resp.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            );
+            resp
+        }
         _ => text(
             StatusCode::NOT_FOUND,
-            "not found: /healthz, /readyz, /metrics, /keys, /keys/{id}\n",
+            "not found: /healthz, /readyz, /metrics, /routes, /keys, /keys/{id}\n",
         ),
     }
 }

@@ -20,8 +20,10 @@ pub fn describe(config: &Config) -> String {
     let _ = writeln!(out, "{}", store(&config.store));
     let _ = writeln!(
         out,
-        "default upstream {} (at most {} connections to each upstream)",
-        config.upstream, config.upstream_max_connections
+        "default upstream {} (at most {} connections to each upstream, idle ones reused for {})",
+        config.upstream,
+        config.upstream_max_connections,
+        shown(config.upstream_idle_timeout)
     );
     for r in &config.routes {
         route(&mut out, r);
@@ -121,7 +123,7 @@ fn route(out: &mut String, r: &RouteConfig) {
     let p = &r.policy;
     let _ = writeln!(
         out,
-        "route {:?}: {} {} -> {} (key from {}, require_key {}, ttl {}, lock_timeout {}, wait {}, max_waiters {}, mismatch {}, client scope {}, max_keys_per_client {}, max_keys_anonymous {}, anonymous_share {}%, max_body {}, max_stored_response {}, upstream_timeout {}, store_server_errors {}, on_store_error {:?}, on_unknown {:?})",
+        "route {:?}: {} {} -> {} (key from {}, require_key {}, ttl {}, lock_timeout {}, wait {}, max_waiters {}, mismatch {}, client scope {}, max_keys_per_client {}, max_keys_anonymous {}, anonymous_share {}%, max_body {}, max_stored_response {}, upstream_timeout {}, store_server_errors {}, unknown_statuses {:?}, on_store_error {:?}, on_unknown {:?})",
         r.name,
         methods.join(","),
         r.pattern,
@@ -141,6 +143,7 @@ fn route(out: &mut String, r: &RouteConfig) {
         p.max_stored_response,
         shown(p.upstream_timeout),
         p.store_server_errors,
+        p.unknown_statuses.codes(),
         p.on_store_error,
         p.on_unknown,
     );

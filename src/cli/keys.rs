@@ -358,6 +358,10 @@ async fn direct(config: &Config, key: &StoreKey, route: &str, op: Op, force: boo
             eprintln!("idemgate: the record is pending and its lease still runs (its request may still be executing): wait, or add --force");
             ExitCode::from(1)
         }
+        Ok(Change::Completed) => {
+            eprintln!("idemgate: the record is completed (its request ran; retries replay its answer): releasing or overwriting it needs --force");
+            ExitCode::from(1)
+        }
         Ok(Change::Changed) => {
             eprintln!("idemgate: the record changed meanwhile and was left as it is: look again");
             ExitCode::from(1)

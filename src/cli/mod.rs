@@ -1,6 +1,7 @@
 //! The command line: `idemgate run`, `idemgate check`, `idemgate keys get|delete`,
 //! `idemgate probe`.
 
+mod check;
 mod describe;
 mod keys;
 
@@ -12,7 +13,7 @@ use std::sync::Arc;
 
 use clap::{Parser, Subcommand};
 
-use crate::config::{Config, StoreConfig};
+use crate::config::Config;
 use crate::server::{reload_on_sighup, shutdown_signal, Server};
 use crate::telemetry::{self, LogFormat};
 
@@ -52,6 +53,10 @@ pub enum Command {
         /// for teams that apply schema changes themselves.
         #[arg(long)]
         print_ddl: bool,
+        /// The running gateway's admin address (host:port): exit 1 if this config derives
+        /// stored keys otherwise than the routes it runs (a reload of it would be refused).
+        #[arg(long, value_name = "ADMIN_ADDRESS")]
+        running: Option<String>,
     },
     /// GET a URL and exit 0 on 2xx, 1 otherwise: a health check for images without curl.
     Probe {
@@ -142,30 +147,11 @@ pub fn main() -> ExitCode {
     let cli = Cli::parse();
     telemetry::init(cli.log_format);
     match cli.command {
-        Command::Check { config, print_ddl } => match Config::load(&config) {
-            Ok(c) if print_ddl => match &c.store {
-                StoreConfig::Postgres(p) => {
-                    say(&crate::store::postgres::schema::ddl(&p.table));
-                    ExitCode::SUCCESS
-                }
-                _ => {
-                    eprintln!(
-                        "idemgate: {}: --print-ddl is for store.backend = \"postgres\"",
-                        config.display()
-                    );
-                    ExitCode::from(EXIT_BAD_CONFIG)
-                }
-            },
-            Ok(c) => {
-                say(&describe(&c));
-                say("config OK\n");
-                ExitCode::SUCCESS
-            }
-            Err(e) => {
-                eprintln!("idemgate: {}: {e}", config.display());
-                ExitCode::from(EXIT_BAD_CONFIG)
-            }
-        },
+        Command::Check {
+            config,
+            print_ddl,
+            running,
+        } => check::check(&config, print_ddl, running.as_deref()),
         Command::Keys { action } => keys::keys(action),
         Command::Probe { url } => probe(&url),
         Command::Run { config: path } => {

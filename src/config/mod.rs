@@ -6,6 +6,7 @@
 //! default listed in [`Policy::builtin`]. Every rejection is a [`ConfigError`] naming the field, the
 //! bad value and what is allowed, and happens before anything listens.
 
+pub mod identity;
 mod raw;
 mod store;
 
@@ -75,6 +76,9 @@ pub struct Config {
     /// `[upstream] max_connections`: the cap on connections to each upstream (host and port),
     /// across workers; fixed at startup.
     pub upstream_max_connections: usize,
+    /// `[upstream] idle_timeout`: idle upstream connections older than this are closed rather
+    /// than reused; fixed at startup.
+    pub upstream_idle_timeout: Duration,
     /// `[upstream] tls_*`: for every `https://` upstream.
     pub upstream_tls: UpstreamTls,
     /// `[defaults]` over the built-ins: what pass-through traffic outside any route uses.
@@ -297,6 +301,35 @@ pub enum OnUnknown {
     Retry,
 }
 
+/// A set of 5xx statuses, as bits (`unknown_statuses`): small enough to copy into every
+/// operation's rules.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ServerStatuses(u128);
+
+impl ServerStatuses {
+    /// The statuses a proxy in front of the upstream answers when it gave up on an upstream that
+    /// may have committed: 502 (the connection failed mid-answer) and 504 (it timed out).
+    pub const DEFAULT_UNKNOWN: ServerStatuses = ServerStatuses((1 << 2) | (1 << 4));
+
+    /// The set of `codes`; `None` if one is not from 500 to 599.
+    pub fn of(codes: &[u16]) -> Option<ServerStatuses> {
+        codes.iter().try_fold(ServerStatuses(0), |set, &code| {
+            (500..600)
+                .contains(&code)
+                .then(|| ServerStatuses(set.0 | 1 << (code - 500)))
+        })
+    }
+
+    pub fn contains(self, status: u16) -> bool {
+        (500..600).contains(&status) && self.0 & (1 << (status - 500)) != 0
+    }
+
+    /// The statuses, in order.
+    pub fn codes(self) -> Vec<u16> {
+        (500..600).filter(|&s| self.contains(s)).collect()
+    }
+}
+
 /// `redis://user:secret@host` -> `redis://user:***@host`, for messages and logs. Everything
 /// between `://` and the last `@` is user info, whatever characters a password holds.
 pub fn redact_url(url: &str) -> String {
@@ -466,6 +499,9 @@ pub struct Policy {
     pub max_stored_response: usize,
     pub upstream_timeout: Duration,
     pub store_server_errors: bool,
+    /// Upstream statuses that may follow a commit (a proxy's 502 or 504 in front of an upstream
+    /// that ran the request): the key is kept as an unknown outcome, never released or stored.
+    pub unknown_statuses: ServerStatuses,
     pub on_store_error: OnStoreError,
     pub on_unknown: OnUnknown,
     /// How to ask the upstream whether an unknown outcome happened (`reconcile`).
@@ -503,6 +539,7 @@ impl Policy {
             max_stored_response: 1 << 20,
             upstream_timeout: Duration::from_secs(30),
             store_server_errors: false,
+            unknown_statuses: ServerStatuses::DEFAULT_UNKNOWN,
             on_store_error: OnStoreError::Reject,
             on_unknown: OnUnknown::Reject,
             reconcile: None,
@@ -515,6 +552,9 @@ impl Policy {
 pub struct RouteConfig {
     /// Stable identity of the route: part of every stored key, and how operators name it.
     pub name: String,
+    /// Whether `name` was written in the config; without one, the name is the path, and its
+    /// keys follow the path ([`identity`]).
+    pub named: bool,
     pub pattern: RoutePattern,
     pub methods: Vec<Method>,
     pub upstream: UpstreamUrl,

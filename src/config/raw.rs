@@ -62,6 +62,7 @@ pub(super) struct RawConsumer {
     #[serde(default, deserialize_with = "duration")]
     pub(super) upstream_timeout: Option<Duration>,
     pub(super) store_server_errors: Option<bool>,
+    pub(super) unknown_statuses: Option<Vec<i64>>,
     #[serde(default, deserialize_with = "typed")]
     pub(super) on_unknown: Option<OnUnknown>,
     pub(super) reconcile: Option<RawReconcile>,
@@ -172,6 +173,8 @@ pub(super) struct RawUpstream {
     #[serde(default, deserialize_with = "typed")]
     pub(super) protocol: Option<UpstreamProtocol>,
     pub(super) max_connections: Option<i64>,
+    #[serde(default, deserialize_with = "duration")]
+    pub(super) idle_timeout: Option<Duration>,
     pub(super) tls_ca_file: Option<String>,
     pub(super) tls_client_cert: Option<String>,
     pub(super) tls_client_key: Option<String>,
@@ -214,6 +217,7 @@ pub(super) struct RawPolicy {
     #[serde(default, deserialize_with = "duration")]
     pub(super) upstream_timeout: Option<Duration>,
     pub(super) store_server_errors: Option<bool>,
+    pub(super) unknown_statuses: Option<Vec<i64>>,
     #[serde(default, deserialize_with = "typed")]
     pub(super) on_store_error: Option<OnStoreError>,
     #[serde(default, deserialize_with = "typed")]

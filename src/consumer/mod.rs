@@ -420,6 +420,17 @@ fn verdict(decision: Decision<HandlerCall>) -> Verdict {
                 "outcome-unknown: the handler was called and gave no complete answer ({})",
                 reason.as_str()
             )),
+            Settled::AnsweredUnknown {
+                retryable: true,
+                status,
+                ..
+            } => Verdict::Retry {
+                reason: format!("the handler answered {status}, which may follow a commit; outcome unknown (on_unknown = \"retry\")"),
+                counted: true,
+            },
+            Settled::AnsweredUnknown { status, .. } => Verdict::DeadLetter(format!(
+                "outcome-unknown: the handler answered {status}, which may follow a commit (unknown_statuses)"
+            )),
         },
         Decision::Replay { .. } => Verdict::Ack(ConsumerOutcome::Deduplicated),
         Decision::Refused(refusal) => match refusal {

@@ -44,7 +44,7 @@ use crate::reconcile::Reconciler;
 use crate::route::{RoutePattern, Routed, Router};
 use crate::store::Store;
 use crate::upstream::{
-    prepare_request, ClientAddr, ConnectionLimits, UpstreamPool, UpstreamTlsConnector,
+    prepare_request, ClientAddr, ConnectionLimits, PoolTimeouts, UpstreamPool, UpstreamTlsConnector,
 };
 use forward::{upstream_problem, UpstreamTime};
 use tunnel::wants_upgrade;
@@ -152,7 +152,7 @@ pub struct Gateway {
     store: Arc<dyn Store>,
     core: Arc<Core>,
     /// For the upstream pools the workers create ([`Gateway::worker_context`]).
-    connect_timeout: Duration,
+    pool_timeouts: PoolTimeouts,
     /// The cap on connections per upstream that every worker's pool shares.
     upstream_limits: Arc<ConnectionLimits>,
     /// TLS for `https://` upstreams, shared by every worker's pool (and its session cache).
@@ -169,9 +169,10 @@ pub struct GatewayParts {
     pub routing: Routing,
     pub store: Arc<dyn Store>,
     pub metrics: Arc<Metrics>,
-    /// Should be below every route's `upstream_timeout`, so that a connection that could not
-    /// be made is reported as such (the key released), not as a timeout (unknown).
-    pub connect_timeout: Duration,
+    /// The connect timeout should be below every route's `upstream_timeout`, so that a
+    /// connection that could not be made is reported as such (the key released), not as a
+    /// timeout (unknown); the idle one is `upstream.idle_timeout`.
+    pub pool_timeouts: PoolTimeouts,
     pub upstream_limits: Arc<ConnectionLimits>,
     pub upstream_tls: Arc<UpstreamTlsConnector>,
     /// `server.max_buffered`.
@@ -184,7 +185,7 @@ impl Gateway {
             routing,
             store,
             metrics,
-            connect_timeout,
+            pool_timeouts,
             upstream_limits,
             upstream_tls,
             max_buffered,
@@ -198,7 +199,7 @@ impl Gateway {
             routing: ArcSwap::from_pointee(routing),
             store,
             core,
-            connect_timeout,
+            pool_timeouts,
             metrics,
             shutting_down: AtomicBool::new(false),
         }
@@ -208,7 +209,7 @@ impl Gateway {
     pub fn worker_context(&self) -> WorkerContext {
         WorkerContext {
             upstream: UpstreamPool::new(
-                self.connect_timeout,
+                self.pool_timeouts,
                 Arc::clone(&self.upstream_limits),
                 Arc::clone(&self.upstream_tls),
             ),
@@ -251,7 +252,7 @@ impl Gateway {
     /// (each consumer has one, on the runtime that uses it).
     pub fn upstream_pool(&self) -> UpstreamPool {
         UpstreamPool::new(
-            self.connect_timeout,
+            self.pool_timeouts,
             Arc::clone(&self.upstream_limits),
             Arc::clone(&self.upstream_tls),
         )

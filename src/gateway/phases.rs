@@ -295,6 +295,8 @@ fn settled_answer(settled: Settled<Response<Body>>) -> Answer {
             Problem::OutcomeUnknown { reason, retryable }.into_response(),
             Outcome::Unknown,
         ),
+        // The upstream's own answer (a proxy's 502 or 504), passed on as it came.
+        Settled::AnsweredUnknown { output, .. } => Answer::of(output, Outcome::Unknown),
     }
 }
 

@@ -28,7 +28,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 
-use crate::config::{OnStoreError, OnUnknown, Policy};
+use crate::config::{OnStoreError, OnUnknown, Policy, ServerStatuses};
 use crate::duplicates::{Rooms, Seen};
 use crate::error::BoxError;
 use crate::fingerprint::Fingerprint;
@@ -65,6 +65,8 @@ pub struct Rules {
     /// The caller's place on a store whose bound it shares ([`Share`]).
     pub share: Share,
     pub store_server_errors: bool,
+    /// Answers that may follow a commit (`unknown_statuses`): kept as unknown outcomes.
+    pub unknown_statuses: ServerStatuses,
     pub on_store_error: OnStoreError,
     pub on_unknown: OnUnknown,
 }
@@ -82,6 +84,7 @@ impl Rules {
             quota: None,
             share: Share::Unshared,
             store_server_errors: policy.store_server_errors,
+            unknown_statuses: policy.unknown_statuses,
             on_store_error: policy.on_store_error,
             on_unknown: policy.on_unknown,
         }
@@ -153,6 +156,31 @@ pub enum Settled<R> {
         reason: UnknownReason,
         retryable: bool,
     },
+    /// It answered with a status that may follow a commit (`unknown_statuses`: a proxy's 502
+    /// or 504 in front of an upstream that ran it): the answer is passed on, and the key is
+    /// kept as unknown (or released when `retryable`), as for [`Settled::Unknown`].
+    AnsweredUnknown {
+        output: R,
+        status: u16,
+        reason: UnknownReason,
+        retryable: bool,
+    },
+}
+
+impl<R> Settled<R> {
+    /// Whether the key was kept as an unknown outcome (for the reconciliation to ask about).
+    fn kept_unknown(&self) -> bool {
+        matches!(
+            self,
+            Settled::Unknown {
+                retryable: false,
+                ..
+            } | Settled::AnsweredUnknown {
+                retryable: false,
+                ..
+            }
+        )
+    }
 }
 
 /// Why an operation was refused without running.
@@ -391,13 +419,7 @@ impl Core {
             };
             let took = started.elapsed();
             let settled = records.settle(&key, token, rules, attempt).await;
-            if let (
-                Settled::Unknown {
-                    retryable: false, ..
-                },
-                Some(lookup),
-            ) = (&settled, &lookup)
-            {
+            if let (true, Some(lookup)) = (settled.kept_unknown(), &lookup) {
                 // Asked in the background once `after` has passed, whether or not anyone retries.
                 let due = now_ms().saturating_add(lookup.after.as_millis() as u64);
                 records
@@ -561,33 +583,30 @@ impl Records {
                 return Settled::NotSent(e);
             }
             Attempt::Unknown { reason, error } => {
-                let retryable = rules.on_unknown == OnUnknown::Retry;
-                if retryable {
-                    tracing::warn!(key = key.short(), error = %error, "outcome unknown; key released (on_unknown = \"retry\")");
-                    self.release(key, token).await;
-                } else {
-                    tracing::warn!(key = key.short(), error = %error, "outcome unknown; key kept");
-                    let marked = self
-                        .timed(
-                            StoreOp::MarkUnknown,
-                            self.store.mark_unknown(key, token, reason),
-                        )
-                        .await;
-                    match marked {
-                        // Kept for ttl like a stored answer: it counts against the quota.
-                        Ok(()) => self.shared.quotas.stored_by(
-                            rules.quota.as_ref(),
-                            rules.share,
-                            rules.ttl,
-                        ),
-                        Err(e) => {
-                            tracing::error!(key = key.short(), error = %e, "cannot mark outcome unknown; the lease will expire instead")
-                        }
-                    }
-                }
+                tracing::warn!(key = key.short(), error = %error, "outcome unknown");
+                let retryable = self.keep_unknown(key, token, rules, reason).await;
                 return Settled::Unknown { reason, retryable };
             }
         };
+        if rules.unknown_statuses.contains(status) {
+            tracing::warn!(
+                key = key.short(),
+                status,
+                "the upstream answered a status that may follow a commit (unknown_statuses)"
+            );
+            let reason = if status == 504 {
+                UnknownReason::Timeout
+            } else {
+                UnknownReason::Interrupted
+            };
+            let retryable = self.keep_unknown(key, token, rules, reason).await;
+            return Settled::AnsweredUnknown {
+                output,
+                status,
+                reason,
+                retryable,
+            };
+        }
         if not_executed(status, rules.store_server_errors) {
             self.release(key, token).await;
             return Settled::Released(output);
@@ -611,6 +630,39 @@ impl Records {
             }
         }
         Settled::Stored(output)
+    }
+
+    /// Keeps the key as an unknown outcome, or releases it when the rules allow running it
+    /// again (`on_unknown = "retry"`): whether it was released.
+    async fn keep_unknown(
+        &self,
+        key: &StoreKey,
+        token: OwnerToken,
+        rules: Rules,
+        reason: UnknownReason,
+    ) -> bool {
+        if rules.on_unknown == OnUnknown::Retry {
+            tracing::warn!(key = key.short(), "key released (on_unknown = \"retry\")");
+            self.release(key, token).await;
+            return true;
+        }
+        let marked = self
+            .timed(
+                StoreOp::MarkUnknown,
+                self.store.mark_unknown(key, token, reason),
+            )
+            .await;
+        match marked {
+            // Kept for ttl like a stored answer: it counts against the quota.
+            Ok(()) => {
+                let quotas = &self.shared.quotas;
+                quotas.stored_by(rules.quota.as_ref(), rules.share, rules.ttl)
+            }
+            Err(e) => {
+                tracing::error!(key = key.short(), error = %e, "cannot mark outcome unknown; the lease will expire instead")
+            }
+        }
+        false
     }
 
     async fn release(&self, key: &StoreKey, token: OwnerToken) {
@@ -682,6 +734,7 @@ mod tests {
             quota: None,
             share: Share::Unshared,
             store_server_errors: false,
+            unknown_statuses: ServerStatuses::DEFAULT_UNKNOWN,
             on_store_error: OnStoreError::Reject,
             on_unknown: OnUnknown::Reject,
         }

@@ -30,7 +30,7 @@ use crate::gateway::{Gateway, GatewayParts, Routing};
 use crate::metrics::Metrics;
 use crate::store;
 use crate::tls::{ListenerTls, ListenerTlsError};
-use crate::upstream::{ConnectionLimits, TlsSetupError, UpstreamTlsConnector};
+use crate::upstream::{ConnectionLimits, PoolTimeouts, TlsSetupError, UpstreamTlsConnector};
 use acceptor::{accept, WorkerHandle};
 use worker::Worker;
 
@@ -103,7 +103,10 @@ impl Server {
             routing,
             store,
             metrics,
-            connect_timeout,
+            pool_timeouts: PoolTimeouts {
+                connect: connect_timeout,
+                idle: config.upstream_idle_timeout,
+            },
             upstream_limits: ConnectionLimits::new(config.upstream_max_connections),
             upstream_tls: UpstreamTlsConnector::new(&config.upstream_tls)?,
             max_buffered: config.server.max_buffered,

@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 
+use crate::config::identity::{rekeyed, KeyIdentity};
 use crate::config::Config;
 use crate::gateway::{Gateway, Routing};
 use crate::tls::ListenerTls;
@@ -48,9 +49,10 @@ pub async fn reload_on_sighup(
             if new.store != running.store
                 || new.server != running.server
                 || new.upstream_max_connections != running.upstream_max_connections
+                || new.upstream_idle_timeout != running.upstream_idle_timeout
                 || new.upstream_tls != running.upstream_tls
             {
-                tracing::warn!("[store], [server], upstream.max_connections and upstream.tls_* changes take effect only after a restart; reloading routes, defaults and upstream only");
+                tracing::warn!("[store], [server], upstream.max_connections, upstream.idle_timeout and upstream.tls_* changes take effect only after a restart; reloading routes, defaults and upstream only");
             }
             // The body budget stays the running one: a route whose bodies could never fit in it
             // would answer 503 to each of them.
@@ -62,6 +64,19 @@ pub async fn reload_on_sighup(
                     max_buffered = budget,
                     "config reload refused: a route's max_body is over the running server.max_buffered (a restart applies a new one); keeping the running config"
                 );
+                continue;
+            }
+            // Keys derived otherwise for requests already served would be unreachable: their
+            // retries would run again. Refused; a restart applies it on purpose.
+            let running_ids: Vec<KeyIdentity> = (gateway.routes().iter())
+                .map(|r| KeyIdentity::of(&r.config))
+                .collect();
+            let new_ids: Vec<KeyIdentity> = new.routes.iter().map(KeyIdentity::of).collect();
+            let why = rekeyed(&running_ids, &new_ids);
+            if !why.is_empty() {
+                for line in &why {
+                    tracing::error!(change = %line, "config reload refused: it changes how stored keys are derived; keeping the running config (a restart applies it on purpose: docs/configuration.md)");
+                }
                 continue;
             }
             let routes = new.routes.len();

@@ -489,6 +489,60 @@ pub fn pending(claim: &Claim, lease: Duration) -> (OwnerToken, Record) {
     (owner, record)
 }
 
+/// What a take-over gives back when its own answer is uncertain (lost, timed out, or
+/// acknowledged by too few replicas): the state it replaced, written again under the take-over's
+/// token. A take-over never frees the key: releasing its new record would also drop the unknown
+/// or completed outcome it replaced, and the next retry would run the request again. The
+/// replaced outcome comes back (an unknown one as unknown, for the same reason; a completed one
+/// with its stored answer, kept for `ttl`); a pending or abandoned one comes back as abandoned.
+/// If this fails too, the new record keeps its lease and then reads as abandoned: an unknown
+/// outcome, never a free key.
+pub(crate) fn replaced_state(replaced: &Record) -> RecordState {
+    match &replaced.state {
+        RecordState::Completed(response) => RecordState::Completed(Arc::clone(response)),
+        RecordState::Unknown { reason, .. } => RecordState::Unknown {
+            since_ms: now_ms(),
+            reason: *reason,
+        },
+        RecordState::Pending { .. } | RecordState::Abandoned { .. } => RecordState::Unknown {
+            since_ms: now_ms(),
+            reason: UnknownReason::Abandoned,
+        },
+    }
+}
+
+/// Writes [`replaced_state`] back under `owner` (the uncertain take-over's token) through the
+/// store's owner-only calls, and says in the error what became of the record.
+pub(crate) async fn give_back_replaced(
+    store: &dyn Store,
+    key: &StoreKey,
+    owner: OwnerToken,
+    replaced: &Record,
+    ttl: Duration,
+    failed: StoreError,
+) -> StoreError {
+    let given = match replaced_state(replaced) {
+        RecordState::Completed(response) => {
+            let response = Arc::unwrap_or_clone(response);
+            store.complete(key, owner, response, ttl).await
+        }
+        RecordState::Unknown { reason, .. } => store.mark_unknown(key, owner, reason).await,
+        // replaced_state makes no other state.
+        _ => Ok(()),
+    };
+    let note = match given {
+        Ok(()) => "the record was left as it was",
+        // Not landed (not ours), or not answered: if the take-over lands, its record reads as
+        // in flight, then as abandoned.
+        Err(_) => "the record is unchanged, or reads as in flight until its lease ends and then as an unknown outcome; the key is never freed",
+    };
+    tracing::warn!(key = key.short(), error = %failed, note, "a take-over's answer is uncertain");
+    match failed {
+        StoreError::Unavailable(why) => StoreError::Unavailable(format!("{why}; {note}")),
+        other => other,
+    }
+}
+
 /// Wall-clock milliseconds since the Unix epoch.
 pub fn now_ms() -> u64 {
     SystemTime::now()

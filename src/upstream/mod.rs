@@ -29,7 +29,7 @@ use std::time::Duration;
 use crate::error::BoxError;
 
 pub use limit::{ConnectionLimits, NoConnectionSlot};
-pub use pool::{UpstreamBody, UpstreamPool};
+pub use pool::{PoolTimeouts, UpstreamBody, UpstreamPool};
 pub use rewrite::{prepare_request, ClientAddr};
 pub use tls::{client_config, TlsSetupError, UpstreamTlsConnector};
 

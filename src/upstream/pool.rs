@@ -31,9 +31,6 @@ use crate::config::UpstreamProtocol;
 use crate::error::BoxError;
 pub use body::UpstreamBody;
 
-/// Idle connections older than this are closed rather than reused, as hyper-util's pool did:
-/// below nginx's 75 s keep-alive timeout, so such an upstream never closes one under a request.
-const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 /// Idle connections kept per upstream and worker; more are closed when they come back.
 const MAX_IDLE_PER_UPSTREAM: usize = 256;
 /// The most header bytes (HPACK-decoded) an HTTP/2 upstream may send in one response head or
@@ -49,6 +46,14 @@ const STREAMS_BEFORE_SETTINGS: usize = 1;
 /// found within 40 s, not when TCP gives up minutes later.
 const H2_KEEPALIVE: Duration = Duration::from_secs(20);
 
+/// A pool's deadlines: for a new connection (waiting for a slot, then connecting), and how long
+/// an idle one may be reused (`upstream.idle_timeout`).
+#[derive(Debug, Clone, Copy)]
+pub struct PoolTimeouts {
+    pub connect: Duration,
+    pub idle: Duration,
+}
+
 /// A pooled HTTP/1.1 and HTTP/2 client; each worker thread has its own (see [`crate::server`]).
 #[derive(Clone)]
 pub struct UpstreamPool {
@@ -58,6 +63,11 @@ pub struct UpstreamPool {
 struct Pool {
     /// For a new connection: waiting for a slot, then connecting.
     connect_timeout: Duration,
+    /// Idle connections older than this are closed rather than reused (`upstream.idle_timeout`):
+    /// below the upstream's own keep-alive timeout, so that it never closes one just as a
+    /// request is written on it (a request sent, then reset, is an unknown outcome though it
+    /// never ran).
+    idle_timeout: Duration,
     limits: Arc<ConnectionLimits>,
     /// For `https://` upstreams.
     tls: Arc<UpstreamTlsConnector>,
@@ -153,13 +163,14 @@ impl UpstreamPool {
     /// `connect_timeout` (waiting for a connection slot, then connecting) is capped at
     /// [`MAX_CONNECT_TIMEOUT`]; `limits` are shared by every worker's pool.
     pub fn new(
-        connect_timeout: Duration,
+        timeouts: PoolTimeouts,
         limits: Arc<ConnectionLimits>,
         tls: Arc<UpstreamTlsConnector>,
     ) -> Self {
         UpstreamPool {
             pool: Arc::new(Pool {
-                connect_timeout: connect_timeout.min(MAX_CONNECT_TIMEOUT),
+                connect_timeout: timeouts.connect.min(MAX_CONNECT_TIMEOUT),
+                idle_timeout: timeouts.idle,
                 limits,
                 tls,
                 idle: Mutex::new(Vec::new()),
@@ -183,7 +194,7 @@ impl UpstreamPool {
     /// so checkout alone would keep its connections open for ever. The worker calls this now
     /// and then.
     pub fn prune_idle(&self) {
-        let Some(stale) = Instant::now().checked_sub(IDLE_TIMEOUT) else {
+        let Some(stale) = Instant::now().checked_sub(self.pool.idle_timeout) else {
             return;
         };
         let mut idle = self.pool.idle();
@@ -426,7 +437,7 @@ impl Pool {
             return Some(Conn::H2(c.sender.clone(), Stream::take(&c.streams)));
         }
         let conns = &mut upstream.conns;
-        let stale = Instant::now().checked_sub(IDLE_TIMEOUT);
+        let stale = Instant::now().checked_sub(self.idle_timeout);
         while conns
             .front()
             .is_some_and(|c| stale.is_some_and(|s| c.since < s))
@@ -710,7 +721,10 @@ mod tests {
     async fn sequential_requests_share_one_connection() {
         let up = RawUpstream::start(|_| (OK.to_vec(), false)).await;
         let client = UpstreamPool::new(
-            Duration::from_secs(1),
+            PoolTimeouts {
+                connect: Duration::from_secs(1),
+                idle: Duration::from_secs(60),
+            },
             ConnectionLimits::new(64),
             test_tls(),
         );
@@ -730,7 +744,10 @@ mod tests {
         // reused, and the request must still go through, on a new one.
         let up = RawUpstream::start(|_| (OK.to_vec(), true)).await;
         let client = UpstreamPool::new(
-            Duration::from_secs(1),
+            PoolTimeouts {
+                connect: Duration::from_secs(1),
+                idle: Duration::from_secs(60),
+            },
             ConnectionLimits::new(64),
             test_tls(),
         );
@@ -758,7 +775,10 @@ mod tests {
         }
         let up = RawUpstream::start(answer).await;
         let client = UpstreamPool::new(
-            Duration::from_secs(1),
+            PoolTimeouts {
+                connect: Duration::from_secs(1),
+                idle: Duration::from_secs(60),
+            },
             ConnectionLimits::new(64),
             test_tls(),
         );
@@ -825,7 +845,10 @@ mod tests {
         // The upstream answers as soon as it has the head, as one refusing an upload does.
         let up = RawUpstream::start(|_| (OK.to_vec(), false)).await;
         let client = UpstreamPool::new(
-            Duration::from_secs(1),
+            PoolTimeouts {
+                connect: Duration::from_secs(1),
+                idle: Duration::from_secs(60),
+            },
             ConnectionLimits::new(64),
             test_tls(),
         );
@@ -858,7 +881,10 @@ mod tests {
     async fn idle_connections_of_an_upstream_no_longer_used_are_closed() {
         let up = RawUpstream::start(|_| (OK.to_vec(), false)).await;
         let client = UpstreamPool::new(
-            Duration::from_secs(1),
+            PoolTimeouts {
+                connect: Duration::from_secs(1),
+                idle: Duration::from_secs(60),
+            },
             ConnectionLimits::new(64),
             test_tls(),
         );
@@ -875,7 +901,7 @@ mod tests {
             "a fresh idle connection is kept"
         );
         tokio::time::pause();
-        tokio::time::advance(IDLE_TIMEOUT + Duration::from_secs(1)).await;
+        tokio::time::advance(Duration::from_secs(61)).await;
         client.prune_idle();
         assert_eq!(
             client.idle_upstreams(),
@@ -890,7 +916,10 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         drop(listener);
         let client = UpstreamPool::new(
-            Duration::from_secs(1),
+            PoolTimeouts {
+                connect: Duration::from_secs(1),
+                idle: Duration::from_secs(60),
+            },
             ConnectionLimits::new(64),
             test_tls(),
         );
@@ -908,7 +937,10 @@ mod tests {
     async fn a_response_without_a_body_returns_its_connection_at_once() {
         let up = RawUpstream::start(|_| (b"HTTP/1.1 204 No Content\r\n\r\n".to_vec(), false)).await;
         let client = UpstreamPool::new(
-            Duration::from_secs(1),
+            PoolTimeouts {
+                connect: Duration::from_secs(1),
+                idle: Duration::from_secs(60),
+            },
             ConnectionLimits::new(64),
             test_tls(),
         );

@@ -457,6 +457,7 @@ pub(super) fn validate_consumer(
         max_stored_response: raw.max_stored_response,
         upstream_timeout: raw.upstream_timeout,
         store_server_errors: raw.store_server_errors,
+        unknown_statuses: raw.unknown_statuses,
         on_unknown: raw.on_unknown,
         reconcile: raw.reconcile,
         ..RawPolicy::default()

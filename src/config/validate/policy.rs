@@ -8,7 +8,7 @@ use http::StatusCode;
 
 use super::{parse_header_name, shown, size_at_most};
 use crate::config::raw::{OneOrMany, RawPolicy, RawReconcile};
-use crate::config::{ConfigError, Policy, Reconcile};
+use crate::config::{ConfigError, Policy, Reconcile, ServerStatuses};
 
 /// Largest accepted `max_body` / `max_stored_response`: both are buffered in memory per request.
 const MAX_BUFFER_LIMIT: u64 = 1 << 30;
@@ -157,6 +157,19 @@ fn apply_limits(
     }
     p.upstream_timeout = raw.upstream_timeout.unwrap_or(p.upstream_timeout);
     p.store_server_errors = raw.store_server_errors.unwrap_or(p.store_server_errors);
+    if let Some(codes) = &raw.unknown_statuses {
+        let codes16: Vec<u16> = codes
+            .iter()
+            .map(|&c| u16::try_from(c).unwrap_or(0))
+            .collect();
+        p.unknown_statuses = ServerStatuses::of(&codes16).ok_or_else(|| {
+                ConfigError::invalid(
+                    f("unknown_statuses"),
+                    format!("{codes:?}"),
+                "a list of 5xx statuses (500 to 599) that may follow a commit, such as [502, 504] (the default); [] for none",
+            )
+        })?;
+    }
     p.on_store_error = raw.on_store_error.unwrap_or(p.on_store_error);
     p.on_unknown = raw.on_unknown.unwrap_or(p.on_unknown);
     if let Some(r) = &raw.reconcile {

@@ -54,6 +54,7 @@ pub(super) fn validate_route(
             ));
         }
     }
+    let named = own.name.is_some();
     let name = match own.name {
         Some(n) => entry_name(&at("name"), n)?,
         None => path.clone(),
@@ -83,6 +84,7 @@ pub(super) fn validate_route(
     }
     Ok(RouteConfig {
         name,
+        named,
         pattern,
         methods,
         upstream,

@@ -50,8 +50,8 @@ use tokio::sync::{mpsc, oneshot};
 use super::changes::Waiters;
 use super::codec;
 use super::{
-    now_ms, Claim, OpenError, OwnerToken, Record, Reservation, ScanPage, Store, StoreError,
-    StoreStats, StoredResponse, UnknownReason, Watch,
+    now_ms, Claim, OpenError, OwnerToken, Record, RecordState, Reservation, ScanPage, Store,
+    StoreError, StoreStats, StoredResponse, UnknownReason, Watch,
 };
 use crate::config::DiskSettings;
 use crate::key::StoreKey;
@@ -200,10 +200,13 @@ enum Job {
 
 enum Change {
     /// The pending record and its owner are made by the caller, so that a caller that goes
-    /// away before the answer can release what it may have reserved ([`ReleaseOnDrop`]).
+    /// away before the answer can release what it may have reserved ([`GiveBackOnDrop`]). Its
+    /// lease is stamped when the writer applies it (`lease` from then), not when the caller
+    /// queued it: a write stall must not publish a record whose lease already ran out.
     Reserve {
         owner: OwnerToken,
         record: Record,
+        lease: Duration,
         ttl: Duration,
         /// The published batch in whose snapshot the caller found no record for the key: the
         /// writer then need not read fjall unless a later batch wrote it ([`recent`]).
@@ -225,10 +228,12 @@ enum Change {
         owner: OwnerToken,
         lease: Duration,
     },
+    /// Its lease is stamped when applied, as a reservation's.
     TakeOver {
         expected: Record,
         owner: OwnerToken,
         record: Record,
+        lease: Duration,
         ttl: Duration,
     },
     Delete,
@@ -379,19 +384,49 @@ impl DiskStore {
     }
 }
 
-/// Releases a reservation whose answer never reached its caller (the caller's future was
-/// dropped, as when an HTTP client hangs up while the writer syncs), unless disarmed. Without
-/// it the key would stay pending, then read as abandoned, for its whole `ttl`, though nothing
-/// was forwarded. The writer takes changes in order, so the release comes after the reservation;
-/// if the reservation found the key taken, the release is refused as not the owner's.
-struct ReleaseOnDrop {
-    armed: Option<(mpsc::Sender<Job>, StoreKey, OwnerToken)>,
+/// Gives back what a change may have written when its answer never reached its caller (the
+/// caller's future was dropped, as when an HTTP client hangs up while the writer syncs), unless
+/// disarmed. A reservation is released: without it the key would stay pending, then read as
+/// abandoned, for its whole `ttl`, though nothing was forwarded. A take-over is never released
+/// (that would free the key and the outcome it replaced): the replaced outcome is written back
+/// under the take-over's token ([`super::replaced_state`]). The writer takes changes in order,
+/// so the give-back comes after the change; if the change did not land, the give-back is
+/// refused as not the owner's.
+struct GiveBackOnDrop {
+    armed: Option<(mpsc::Sender<Job>, StoreKey, Change)>,
 }
 
-impl ReleaseOnDrop {
-    fn new(store: &DiskStore, key: &StoreKey, owner: OwnerToken) -> Self {
-        ReleaseOnDrop {
-            armed: Some((store.shared.writer.clone(), *key, owner)),
+impl GiveBackOnDrop {
+    /// For a reservation by `owner`.
+    fn release(store: &DiskStore, key: &StoreKey, owner: OwnerToken) -> Self {
+        GiveBackOnDrop {
+            armed: Some((store.shared.writer.clone(), *key, Change::Release { owner })),
+        }
+    }
+
+    /// For a take-over by `owner` of `replaced`.
+    fn restore(
+        store: &DiskStore,
+        key: &StoreKey,
+        owner: OwnerToken,
+        replaced: &Record,
+        ttl: Duration,
+    ) -> Self {
+        let change = match super::replaced_state(replaced) {
+            RecordState::Completed(response) => Change::Complete {
+                owner,
+                response: Arc::unwrap_or_clone(response),
+                ttl,
+            },
+            RecordState::Unknown { reason, .. } => Change::MarkUnknown { owner, reason },
+            // replaced_state makes no other state; abandoned is the safe reading.
+            _ => Change::MarkUnknown {
+                owner,
+                reason: UnknownReason::Abandoned,
+            },
+        };
+        GiveBackOnDrop {
+            armed: Some((store.shared.writer.clone(), *key, change)),
         }
     }
 
@@ -400,15 +435,15 @@ impl ReleaseOnDrop {
     }
 }
 
-impl Drop for ReleaseOnDrop {
+impl Drop for GiveBackOnDrop {
     fn drop(&mut self) {
-        let Some((writer, key, owner)) = self.armed.take() else {
+        let Some((writer, key, change)) = self.armed.take() else {
             return;
         };
         let (reply, _) = oneshot::channel();
         let job = Job::Change {
             key,
-            change: Change::Release { owner },
+            change,
             reply,
             inbox: None,
         };
@@ -502,10 +537,11 @@ impl Store for DiskStore {
             return Ok(Reservation::Existing(record));
         }
         let (owner, record) = super::pending(claim, lease);
-        let guard = ReleaseOnDrop::new(self, key, owner);
+        let guard = GiveBackOnDrop::release(self, key, owner);
         let change = Change::Reserve {
             owner,
             record,
+            lease,
             ttl,
             absent_at,
         };
@@ -582,7 +618,7 @@ impl Store for DiskStore {
         ttl: Duration,
     ) -> Result<Option<OwnerToken>, StoreError> {
         let (owner, record) = super::pending(claim, lease);
-        let guard = ReleaseOnDrop::new(self, key, owner);
+        let guard = GiveBackOnDrop::restore(self, key, owner, expected, ttl);
         let answer = self
             .submit(
                 key,
@@ -590,6 +626,7 @@ impl Store for DiskStore {
                     expected: expected.clone(),
                     owner,
                     record,
+                    lease,
                     ttl,
                 },
             )

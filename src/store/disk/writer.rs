@@ -154,7 +154,7 @@ impl Writer {
         let mut answers: Vec<Answer> = Vec::with_capacity(jobs.len());
         let mut used = self.counters.used.load(Ordering::Relaxed) as i64;
         let mut written = HashMap::new();
-        let committed = (|| -> Result<bool, String> {
+        let committed = (|| -> Result<bool, Failure> {
             let mut tables = Tables {
                 db: &self.db,
                 recent: &self.recent,
@@ -178,9 +178,10 @@ impl Writer {
                     Job::Tick => continue,
                 };
                 let result = self.apply(&mut tables, &key, change, now, &mut used, &mut effects);
-                // A failed read leaves the batch in doubt: none of it is kept.
+                // A failed read leaves the batch in doubt: none of it is kept (nothing of it was
+                // written), and the store goes on: the next batch reads again.
                 if let Err(StoreError::Unavailable(e)) = &result {
-                    return Err(e.clone());
+                    return Err(Failure::Read(e.clone()));
                 }
                 answers.push((reply, inbox, result));
             }
@@ -191,14 +192,12 @@ impl Writer {
                     .is_some_and(|t| t.elapsed() >= interval / 2),
             };
             let durable = effects.sync || due;
-            tables.batch.commit().map_err(|e| e.to_string())?;
+            let failed = |e: fjall::Error| Failure::Write(e.to_string());
+            tables.batch.commit().map_err(failed)?;
             if durable {
                 // fdatasync: the journal's data and what is needed to read it back (its size),
                 // without the metadata (times) a full fsync also writes.
-                self.db
-                    .db
-                    .persist(PersistMode::SyncData)
-                    .map_err(|e| e.to_string())?;
+                self.db.db.persist(PersistMode::SyncData).map_err(failed)?;
             }
             Ok(durable)
         })();
@@ -227,7 +226,14 @@ impl Writer {
                     self.waiters.notify(key);
                 }
             }
-            Err(e) => {
+            Err(Failure::Read(e)) => {
+                tracing::warn!(error = %e, "disk store: a read failed; the batch was not written, its callers are told the store failed");
+                let failed = answers.into_iter().map(|(reply, inbox, _)| {
+                    (reply, inbox, Err(StoreError::Unavailable(e.clone())))
+                });
+                deliver(failed.collect());
+            }
+            Err(Failure::Write(e)) => {
                 // The batch may be applied (a failed fsync) or not (a failed write): either
                 // way its callers are told the store failed, and a retry re-reads what is there.
                 // fjall refuses every write after a failed one (its journal may be torn): the
@@ -291,13 +297,17 @@ impl Writer {
         let sync = self.must_sync(&change);
         let done = match change {
             Change::Reserve {
-                owner, record, ttl, ..
+                owner,
+                record,
+                lease,
+                ttl,
+                ..
             } => {
                 if let Some((_, raw)) = current {
                     let record = codec::decode(&raw)?.checked_lease();
                     return Ok(Done::Reserved(Reservation::Existing(record)));
                 }
-                let raw = codec::encode(&record);
+                let raw = codec::encode(&leased(record, owner, lease));
                 let size = cost(k.len(), 8 + raw.len()) as i64;
                 if *used + size > self.max_disk as i64 {
                     return Err(StoreError::Full(Bound::MaxDisk));
@@ -343,6 +353,7 @@ impl Writer {
                 expected,
                 owner,
                 record,
+                lease,
                 ttl,
             } => {
                 let Some((expires_at, raw)) = current else {
@@ -355,7 +366,7 @@ impl Writer {
                     key,
                     Some((expires_at, old_len.unwrap_or(0))),
                     ms_after(ttl),
-                    &codec::encode(&record),
+                    &codec::encode(&leased(record, owner, lease)),
                     used,
                 );
                 Done::TakenOver(Some(owner))
@@ -372,6 +383,14 @@ impl Writer {
         effects.sync |= sync;
         Ok(done)
     }
+}
+
+/// Why a batch was not committed.
+enum Failure {
+    /// A read the batch needed failed: nothing was written, and the store goes on.
+    Read(String),
+    /// The commit or its sync failed: the store refuses writes until a restart.
+    Write(String),
 }
 
 /// An answer of the writer's: where it goes, and through which worker's inbox if any.
@@ -395,6 +414,15 @@ fn deliver(answers: Vec<Answer>) {
         // A worker that is gone took its callers with it.
         let _ = inbox.0.send(list);
     }
+}
+
+/// A new pending record with its lease from now (when the writer applies it).
+fn leased(mut record: Record, owner: OwnerToken, lease: Duration) -> Record {
+    record.state = RecordState::Pending {
+        owner,
+        lease_until_ms: ms_after(lease),
+    };
+    record
 }
 
 /// The pending record `owner` owns, with its expiry, or `NotOwner`.

@@ -300,12 +300,12 @@ impl Store for PostgresStore {
             &claim.fingerprint.0,
             codec::owner_bytes(owner),
         );
+        // If the insert committed but its answer was lost (a timeout, the caller gone), the
+        // guard gives the row back: a key nobody owns would read as in flight, then unknown.
+        let guard = Giveback::new(self.handle(), key, owner, lease);
         let (lease, ttl) = (millis(lease), millis(ttl));
         let origin = claim.origin.as_deref().and_then(codec::encode_origin);
         let params: [&(dyn ToSql + Sync); 6] = [&k, &fp, &&token[..], &lease, &ttl, &origin];
-        // If the insert committed but its answer was lost (a timeout, the caller gone), the
-        // guard gives the row back: a key nobody owns would read as in flight, then unknown.
-        let guard = Giveback::new(self.handle(), key, owner);
         for _ in 0..TRIES {
             let row = self.row("reserve", &shared.sql.reserve, &params).await?;
             if count(&row, 0)? == 1 {
@@ -449,7 +449,7 @@ impl Store for PostgresStore {
             &claim.fingerprint.0,
             codec::owner_bytes(owner),
         );
-        let (lease, ttl) = (millis(lease), millis(ttl));
+        let (lease, ttl_ms) = (millis(lease), millis(ttl));
         let origin = claim.origin.as_deref().and_then(codec::encode_origin);
         let params: [&(dyn ToSql + Sync); 12] = [
             &k,
@@ -462,15 +462,19 @@ impl Store for PostgresStore {
             &fp,
             &&token[..],
             &lease,
-            &ttl,
+            &ttl_ms,
             &origin,
         ];
-        let guard = Giveback::new(self.handle(), key, owner);
-        let changed = self
+        // No give-back guard: releasing the new row would free the key along with the outcome
+        // it replaced. An uncertain answer writes that outcome back instead; a dropped future
+        // leaves the new row to read as abandoned once its lease ends.
+        match self
             .execute("take_over", &shared.sql.take_over, &params)
-            .await?;
-        guard.disarm();
-        Ok((changed == 1).then_some(owner))
+            .await
+        {
+            Ok(changed) => Ok((changed == 1).then_some(owner)),
+            Err(e) => Err(super::give_back_replaced(self, key, owner, expected, ttl, e).await),
+        }
     }
 
     async fn scan_unknown(

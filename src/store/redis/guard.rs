@@ -1,8 +1,15 @@
 //! The guard that gives back a new record whose reservation did not end well: its answer was
-//! lost (a timeout, or the caller gone), or too few replicas acknowledged it.
+//! lost (a timeout, or the caller gone), or too few replicas acknowledged it. A reservation
+//! whose answer was lost may still land later (a command still queued on its connection, or
+//! sent again by the cluster client): the give-back is tried again, with the owner's token,
+//! until it deletes the record or the lease ends, so that a key nobody owns is not left to read
+//! as an unknown outcome for its whole `ttl`. Only for reservations: a take-over never frees
+//! its key ([`crate::store::give_back_replaced`]).
 
 use std::sync::Arc;
 use std::time::Duration;
+
+use tokio::time::Instant;
 
 use super::conn::{eval, RedisConn};
 use super::scripts::Scripts;
@@ -24,7 +31,14 @@ struct Armed {
     conn: RedisConn,
     key: StoreKey,
     owner: OwnerToken,
+    /// The end of the reservation's lease: after it, a record that landed reads as abandoned
+    /// to everyone, and the give-back stops trying.
+    until: Instant,
 }
+
+/// The first pause between give-back tries; it doubles up to [`MAX_PAUSE`].
+const FIRST_PAUSE: Duration = Duration::from_millis(100);
+const MAX_PAUSE: Duration = Duration::from_secs(2);
 
 impl ReleaseOnDrop {
     pub(super) fn new(
@@ -32,6 +46,7 @@ impl ReleaseOnDrop {
         key: &StoreKey,
         owner: OwnerToken,
         conn: RedisConn,
+        lease: Duration,
     ) -> Self {
         ReleaseOnDrop {
             armed: Some(Armed {
@@ -41,6 +56,7 @@ impl ReleaseOnDrop {
                 conn,
                 key: *key,
                 owner,
+                until: Instant::now() + lease,
             }),
         }
     }
@@ -83,12 +99,25 @@ impl Drop for ReleaseOnDrop {
         let Some(mut armed) = self.armed.take() else {
             return;
         };
-        // Best effort, in the background: if Redis is unreachable the record keeps its lease
-        // and then reads as an unknown outcome, which is the safe side.
+        // In the background: if Redis stays unreachable the record keeps its lease and then
+        // reads as an unknown outcome, which is the safe side.
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             rt.spawn(async move {
-                if let Ok(1) = armed.release(Duration::from_secs(5)).await {
-                    tracing::info!("released a reservation whose answer was lost");
+                let mut pause = FIRST_PAUSE;
+                loop {
+                    if let Ok(1) = armed.release(Duration::from_secs(5)).await {
+                        tracing::info!(
+                            key = armed.key.short(),
+                            "released a reservation whose answer was lost"
+                        );
+                        return;
+                    }
+                    // Not there (yet), or Redis did not answer: again, until the lease ends.
+                    if Instant::now() + pause >= armed.until {
+                        return;
+                    }
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(MAX_PAUSE);
                 }
             });
         }

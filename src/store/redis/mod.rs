@@ -422,7 +422,7 @@ impl Store for RedisStore {
         // dropped because the client hung up), a pending record would be left that nobody owns:
         // retries would see it as in flight, then as an unknown outcome, though nothing was sent
         // upstream. The guard releases it (the script only deletes our own token's record).
-        let guard = ReleaseOnDrop::new(self, key, owner, conn.clone());
+        let guard = ReleaseOnDrop::new(self, key, owner, conn.clone(), lease);
         let (existing, acked): (Option<Vec<u8>>, Option<i64>) = match &self.shared.replicas {
             None => (
                 self.call("reserve", cmd.query_async(&mut conn)).await?,
@@ -569,23 +569,29 @@ impl Store for RedisStore {
     ) -> Result<Option<OwnerToken>, StoreError> {
         // The codec is deterministic, so the expected record encodes to the stored bytes (but for
         // a waiter's flag byte, which the script ignores in the comparison and keeps).
-        let expected = codec::encode(expected);
+        let old = expected;
+        let expected = codec::encode(old);
         let (owner, record) = super::pending(claim, lease);
         let record = codec::encode(&record);
-        let conn = self.conn()?;
-        let ttl = ms_arg(ttl).to_string();
-        let args: [&[u8]; 3] = [&expected, &record, ttl.as_bytes()];
-        let guard = ReleaseOnDrop::new(self, key, owner, conn);
+        let ttl_ms = ms_arg(ttl).to_string();
+        let args: [&[u8]; 3] = [&expected, &record, ttl_ms.as_bytes()];
         let script = &self.shared.scripts.take_over;
-        let (done, acked) = self
+        // No give-back guard: releasing the new record would free the key along with the
+        // outcome it replaced. An uncertain answer writes that outcome back instead; a dropped
+        // future leaves the new record to read as abandoned once its lease ends.
+        let (done, acked) = match self
             .script_acked(StoreOp::TakeOver, script, key, &args)
-            .await?;
+            .await
+        {
+            Ok(answer) => answer,
+            Err(e) => return Err(super::give_back_replaced(self, key, owner, old, ttl, e).await),
+        };
         if done != 1 {
-            guard.disarm();
             return Ok(None);
         }
-        self.act_or_give_back(StoreOp::TakeOver, acked, guard)
-            .await?;
+        if let Err(refused) = self.may_act(StoreOp::TakeOver, acked) {
+            return Err(super::give_back_replaced(self, key, owner, old, ttl, refused).await);
+        }
         Ok(Some(owner))
     }
 

@@ -31,7 +31,9 @@ pub struct Scripts {
     /// ARGV: channel, message. Deletes whoever owns the record (operators).
     pub delete: Script,
     /// ARGV: expected record, new record, ttl ms. A waiter's flag on the expected record is not
-    /// a change: it is kept on the new one.
+    /// a change: it is kept on the new one. Answers 1 also when the new record is there already
+    /// (its random token makes it this call's own): the cluster client sent it again after
+    /// losing the first answer, and the first one landed.
     pub take_over: Script,
     /// No ARGV. The record as it was; if it is pending, also flags it as waited on.
     pub watch: Script,
@@ -65,7 +67,7 @@ mod tests {
             (&s.renew, "7db22f99983ed7861f08882349460e946ffe0021"),
             (&s.release, "1b8eaf848d520b3de094f6d17a6fec15362cd0d7"),
             (&s.delete, "28535c4c7c0f2a04c6eee7c0210807833749da45"),
-            (&s.take_over, "556af3781ce5fef80e6efebd9666369b0e582470"),
+            (&s.take_over, "6db0d8c33d086c5cf77b8770f6af7de209848fa1"),
             (&s.watch, "0c051a818d3a87f14b5baeb2f48c416be004ad93"),
         ] {
             assert_eq!(script.get_hash(), sha);

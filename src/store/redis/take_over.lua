@@ -3,6 +3,7 @@ local function unflagged(x)
   return x
 end
 local v = redis.call('GET', KEYS[1])
+if v and unflagged(v) == unflagged(ARGV[2]) then return 1 end
 if (not v) or unflagged(v) ~= unflagged(ARGV[1]) then return 0 end
 local new = ARGV[2]
 if string.byte(v, 2) == 1 and string.byte(v, 67) == 1 and string.byte(new, 2) == 1 then

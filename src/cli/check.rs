@@ -1,0 +1,103 @@
+//! `idemgate check`: validate a config, print what it resolves to, warn where a route's keys
+//! follow its path, and with `--running <admin address>` compare how its routes derive their
+//! stored keys with the running gateway's (the comparison a reload makes before it applies).
+
+use std::path::Path;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use http_body_util::BodyExt;
+
+use super::{describe, runtime, say, EXIT_BAD_CONFIG, EXIT_CANNOT_START};
+use crate::config::identity::{rekeyed, unnamed, KeyIdentity};
+use crate::config::{Config, StoreConfig};
+
+/// The largest `/routes` answer read from a running gateway.
+const MAX_ROUTES_ANSWER: usize = 4 << 20;
+
+/// `idemgate check --config F [--print-ddl] [--running ADDR]`.
+pub(super) fn check(path: &Path, print_ddl: bool, running: Option<&str>) -> ExitCode {
+    let config = match Config::load(path) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("idemgate: {}: {e}", path.display());
+            return ExitCode::from(EXIT_BAD_CONFIG);
+        }
+    };
+    if print_ddl {
+        return match &config.store {
+            StoreConfig::Postgres(p) => {
+                say(&crate::store::postgres::schema::ddl(&p.table));
+                ExitCode::SUCCESS
+            }
+            _ => {
+                eprintln!(
+                    "idemgate: {}: --print-ddl is for store.backend = \"postgres\"",
+                    path.display()
+                );
+                ExitCode::from(EXIT_BAD_CONFIG)
+            }
+        };
+    }
+    say(&describe(&config));
+    for warning in unnamed(&config.routes) {
+        say(&format!("{warning}\n"));
+    }
+    if let Some(admin) = running {
+        let new: Vec<KeyIdentity> = config.routes.iter().map(KeyIdentity::of).collect();
+        let runs = match runtime(tokio::runtime::Builder::new_current_thread()) {
+            Ok(rt) => rt.block_on(running_routes(admin)),
+            Err(code) => return code,
+        };
+        let running = match runs {
+            Ok(r) => r,
+            Err(why) => {
+                eprintln!("idemgate: cannot read the running gateway's routes at {admin}: {why}");
+                return ExitCode::from(EXIT_CANNOT_START);
+            }
+        };
+        let why = rekeyed(&running, &new);
+        if !why.is_empty() {
+            for line in &why {
+                say(&format!("refused: {line}\n"));
+            }
+            say("a reload (SIGHUP) of this config would be refused; a restart applies it on purpose (docs/configuration.md, \"Changing how keys are derived\")\n");
+            return ExitCode::from(1);
+        }
+        say(&format!(
+            "keys derived as by the running gateway at {admin}: a reload keeps every stored key\n"
+        ));
+    }
+    say("config OK\n");
+    ExitCode::SUCCESS
+}
+
+/// The running gateway's routes as `GET /routes` on its admin listener reports them.
+async fn running_routes(admin: &str) -> Result<Vec<KeyIdentity>, String> {
+    let uri: http::Uri = format!("http://{admin}/routes")
+        .parse()
+        .map_err(|e| format!("not a host:port ({e})"))?;
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<http_body_util::Empty<bytes::Bytes>>();
+    let answer = async {
+        let resp = client.get(uri).await.map_err(|e| e.to_string())?;
+        if !resp.status().is_success() {
+            return Err(format!("it answered {}", resp.status()));
+        }
+        let body = http_body_util::Limited::new(resp.into_body(), MAX_ROUTES_ANSWER)
+            .collect()
+            .await
+            .map_err(|e| e.to_string())?
+            .to_bytes();
+        #[derive(serde::Deserialize)]
+        struct Routes {
+            routes: Vec<KeyIdentity>,
+        }
+        serde_json::from_slice::<Routes>(&body)
+            .map(|r| r.routes)
+            .map_err(|e| format!("not a /routes answer: {e}"))
+    };
+    tokio::time::timeout(Duration::from_secs(5), answer)
+        .await
+        .unwrap_or_else(|_| Err("no answer within 5s".into()))
+}
