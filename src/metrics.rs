@@ -73,6 +73,9 @@ pub enum Outcome {
     /// Refused before anything ran, to keep a limit: the client scope's record quota, the
     /// memory budget for buffered bodies, or the upstream's connection cap.
     Limited,
+    /// The store could not be used and the route forwarded without idempotency
+    /// (`on_store_error = "pass"`); the answer is marked `Idempotency-Bypassed: true`.
+    Bypassed,
     Passthrough,
 }
 
@@ -97,6 +100,7 @@ impl Outcome {
             Outcome::Released => "released",
             Outcome::Unknown => "unknown",
             Outcome::Limited => "limited",
+            Outcome::Bypassed => "bypassed",
             Outcome::Passthrough => "passthrough",
         }
     }
@@ -609,6 +613,7 @@ mod tests {
             Outcome::Released,
             Outcome::Unknown,
             Outcome::Limited,
+            Outcome::Bypassed,
             Outcome::Passthrough,
         ];
         for o in outcomes {
@@ -627,6 +632,7 @@ mod tests {
                 | Outcome::Released
                 | Outcome::Unknown
                 | Outcome::Limited
+                | Outcome::Bypassed
                 | Outcome::Passthrough => assert!((o as usize) < Outcome::COUNT, "{o:?}"),
             }
         }

@@ -150,6 +150,7 @@ pub(super) struct RawStore {
     pub(super) command_timeout: Option<Duration>,
     pub(super) tls_ca_file: Option<String>,
     pub(super) require_noeviction: Option<bool>,
+    pub(super) allow_async_commit: Option<bool>,
     pub(super) tls_client_cert: Option<String>,
     pub(super) tls_client_key: Option<String>,
     pub(super) min_replicas: Option<i64>,

@@ -35,6 +35,10 @@ pub struct PostgresSettings {
     pub tls_ca_file: Option<std::path::PathBuf>,
     /// PEM certificate and key presented to a server that verifies its clients.
     pub tls_client: Option<(std::path::PathBuf, std::path::PathBuf)>,
+    /// `store.allow_async_commit`: use connections whose `synchronous_commit` is `off` (a crash
+    /// of the database may lose reservations already acted on), with a warning, instead of
+    /// refusing them.
+    pub allow_async_commit: bool,
 }
 
 impl std::fmt::Debug for PostgresSettings {
@@ -47,6 +51,7 @@ impl std::fmt::Debug for PostgresSettings {
             .field("command_timeout", &self.command_timeout)
             .field("tls_ca_file", &self.tls_ca_file)
             .field("tls_client", &self.tls_client)
+            .field("allow_async_commit", &self.allow_async_commit)
             .finish()
     }
 }

@@ -471,6 +471,7 @@ fn postgres_store_settings() {
             command_timeout: Duration::from_secs(1),
             tls_ca_file: None,
             tls_client: None,
+            allow_async_commit: false,
         })
     );
     assert!(!format!("{:?}", c.store).contains("s3cret"));

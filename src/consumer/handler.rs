@@ -8,7 +8,7 @@ use crate::body::{self, Captured};
 use crate::config::{Policy, UpstreamUrl};
 use crate::idempotency::{Attempt, Execute};
 use crate::store::{StoredResponse, UnknownReason};
-use crate::upstream::{UpstreamError, UpstreamPool};
+use crate::upstream::{whole, CloseDelimited, UpstreamError, UpstreamPool, CLOSE_DELIMITED};
 
 /// One message's call to the handler.
 pub struct HandlerCall {
@@ -60,9 +60,15 @@ impl Execute for HandlerCall {
                 .exchange(req, self.handler.protocol)
                 .await?
                 .into_parts();
+            if head.extensions.get::<CloseDelimited>().is_some() {
+                return Err(UpstreamError::Failed(CLOSE_DELIMITED.into()));
+            }
             let captured = body::capture(body, self.policy.max_stored_response)
                 .await
                 .map_err(|e| UpstreamError::Failed(Box::new(e)))?;
+            if let Captured::Complete(b, _) = &captured {
+                whole(&head, b.len())?;
+            }
             Ok::<_, UpstreamError>((head, captured))
         };
         let (head, captured) = match tokio::time::timeout(timeout, exchange).await {

@@ -18,7 +18,8 @@ use crate::metrics::Metrics;
 use crate::problem::Problem;
 use crate::store::{StoredResponse, UnknownReason};
 use crate::upstream::{
-    prepare_request, NoConnectionSlot, UpstreamBody, UpstreamError, UpstreamPool,
+    prepare_request, whole, CloseDelimited, NoConnectionSlot, UpstreamBody, UpstreamError,
+    UpstreamPool, CLOSE_DELIMITED,
 };
 
 /// Header on a replay whose body was too large to keep: the body is deliberately empty.
@@ -151,14 +152,24 @@ async fn forward_and_capture(
     protocol: UpstreamProtocol,
     policy: &Policy,
 ) -> Result<Forwarded, UpstreamError> {
+    let head_request = req.method() == http::Method::HEAD;
     let exchange = async {
         let (head, body) = upstream.exchange(req, protocol).await?.into_parts();
+        if head.extensions.get::<CloseDelimited>().is_some() {
+            return Err(UpstreamError::Failed(CLOSE_DELIMITED.into()));
+        }
         let captured = body::capture(body, policy.max_stored_response)
             .await
             // A body cut off mid-way: the upstream ran, but we do not know what it said.
             .map_err(|e| UpstreamError::Failed(Box::new(e)))?;
         let body = match captured {
-            Captured::Complete(b, trailers) => ForwardedBody::Complete(b, trailers),
+            Captured::Complete(b, trailers) => {
+                if !head_request {
+                    whole(&head, b.len())?;
+                }
+                ForwardedBody::Complete(b, trailers)
+            }
+            // Streamed on: what the client gets is the upstream's own framing.
             Captured::TooLarge { head, rest } => ForwardedBody::Streaming { head, rest },
         };
         Ok(Forwarded { head, body })

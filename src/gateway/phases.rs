@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{request, HeaderMap, Request, Response};
+use http::{request, HeaderMap, HeaderValue, Request, Response};
 
 use super::forward::{not_sent_problem, replay, Forward, UpstreamTime};
 use super::{ClientConn, Gateway, Route};
@@ -21,6 +21,10 @@ use crate::quota::{Quota, QuotaId, Share};
 use crate::reconcile::Lookup;
 use crate::signature;
 use crate::store::{Claim, Origin, OriginKind};
+
+/// Marks an answer forwarded without idempotency because the store could not be used
+/// (`on_store_error = "pass"`): its retry may run again.
+const BYPASSED_HEADER: &str = "idempotency-bypassed";
 
 /// What became of a request: the response, what to count it as, and its key if it had one.
 pub(super) struct Answer {
@@ -212,9 +216,13 @@ impl Gateway {
             Decision::Bypass(Forward {
                 route, parts, body, ..
             }) => {
-                let response =
+                let mut response =
                     Box::pin(self.pass_through_route(&route, parts, body::full(body), conn)).await;
-                Answer::of(response, Outcome::StoreError)
+                // The client learns that this answer, and its retry, had no idempotency.
+                response
+                    .headers_mut()
+                    .insert(BYPASSED_HEADER, HeaderValue::from_static("true"));
+                Answer::of(response, Outcome::Bypassed)
             }
         }
     }

@@ -29,12 +29,38 @@ use std::time::Duration;
 use crate::error::BoxError;
 
 pub use limit::{ConnectionLimits, NoConnectionSlot};
-pub use pool::{PoolTimeouts, UpstreamBody, UpstreamPool};
+pub use pool::{CloseDelimited, PoolTimeouts, UpstreamBody, UpstreamPool};
 pub use rewrite::{prepare_request, ClientAddr};
 pub use tls::{client_config, TlsSetupError, UpstreamTlsConnector};
 
 /// How long establishing a TCP connection to the upstream may take at most.
 pub const MAX_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Why an answer without `Content-Length` or chunked framing is not taken as complete.
+pub const CLOSE_DELIMITED: &str = "the answer has neither Content-Length nor chunked framing: its end cannot be told from a cut connection";
+
+/// Whether a body of `got` bytes is the whole body its head declares: one that ended before
+/// the length its `Content-Length` says was cut short (an HTTP/2 stream reset with `NO_ERROR` or
+/// `CANCEL` mid-body reads as its end), and must not be stored as the whole answer. Not for the
+/// answer to a `HEAD`.
+pub fn whole(head: &http::response::Parts, got: usize) -> Result<(), UpstreamError> {
+    if head.status == http::StatusCode::NO_CONTENT || head.status == http::StatusCode::NOT_MODIFIED
+    {
+        return Ok(());
+    }
+    let declared = head
+        .headers
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    match declared {
+        Some(n) if n != got as u64 => Err(UpstreamError::Failed(
+            format!("the body ended after {got} of the {n} bytes its Content-Length declares")
+                .into(),
+        )),
+        _ => Ok(()),
+    }
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum UpstreamError {

@@ -274,8 +274,13 @@ impl UpstreamPool {
                 }
             };
             h1_form(&mut req, &authority, secure);
+            let head_request = req.method() == http::Method::HEAD;
             match sender.try_send_request(req).await {
                 Ok(mut resp) => {
+                    // Read before the framing headers go.
+                    if !head_request && close_delimited(&resp) {
+                        resp.extensions_mut().insert(CloseDelimited);
+                    }
                     // Connection-specific on the way back too: what the client gets is ours to
                     // frame.
                     strip_hop_by_hop(resp.headers_mut());
@@ -332,6 +337,26 @@ impl UpstreamPool {
             .await
             .unwrap_or(Err(UpstreamError::Timeout(timeout)))
     }
+}
+
+/// Marks an HTTP/1.1 answer whose body ends where the connection does (no `Content-Length`, not
+/// chunked): a connection cut mid-body reads as its end, so such a body can never be known
+/// complete.
+#[derive(Debug, Clone, Copy)]
+pub struct CloseDelimited;
+
+/// Whether an HTTP/1.1 answer's body is delimited by the connection's close (RFC 9112 6.3).
+fn close_delimited<B>(resp: &Response<B>) -> bool {
+    let status = resp.status();
+    let bodiless = status.is_informational()
+        || status == http::StatusCode::NO_CONTENT
+        || status == http::StatusCode::NOT_MODIFIED;
+    let headers = resp.headers();
+    let chunked = headers
+        .get_all(header::TRANSFER_ENCODING)
+        .iter()
+        .any(|v| v.as_bytes().to_ascii_lowercase().ends_with(b"chunked"));
+    !bodiless && !chunked && !headers.contains_key(header::CONTENT_LENGTH)
 }
 
 /// The upstream a prepared request names, and whether it is `https://`.

@@ -256,6 +256,11 @@ async fn on_store_error_pass_forwards_without_idempotency() {
         let got = http.post("/payments", "k", "{}").await;
         assert_eq!(got.status, 201);
         assert!(!got.is_replay());
+        assert_eq!(
+            got.header("idempotency-bypassed"),
+            Some("true"),
+            "the client is told the answer had no idempotency"
+        );
     }
     assert_eq!(up.executions(), 2, "fail-open: both were forwarded");
     assert_eq!(

@@ -21,7 +21,7 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use super::raw::{RawConfig, RawUpstream, Size, SIZE};
 use super::{
     redact_url, Config, ConfigError, ConsumerConfig, Policy, RouteConfig, ServerConfig,
-    UpstreamTls, UpstreamUrl, CLIENT_SUBJECT_HEADER,
+    StoreConfig, UpstreamTls, UpstreamUrl, CLIENT_SUBJECT_HEADER,
 };
 
 /// How long an upstream connection may sit idle before it is closed rather than reused, when
@@ -68,6 +68,7 @@ impl RawConfig {
             consumers.push(consumer);
         }
         check_body_budget(&server, &routes, &consumers)?;
+        check_ttl_margin(&store, &routes, &consumers)?;
         let upstream_tls = validate_upstream_tls(raw_upstream)?;
         check_tls_server_name(&upstream_tls, &upstream, &routes)?;
         Ok(Config {
@@ -139,6 +140,52 @@ fn check_client_subject(
             CLIENT_SUBJECT_HEADER,
             "only with server.tls_client_ca, which verifies the certificate it comes from",
         ));
+    }
+    Ok(())
+}
+
+/// How long a shared store may take, at most, over a reservation and its completion: the Redis
+/// record's TTL starts at its `SET`, before the replicas' `WAIT`, and the completion comes after
+/// the upstream call; each is bounded by `command_timeout` (plus `replica_timeout`).
+fn store_time(store: &StoreConfig) -> Duration {
+    match store {
+        StoreConfig::Redis(r) => {
+            2 * (r.command_timeout + r.replicas.as_ref().map_or(Duration::ZERO, |a| a.timeout))
+        }
+        StoreConfig::Postgres(p) => 2 * p.command_timeout,
+        StoreConfig::Memory { .. } | StoreConfig::Disk(_) => Duration::ZERO,
+    }
+}
+
+/// A pending record must outlive the whole upstream call, one lease, and the store's own time
+/// for the reservation and the completion, or it could expire before its result is stored and
+/// let a retry execute again.
+fn check_ttl_margin(
+    store: &StoreConfig,
+    routes: &[RouteConfig],
+    consumers: &[ConsumerConfig],
+) -> Result<(), ConfigError> {
+    let margin = store_time(store);
+    let policies = (routes
+        .iter()
+        .map(|r| (format!("routes[{}]", r.name), &r.policy)))
+    .chain(
+        consumers
+            .iter()
+            .map(|c| (format!("consumers[{}]", c.name), &c.policy)),
+    );
+    for (at, p) in policies {
+        let least = p.upstream_timeout + p.lock_timeout + margin;
+        if p.ttl < least {
+            return Err(ConfigError::invalid(
+                format!("{at}.ttl"),
+                shown(p.ttl),
+                format!(
+                    "at least upstream_timeout + lock_timeout + twice the store's command_timeout (and replica_timeout) ({})",
+                    humantime::format_duration(least)
+                ),
+            ));
+        }
     }
     Ok(())
 }

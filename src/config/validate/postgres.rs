@@ -32,6 +32,7 @@ pub(super) fn postgres(raw: RawStore, workers: usize) -> Result<PostgresSettings
         command_timeout,
         tls_ca_file,
         tls_client,
+        allow_async_commit: raw.allow_async_commit.unwrap_or(false),
     })
 }
 

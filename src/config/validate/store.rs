@@ -96,7 +96,12 @@ fn not_redis_only(raw: &RawStore) -> Result<(), ConfigError> {
 
 fn not_postgres(raw: &RawStore) -> Result<(), ConfigError> {
     only("table", raw.table.is_some(), POSTGRES)?;
-    only("pool_size", raw.pool_size.is_some(), POSTGRES)
+    only("pool_size", raw.pool_size.is_some(), POSTGRES)?;
+    only(
+        "allow_async_commit",
+        raw.allow_async_commit.is_some(),
+        POSTGRES,
+    )
 }
 
 const DISK: &str = "\"disk\"";

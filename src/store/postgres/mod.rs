@@ -34,6 +34,7 @@ use async_trait::async_trait;
 use deadpool_postgres::Pool;
 use tokio::sync::OnceCell;
 use tokio::task::AbortHandle;
+use tokio_postgres::error::SqlState;
 use tokio_postgres::types::ToSql;
 use tokio_postgres::Row;
 
@@ -210,8 +211,11 @@ impl Shared {
                     Ok(done)
                 }
                 Err(e) => {
-                    // An SQL error leaves the connection usable; anything else closes it.
-                    if healthy && e.as_db_error().is_some() {
+                    // An SQL error leaves the connection usable; anything else closes it, and so
+                    // does a node that refuses writes (a standby, or a primary turned read-only):
+                    // the pool's next connection looks for the writable node.
+                    let read_only = e.code() == Some(&SqlState::READ_ONLY_SQL_TRANSACTION);
+                    if healthy && e.as_db_error().is_some() && !read_only {
                         lease.keep();
                     }
                     Err(StoreError::Unavailable(format!("{what}: {}", explain(&e))))

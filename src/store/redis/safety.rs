@@ -20,6 +20,7 @@ use std::sync::atomic::{AtomicI64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo};
 use redis::Value;
 
 use super::conn::HandleConn;
@@ -216,20 +217,26 @@ async fn connected_replicas(conn: &mut super::conn::RedisConn) -> Option<u32> {
         .min()
 }
 
-/// The values of `CONFIG GET name`, one per node that answered (a cluster may answer for each).
+/// The values of `CONFIG GET name`, one per node that answered: in a cluster, asked of every
+/// primary (the client would send it to one node at random, and one evicting primary among N
+/// would pass N - 1 checks in N).
 async fn config_get(conn: &mut super::conn::RedisConn, name: &str) -> Result<Vec<String>, Unread> {
-    let answer: Value = redis::cmd("CONFIG")
-        .arg("GET")
-        .arg(name)
-        .query_async(conn)
-        .await
-        .map_err(|e| {
-            if e.is_io_error() || e.is_timeout() || e.is_connection_dropped() {
-                Unread::NoAnswer
-            } else {
-                Unread::Refused
-            }
-        })?;
+    let mut cmd = redis::cmd("CONFIG");
+    cmd.arg("GET").arg(name);
+    let answer = match conn {
+        super::conn::RedisConn::Cluster(cluster) => {
+            let every_primary = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
+            cluster.route_command(cmd, every_primary).await
+        }
+        single => cmd.query_async::<Value>(single).await,
+    };
+    let answer: Value = answer.map_err(|e| {
+        if e.is_io_error() || e.is_timeout() || e.is_connection_dropped() {
+            Unread::NoAnswer
+        } else {
+            Unread::Refused
+        }
+    })?;
     let mut words = Vec::new();
     flatten(&answer, &mut words, 0);
     let values: Vec<String> = words
