@@ -27,6 +27,7 @@ fn settings(url: String) -> PostgresSettings {
         command_timeout: Duration::from_secs(2),
         tls_ca_file: None,
         tls_client: None,
+        allow_async_commit: false,
     }
 }
 

@@ -786,6 +786,7 @@ mod postgres {
             command_timeout: Duration::from_secs(2),
             tls_ca_file: None,
             tls_client: None,
+            allow_async_commit: false,
         }
     }
 

@@ -739,6 +739,7 @@ async fn the_postgres_store_verifies_the_servers_certificate() {
         command_timeout: std::time::Duration::from_secs(2),
         tls_ca_file: Some(dir.path.join(ca)),
         tls_client: None,
+        allow_async_commit: false,
     };
     let store = PostgresStore::new(&settings("ca.pem")).unwrap();
     let answered = eventually(|| async { store.ping().await.is_ok() }).await;
