@@ -26,5 +26,6 @@ mod redis_failover;
 mod redis_gateway;
 mod store_contract;
 mod tls;
+mod uncertain;
 mod webhooks;
 mod wire_fuzz;

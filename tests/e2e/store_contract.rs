@@ -324,6 +324,46 @@ async fn take_over_is_compare_and_set(store: Arc<dyn Store>) {
     );
 }
 
+/// A take-over whose caller goes away mid-call (a client that hung up, a timeout around it) never
+/// frees the key: the record it was replacing, unknown or completed, stays (or comes back), or
+/// the take-over's own record stands; a retry never finds the key free. Dropped at every point
+/// a first poll can reach.
+async fn a_take_over_dropped_mid_flight_never_frees_the_key(store: Arc<dyn Store>) {
+    for (i, completed) in [(0, false), (1, true)] {
+        let k = key(&format!("dropped-take-over-{i}"));
+        let t = own(&*store, &k).await;
+        if completed {
+            store.complete(&k, t, response(), TTL).await.unwrap();
+        } else {
+            store
+                .mark_unknown(&k, t, UnknownReason::Timeout)
+                .await
+                .unwrap();
+        }
+        let seen = store.get(&k).await.unwrap().unwrap();
+        // Polled once (the command goes out, or is queued), then dropped; a store that answers
+        // in its first poll (memory) is not dropped, and must not free the key either.
+        let _ = tokio::time::timeout(
+            Duration::ZERO,
+            store.take_over(&k, &seen, &FP.into(), LEASE, TTL),
+        )
+        .await;
+        // Whatever landed, and whatever a give-back wrote, in any order: never free.
+        for _ in 0..20 {
+            let now = store.get(&k).await.unwrap();
+            assert!(now.is_some(), "a dropped take-over freed the key");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(
+            matches!(
+                store.reserve(&k, &FP.into(), LEASE, TTL).await.unwrap(),
+                Reservation::Existing(_)
+            ),
+            "a retry found the key free"
+        );
+    }
+}
+
 /// The store decides that a lease ran out: the record reads as abandoned (never as pending
 /// for ever, never as gone), and a take-over of what was read succeeds once.
 async fn a_lease_that_runs_out_reads_as_abandoned(store: Arc<dyn Store>) {
@@ -512,6 +552,7 @@ macro_rules! all_checks {
             take_over_accepts_a_record_a_waiter_reads,
             operators_can_delete_any_record,
             take_over_is_compare_and_set,
+            a_take_over_dropped_mid_flight_never_frees_the_key,
             a_lease_that_runs_out_reads_as_abandoned,
             worker_handles_share_one_store,
             keys_are_independent,

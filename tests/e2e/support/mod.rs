@@ -5,6 +5,7 @@
 mod client;
 pub mod kafka;
 pub mod nats;
+pub mod nginx;
 pub mod postgres;
 mod process;
 pub mod rabbitmq;
