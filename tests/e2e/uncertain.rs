@@ -392,3 +392,130 @@ async fn a_reload_that_changes_how_keys_are_derived_is_refused() {
     gw.wait_log("config reloaded");
     assert!(http.post("/payments", "k", "{}").await.is_replay());
 }
+
+/// A gateway on Postgres whose routes' leases run 10 s and whose statements get 1 s.
+fn pg_gateway(upstream: &str, url: &str) -> Config {
+    let extra = format!(
+        "[store]\nbackend = \"postgres\"\nurl = \"{url}\"\ncommand_timeout = \"1s\"\n[[routes]]\nname = \"payments\"\npath = \"/payments\"\nlock_timeout = \"10s\"\nwait = \"0s\"\n"
+    );
+    config(upstream, &extra)
+}
+
+/// A reservation whose insert waits for a synchronous standby that never answers: the gateway
+/// gives up after `command_timeout` (503, nothing forwarded), and the insert commits later, once
+/// the standby requirement is dropped. Its give-back is tried again until it deletes that row:
+/// the key is free again within the lease, and the retry runs once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reservation_committing_after_command_timeout_is_given_back_within_its_lease() {
+    let pg = crate::support::postgres::Postgres::start();
+    let up = Upstream::counting().await;
+    let gw = Running::start(pg_gateway(&up.url(), &pg.url()))
+        .await
+        .unwrap();
+    let http = Http::new(gw.addr());
+    let warm = eventually(|| async { http.post("/payments", "warm", "{}").await.status == 201 });
+    assert!(warm.await, "the store never answered");
+    pg.psql("ALTER SYSTEM SET synchronous_standby_names = 'nobody'");
+    pg.psql("SELECT pg_reload_conf()");
+    let waiting = eventually(|| async { pg.psql("SHOW synchronous_standby_names") == "nobody" });
+    assert!(waiting.await);
+    let stuck = http.post("/payments", "k", "{}").await;
+    assert_eq!(stuck.status, 503, "{stuck:?}");
+    assert_eq!(stuck.problem_type(), "store-unavailable");
+    assert_eq!(up.executions_per_key().get("k"), None, "nothing forwarded");
+    // The waiting insert commits now, after the gateway gave up on it.
+    pg.psql("ALTER SYSTEM RESET synchronous_standby_names");
+    pg.psql("SELECT pg_reload_conf()");
+    let ran = eventually_within(Duration::from_secs(9), || async {
+        http.post("/payments", "k", "{}").await.status == 201
+    })
+    .await;
+    assert!(
+        ran,
+        "the key stayed taken: {:?}",
+        http.post("/payments", "k", "{}").await
+    );
+    assert_eq!(up.executions_per_key().get("k"), Some(&1));
+}
+
+/// Two Postgres nodes in `store.url`; the one in use turns read-only (as a demoted primary does):
+/// the statements it refuses close their connections, and the pool's next connections go to the
+/// writable node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_postgres_node_turned_read_only_is_left() {
+    use crate::support::postgres::Postgres;
+    let (a, b) = (Postgres::start(), Postgres::start());
+    // The gateway makes its table once, on the node it reaches first: the other has it already.
+    b.psql(&idemgate::store::postgres::schema::ddl("idemgate_records"));
+    let url = format!(
+        "postgres://postgres@127.0.0.1:{},127.0.0.1:{}/postgres",
+        a.port, b.port
+    );
+    let up = Upstream::counting().await;
+    let gw = Running::start(pg_gateway(&up.url(), &url).with_admin())
+        .await
+        .unwrap();
+    let http = Http::new(gw.addr());
+    let first = eventually(|| async { http.post("/payments", "k0", "{}").await.status == 201 });
+    assert!(first.await, "the store never answered");
+    assert_eq!(a.psql("SELECT count(*) FROM idemgate_records"), "1");
+    a.psql("ALTER SYSTEM SET default_transaction_read_only = on");
+    a.psql("SELECT pg_reload_conf()");
+    let read_only = eventually(|| async { a.psql("SHOW default_transaction_read_only") == "on" });
+    assert!(read_only.await);
+    let n = AtomicUsize::new(1);
+    let moved = eventually(|| async {
+        let key = format!("k{}", n.fetch_add(1, Ordering::SeqCst));
+        http.post("/payments", &key, "{}").await.status == 201
+    })
+    .await;
+    assert!(moved, "new keys kept being refused on the read-only node");
+    assert_eq!(b.psql("SELECT count(*) FROM idemgate_records"), "1");
+    // And it stays there.
+    assert_eq!(http.post("/payments", "after", "{}").await.status, 201);
+    let admin = gw.admin_addr().unwrap();
+    assert_eq!(admin_get(admin, "/readyz").await.0, 200);
+}
+
+/// A three-primary Redis Cluster with `require_noeviction`: one primary switched to
+/// `allkeys-lru` is found at the next check (every primary is asked), and new keys are refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_with_one_evicting_primary_refuses_new_keys() {
+    use crate::support::redis::RedisCluster;
+    let cluster = RedisCluster::start();
+    let up = Upstream::counting().await;
+    let nodes: Vec<String> = cluster.urls().iter().map(|u| format!("\"{u}\"")).collect();
+    let extra = format!(
+        "[store]\nbackend = \"redis\"\ncluster = [{}]\nrequire_noeviction = true\n{PAYMENTS}",
+        nodes.join(", ")
+    );
+    let gw = Running::start(config(&up.url(), &extra).with_admin())
+        .await
+        .unwrap();
+    let (http, admin) = (Http::new(gw.addr()), gw.admin_addr().unwrap());
+    let ready = eventually_within(Duration::from_secs(20), || async {
+        admin_get(admin, "/readyz").await.0 == 200
+    })
+    .await;
+    assert!(ready, "{:?}", admin_get(admin, "/readyz").await);
+    assert_eq!(http.post("/payments", "before", "{}").await.status, 201);
+    let evicting = cluster.ports[1];
+    cli(
+        evicting,
+        &["CONFIG", "SET", "maxmemory-policy", "allkeys-lru"],
+    );
+    // Within the check interval (30 s), whichever node the client would have picked.
+    let n = AtomicUsize::new(0);
+    let refused = eventually_within(Duration::from_secs(35), || async {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let key = format!("new{}", n.fetch_add(1, Ordering::SeqCst));
+        let got = http.post("/payments", &key, "{}").await;
+        got.status == 503 && got.problem_type() == "store-unavailable"
+    })
+    .await;
+    assert!(refused, "new keys still accepted with an evicting primary");
+    let (status, why) = admin_get(admin, "/readyz").await;
+    assert_eq!(status, 503, "{why}");
+    assert!(why.contains("allkeys-lru"), "{why}");
+    assert!(http.post("/payments", "before", "{}").await.is_replay());
+}
