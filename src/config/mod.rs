@@ -676,3 +676,5 @@ impl Config {
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_uncertain;

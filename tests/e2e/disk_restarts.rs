@@ -62,9 +62,18 @@ async fn a_result_outlives_a_restart_and_a_kill_9_and_operators_can_read_it_stop
         String::from_utf8_lossy(&shown.stderr)
     );
     assert!(text.contains("completed"), "{text}");
-    assert!(keys_cmd(&cfg, "delete", "payments", &["k"])
-        .status
-        .success());
+    // A completed record is released only on purpose.
+    let refused = keys_cmd(&cfg, "delete", "payments", &["k"]);
+    assert_eq!(refused.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("--force"));
+    let forced = std::process::Command::new(env!("CARGO_BIN_EXE_idemgate"))
+        .args([
+            "keys", "delete", "--route", "payments", "--key", "k", "--force", "--config",
+        ])
+        .arg(&cfg)
+        .output()
+        .unwrap();
+    assert!(forced.status.success(), "{forced:?}");
     let gw = GatewayProcess::start(&config);
     assert_eq!(
         Http::new(gw.addr)
