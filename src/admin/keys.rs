@@ -43,7 +43,7 @@ const MIN_TOKEN: usize = 16;
 /// The operator API's settings, made at startup.
 pub struct Operator {
     token: [u8; 32],
-    /// How long a resolved record is kept (the defaults' `ttl`).
+    /// How long a resolved record is kept ([`crate::config::Config::longest_ttl`]).
     ttl: Duration,
 }
 
@@ -259,7 +259,11 @@ async fn changed(
         Ok(Change::Live) => problem(StatusCode::CONFLICT, "record-live", "Request still running", "The record is pending and its lease still runs: its request may still be executing. Wait, or add ?force=true.".into()),
         Ok(Change::Completed) => problem(StatusCode::CONFLICT, "record-completed", "Request completed", "The record is completed: its request ran, and retries replay its answer. Releasing it would let the next retry run the request again; overwriting it would replay another answer. If that is what you mean, add ?force=true.".into()),
         Ok(Change::Changed) => problem(StatusCode::CONFLICT, "record-changed", "Record changed", "The record changed while it was being replaced, and was left as it is now: read it again.".into()),
-        Err(e) => store_failed(&e),
+        Err(e) => {
+            tracing::warn!(error = %e, "operator change: the store did not answer");
+            // The operator API is behind a token: the store's own words help here.
+            problem(StatusCode::SERVICE_UNAVAILABLE, "store-unavailable", "Store unavailable", format!("The store did not answer the change ({e}). A change that was not answered never frees the key: the record is as it was, or reads as in flight until the change's 30 s lease ends and then as an unknown outcome. Read it again, then retry the change."))
+        }
     }
 }
 

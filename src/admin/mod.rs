@@ -156,13 +156,15 @@ async fn handle(
             );
             resp
         }
-        // What the running routes' stored keys are derived from, for `idemgate check
-        // --running`: names, paths and header names, no secret.
+        // What the running routes' stored keys are derived from, and every route's served
+        // since startup, for `idemgate check --running`: names, paths and header names, no
+        // secret.
         "/routes" => {
             let routes: Vec<KeyIdentity> = (gw.routes().iter())
                 .map(|r| KeyIdentity::of(&r.config))
                 .collect();
-            let json = serde_json::json!({ "routes": routes }).to_string();
+            let served = gw.served();
+            let json = serde_json::json!({ "routes": routes, "served": served }).to_string();
             let mut resp = Response::new(body::full(Bytes::from(json)));
             resp.headers_mut().insert(
                 header::CONTENT_TYPE,

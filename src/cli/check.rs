@@ -61,7 +61,7 @@ pub(super) fn check(path: &Path, print_ddl: bool, running: Option<&str>) -> Exit
             for line in &why {
                 say(&format!("refused: {line}\n"));
             }
-            say("a reload (SIGHUP) of this config would be refused; a restart applies it on purpose (docs/configuration.md, \"Changing how keys are derived\")\n");
+            say("a reload (SIGHUP) of this config would be refused; a restart applies it on purpose (docs/operations.md, \"Reloading the config\")\n");
             return ExitCode::from(1);
         }
         say(&format!(
@@ -91,10 +91,11 @@ async fn running_routes(admin: &str) -> Result<Vec<KeyIdentity>, String> {
             .to_bytes();
         #[derive(serde::Deserialize)]
         struct Routes {
-            routes: Vec<KeyIdentity>,
+            /// Every route served since startup: what a reload is checked against.
+            served: Vec<KeyIdentity>,
         }
         serde_json::from_slice::<Routes>(&body)
-            .map(|r| r.routes)
+            .map(|r| r.served)
             .map_err(|e| format!("not a /routes answer: {e}"))
     };
     tokio::time::timeout(Duration::from_secs(5), answer)

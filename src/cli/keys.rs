@@ -314,7 +314,7 @@ async fn direct(config: &Config, key: &StoreKey, route: &str, op: Op, force: boo
             return ExitCode::from(EXIT_CANNOT_START);
         }
     };
-    let ttl = config.defaults.ttl;
+    let ttl = config.longest_ttl();
     let done = match op {
         Op::Resolve(_) => "resolved: every request with this key replays that answer\n",
         _ => "deleted: the next request with this key executes\n",

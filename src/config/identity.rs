@@ -6,7 +6,7 @@
 //! gateway already serves makes every key stored for them unreachable: a completed payment's
 //! retry would run again, and so would an unknown outcome's, beside an original still in
 //! flight. Such a reload is refused ([`rekeyed`]); a restart applies it, on purpose
-//! (docs/configuration.md, "Changing how keys are derived").
+//! (docs/operations.md, "Reloading the config").
 
 use http::Method;
 

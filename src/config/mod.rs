@@ -668,6 +668,16 @@ impl Config {
         Ok(config)
     }
 
+    /// The longest `ttl` of `[defaults]`, every route and every consumer: how long an operator's
+    /// change keeps the record it writes. An operator names a record by its id, not its route,
+    /// and a record kept shorter than its route's `ttl` would let a retry run again once it
+    /// expired; one kept longer costs only space.
+    pub fn longest_ttl(&self) -> Duration {
+        (self.routes.iter().map(|r| r.policy.ttl))
+            .chain(self.consumers.iter().map(|c| c.policy.ttl))
+            .fold(self.defaults.ttl, Duration::max)
+    }
+
     /// Parses and validates config text.
     pub fn parse(text: &str) -> Result<Config, ConfigError> {
         raw::parse(text)?.validate()

@@ -24,7 +24,7 @@ mod phases;
 mod tunnel;
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
@@ -33,6 +33,7 @@ use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 
 use crate::body::{self, Body, Budget};
+use crate::config::identity::KeyIdentity;
 use crate::config::{Policy, RouteConfig, UpstreamUrl, CLIENT_SUBJECT_HEADER};
 use crate::conn::{ClientBody, ConnectionSlot};
 use crate::grpc;
@@ -162,6 +163,9 @@ pub struct Gateway {
     metrics: Arc<Metrics>,
     /// Set when shutdown begins, so readiness turns false before the listener closes.
     shutting_down: AtomicBool,
+    /// How every route this process has served since it started derived its keys, removed
+    /// routes too ([`Gateway::served`]).
+    served: std::sync::Mutex<Vec<KeyIdentity>>,
 }
 
 /// What a gateway is made of; [`Gateway::new`] takes it.
@@ -196,6 +200,7 @@ impl Gateway {
             upstream_limits,
             upstream_tls,
             budget: Budget::new(max_buffered, metrics.buffered()),
+            served: std::sync::Mutex::new(identities(&routing)),
             routing: ArcSwap::from_pointee(routing),
             store,
             core,
@@ -232,7 +237,24 @@ impl Gateway {
 
     /// Replaces routes and default upstream; requests already running keep their snapshot.
     pub fn reload(&self, routing: Routing) {
+        let mut served = self.served.lock().unwrap_or_else(PoisonError::into_inner);
+        for id in identities(&routing) {
+            if !served.contains(&id) {
+                served.push(id);
+            }
+        }
+        drop(served);
         self.routing.store(Arc::new(routing));
+    }
+
+    /// How every route served since startup derived its keys, removed ones too: a reload is
+    /// checked against all of them, since a route removed by one reload and brought back under
+    /// another name by the next would change its keys in two steps that each look harmless.
+    pub fn served(&self) -> Vec<KeyIdentity> {
+        self.served
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
     }
 
     pub fn begin_shutdown(&self) {
@@ -405,3 +427,10 @@ fn certificate_subject(headers: &mut http::HeaderMap, subject: Option<&HeaderVal
 const CLIENT_SUBJECT_UNDERSCORED: &str = "x_client_cert_subject";
 const SUBJECT_LEN: usize = CLIENT_SUBJECT_HEADER.len();
 const _: () = assert!(CLIENT_SUBJECT_UNDERSCORED.len() == SUBJECT_LEN);
+
+/// How the routes of `routing` derive their keys.
+fn identities(routing: &Routing) -> Vec<KeyIdentity> {
+    (routing.router.routes().iter())
+        .map(|r| KeyIdentity::of(&r.config))
+        .collect()
+}

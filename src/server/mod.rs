@@ -85,7 +85,7 @@ impl Server {
             None => None,
         };
         let operator = match &config.server.admin_token {
-            Some(source) => Some(Arc::new(Operator::load(source, config.defaults.ttl)?)),
+            Some(source) => Some(Arc::new(Operator::load(source, config.longest_ttl())?)),
             None => None,
         };
         let metrics = Arc::new(Metrics::new());

@@ -68,14 +68,11 @@ pub async fn reload_on_sighup(
             }
             // Keys derived otherwise for requests already served would be unreachable: their
             // retries would run again. Refused; a restart applies it on purpose.
-            let running_ids: Vec<KeyIdentity> = (gateway.routes().iter())
-                .map(|r| KeyIdentity::of(&r.config))
-                .collect();
             let new_ids: Vec<KeyIdentity> = new.routes.iter().map(KeyIdentity::of).collect();
-            let why = rekeyed(&running_ids, &new_ids);
+            let why = rekeyed(&gateway.served(), &new_ids);
             if !why.is_empty() {
                 for line in &why {
-                    tracing::error!(change = %line, "config reload refused: it changes how stored keys are derived; keeping the running config (a restart applies it on purpose: docs/configuration.md)");
+                    tracing::error!(change = %line, "config reload refused: it changes how stored keys are derived; keeping the running config (a restart applies it on purpose: docs/operations.md, \"Reloading the config\")");
                 }
                 continue;
             }

@@ -543,6 +543,55 @@ pub(crate) async fn give_back_replaced(
     }
 }
 
+/// Give-backs of lost reservations being tried at once in this process ([`give_back`]).
+static GIVING_BACK: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+/// The most at once: past it (a store outage that loses every answer), a give-back is tried
+/// once, and a reservation that lands later reads as an unknown outcome instead.
+const MAX_GIVING_BACK: usize = 256;
+
+/// Gives back a reservation whose answer was lost: `attempt` deletes the record with its owner's
+/// token, answering whether it did. A reservation whose answer was lost may land later (a
+/// statement still waiting for a synchronous standby, a command still queued or sent again), so
+/// it is tried until it deletes: with backoff up to 2 s until the lease ends (`lease`), then
+/// every 30 s until the record would expire anyway (`ttl`). Deleting one's own reservation is
+/// always right, since nothing was forwarded for it; the tries are bounded in time and in number
+/// ([`MAX_GIVING_BACK`]).
+pub(crate) async fn give_back<F, Fut>(
+    key: StoreKey,
+    (lease, ttl): (Duration, Duration),
+    mut attempt: F,
+) where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    use std::sync::atomic::Ordering;
+    use tokio::time::Instant;
+    let started = Instant::now();
+    let (lease_end, ttl_end) = (started + lease, started + ttl);
+    let running = GIVING_BACK.fetch_add(1, Ordering::Relaxed);
+    let mut pause = Duration::from_millis(100);
+    loop {
+        if attempt().await {
+            tracing::info!(
+                key = key.short(),
+                "released a reservation whose answer was lost"
+            );
+            break;
+        }
+        let now = Instant::now();
+        if running >= MAX_GIVING_BACK || now + pause >= ttl_end {
+            break;
+        }
+        tokio::time::sleep(pause).await;
+        pause = if now < lease_end {
+            (pause * 2).min(Duration::from_secs(2))
+        } else {
+            Duration::from_secs(30)
+        };
+    }
+    GIVING_BACK.fetch_sub(1, Ordering::Relaxed);
+}
+
 /// Wall-clock milliseconds since the Unix epoch.
 pub fn now_ms() -> u64 {
     SystemTime::now()

@@ -48,11 +48,15 @@ pub fn whole(head: &http::response::Parts, got: usize) -> Result<(), UpstreamErr
     {
         return Ok(());
     }
-    let declared = head
-        .headers
-        .get(http::header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.trim().parse::<u64>().ok());
+    // `Content-Length: 40, 40` (or the header twice) is one length, as hyper reads it; lengths
+    // that differ never got this far.
+    let mut lengths = (head.headers.get_all(http::header::CONTENT_LENGTH).iter())
+        .flat_map(|v| v.to_str().unwrap_or_default().split(','))
+        .map(|v| v.trim().parse::<u64>().ok());
+    let declared = match lengths.next().flatten() {
+        Some(n) if lengths.all(|m| m == Some(n)) => Some(n),
+        _ => None,
+    };
     match declared {
         Some(n) if n != got as u64 => Err(UpstreamError::Failed(
             format!("the body ended after {got} of the {n} bytes its Content-Length declares")
@@ -74,4 +78,29 @@ pub enum UpstreamError {
     /// request may have been executed.
     #[error("upstream did not answer within {0:?}")]
     Timeout(Duration),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn head(status: u16, lengths: &[&str]) -> http::response::Parts {
+        let mut b = http::Response::builder().status(status);
+        for l in lengths {
+            b = b.header(http::header::CONTENT_LENGTH, *l);
+        }
+        b.body(()).unwrap().into_parts().0
+    }
+
+    #[test]
+    fn a_body_is_whole_when_it_has_the_length_its_head_declares() {
+        assert!(whole(&head(201, &["40"]), 40).is_ok());
+        assert!(whole(&head(201, &["40"]), 13).is_err());
+        // One length written twice is that length.
+        assert!(whole(&head(201, &["40, 40"]), 40).is_ok());
+        assert!(whole(&head(201, &["40", "40"]), 13).is_err());
+        // Nothing declared, nothing to check; no body for 204 and 304.
+        assert!(whole(&head(201, &[]), 13).is_ok());
+        assert!(whole(&head(304, &["40"]), 0).is_ok());
+    }
 }

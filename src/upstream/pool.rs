@@ -281,6 +281,11 @@ impl UpstreamPool {
                     if !head_request && close_delimited(&resp) {
                         resp.extensions_mut().insert(CloseDelimited);
                     }
+                    // A body framed by Transfer-Encoding ignores any Content-Length beside it
+                    // (RFC 9112 6.3), and a proxy removes it: it must not be checked against.
+                    if resp.headers().contains_key(header::TRANSFER_ENCODING) {
+                        resp.headers_mut().remove(header::CONTENT_LENGTH);
+                    }
                     // Connection-specific on the way back too: what the client gets is ours to
                     // frame.
                     strip_hop_by_hop(resp.headers_mut());
@@ -352,11 +357,16 @@ fn close_delimited<B>(resp: &Response<B>) -> bool {
         || status == http::StatusCode::NO_CONTENT
         || status == http::StatusCode::NOT_MODIFIED;
     let headers = resp.headers();
-    let chunked = headers
-        .get_all(header::TRANSFER_ENCODING)
-        .iter()
-        .any(|v| v.as_bytes().to_ascii_lowercase().ends_with(b"chunked"));
-    !bodiless && !chunked && !headers.contains_key(header::CONTENT_LENGTH)
+    let codings = headers.get_all(header::TRANSFER_ENCODING);
+    // The final coding decides (as hyper reads it): chunked, or read until the close.
+    let chunked = codings.iter().last().is_some_and(|v| {
+        let v = v.as_bytes().to_ascii_lowercase();
+        v.rsplit(|b| *b == b',')
+            .next()
+            .is_some_and(|last| last.trim_ascii() == b"chunked")
+    });
+    let encoded = codings.iter().next().is_some();
+    !bodiless && !chunked && (encoded || !headers.contains_key(header::CONTENT_LENGTH))
 }
 
 /// The upstream a prepared request names, and whether it is `https://`.
@@ -678,6 +688,37 @@ mod tests {
         UpstreamTlsConnector::new(&crate::config::UpstreamTls::default()).unwrap()
     }
     use std::net::SocketAddr;
+
+    #[test]
+    fn a_body_without_framing_that_tells_its_end_is_close_delimited() {
+        let resp = |status: u16, headers: &[(&str, &str)]| {
+            let mut b = Response::builder().status(status);
+            for (n, v) in headers {
+                b = b.header(*n, *v);
+            }
+            b.body(()).unwrap()
+        };
+        assert!(close_delimited(&resp(201, &[])));
+        assert!(!close_delimited(&resp(201, &[("content-length", "2")])));
+        assert!(!close_delimited(&resp(
+            201,
+            &[("transfer-encoding", "chunked")]
+        )));
+        assert!(!close_delimited(&resp(
+            201,
+            &[("transfer-encoding", "gzip, chunked")]
+        )));
+        // The final coding decides, as hyper reads it.
+        let gzip_last = [
+            ("transfer-encoding", "chunked"),
+            ("transfer-encoding", "gzip"),
+        ];
+        assert!(close_delimited(&resp(201, &gzip_last)));
+        let not_chunked = [("transfer-encoding", "gzip"), ("content-length", "2")];
+        assert!(close_delimited(&resp(201, &not_chunked)));
+        assert!(!close_delimited(&resp(204, &[])));
+        assert!(!close_delimited(&resp(304, &[])));
+    }
 
     /// A raw HTTP/1.1 upstream on loopback that counts its connections and answers each request
     /// by `answer(path)`: (response bytes, close after it).

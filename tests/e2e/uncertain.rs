@@ -308,6 +308,11 @@ async fn a_take_over_its_replica_does_not_acknowledge_leaves_the_outcome_unknown
     let resolution = r#"{"status": 201, "body": "{\"id\":\"pay_1\"}"}"#;
     let refused = operator(admin, "PUT", &path, Some(resolution)).await;
     assert_eq!(refused.status, 503, "{}", refused.text());
+    assert!(
+        refused.text().contains("never frees the key"),
+        "{}",
+        refused.text()
+    );
     let state = operator(admin, "GET", &path, None).await;
     assert_eq!(state.status, 200, "{}", state.text());
     let state: serde_json::Value = serde_json::from_slice(&state.body).unwrap();
@@ -391,6 +396,18 @@ async fn a_reload_that_changes_how_keys_are_derived_is_refused() {
     gw.signal("-HUP");
     gw.wait_log("config reloaded");
     assert!(http.post("/payments", "k", "{}").await.is_replay());
+    // In two steps that each look harmless: the route removed (applied: its requests pass
+    // through from now on), then brought back under another name (refused: it would not find
+    // the keys it stored before).
+    std::fs::write(&gw.config_path, text("path = \"/refunds\"\n")).unwrap();
+    gw.signal("-HUP");
+    gw.wait_log("config reloaded");
+    let renamed = text("name = \"payments\"\npath = \"/payments\"\n");
+    assert_eq!(check(&renamed).0, Some(1));
+    std::fs::write(&gw.config_path, &renamed).unwrap();
+    gw.signal("-HUP");
+    gw.wait_log("config reload refused");
+    assert_eq!(up.executions(), 1);
 }
 
 /// A gateway on Postgres whose routes' leases run 10 s and whose statements get 1 s.

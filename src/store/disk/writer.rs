@@ -154,7 +154,7 @@ impl Writer {
         let mut answers: Vec<Answer> = Vec::with_capacity(jobs.len());
         let mut used = self.counters.used.load(Ordering::Relaxed) as i64;
         let mut written = HashMap::new();
-        let committed = (|| -> Result<bool, Failure> {
+        let committed = (|| -> Result<bool, String> {
             let mut tables = Tables {
                 db: &self.db,
                 recent: &self.recent,
@@ -178,10 +178,11 @@ impl Writer {
                     Job::Tick => continue,
                 };
                 let result = self.apply(&mut tables, &key, change, now, &mut used, &mut effects);
-                // A failed read leaves the batch in doubt: none of it is kept (nothing of it was
-                // written), and the store goes on: the next batch reads again.
+                // A read that failed (the only way `apply` answers `Unavailable`) failed before
+                // its change wrote anything: that change is refused, the rest of the batch goes
+                // on, and the store stays usable (the next change of that key reads again).
                 if let Err(StoreError::Unavailable(e)) = &result {
-                    return Err(Failure::Read(e.clone()));
+                    tracing::warn!(error = %e, key = key.short(), "disk store: a read failed; that change is refused");
                 }
                 answers.push((reply, inbox, result));
             }
@@ -192,7 +193,7 @@ impl Writer {
                     .is_some_and(|t| t.elapsed() >= interval / 2),
             };
             let durable = effects.sync || due;
-            let failed = |e: fjall::Error| Failure::Write(e.to_string());
+            let failed = |e: fjall::Error| e.to_string();
             tables.batch.commit().map_err(failed)?;
             if durable {
                 // fdatasync: the journal's data and what is needed to read it back (its size),
@@ -226,14 +227,7 @@ impl Writer {
                     self.waiters.notify(key);
                 }
             }
-            Err(Failure::Read(e)) => {
-                tracing::warn!(error = %e, "disk store: a read failed; the batch was not written, its callers are told the store failed");
-                let failed = answers.into_iter().map(|(reply, inbox, _)| {
-                    (reply, inbox, Err(StoreError::Unavailable(e.clone())))
-                });
-                deliver(failed.collect());
-            }
-            Err(Failure::Write(e)) => {
+            Err(e) => {
                 // The batch may be applied (a failed fsync) or not (a failed write): either
                 // way its callers are told the store failed, and a retry re-reads what is there.
                 // fjall refuses every write after a failed one (its journal may be torn): the
@@ -383,14 +377,6 @@ impl Writer {
         effects.sync |= sync;
         Ok(done)
     }
-}
-
-/// Why a batch was not committed.
-enum Failure {
-    /// A read the batch needed failed: nothing was written, and the store goes on.
-    Read(String),
-    /// The commit or its sync failed: the store refuses writes until a restart.
-    Write(String),
 }
 
 /// An answer of the writer's: where it goes, and through which worker's inbox if any.

@@ -306,7 +306,7 @@ impl Store for PostgresStore {
         );
         // If the insert committed but its answer was lost (a timeout, the caller gone), the
         // guard gives the row back: a key nobody owns would read as in flight, then unknown.
-        let guard = Giveback::new(self.handle(), key, owner, lease);
+        let guard = Giveback::new(self.handle(), key, owner, (lease, ttl));
         let (lease, ttl) = (millis(lease), millis(ttl));
         let origin = claim.origin.as_deref().and_then(codec::encode_origin);
         let params: [&(dyn ToSql + Sync); 6] = [&k, &fp, &&token[..], &lease, &ttl, &origin];

@@ -174,25 +174,21 @@ impl Expected {
 /// insert whose answer was lost may still commit later (a statement that outlived
 /// `command_timeout` is not cancelled by closing its connection, and one waiting for a
 /// synchronous standby commits when the standby answers): the give-back is tried again, with
-/// the owner's token, until it deletes the row or the lease ends.
+/// the owner's token, until it deletes the row ([`crate::store::give_back`]).
 pub(super) struct Giveback {
-    armed: Option<(PostgresStore, StoreKey, OwnerToken, tokio::time::Instant)>,
+    armed: Option<(PostgresStore, StoreKey, OwnerToken, (Duration, Duration))>,
 }
 
-/// The first pause between give-back tries; it doubles up to [`MAX_PAUSE`].
-const FIRST_PAUSE: Duration = Duration::from_millis(100);
-const MAX_PAUSE: Duration = Duration::from_secs(2);
-
 impl Giveback {
+    /// For a reservation by `owner` with this lease and ttl.
     pub(super) fn new(
         store: PostgresStore,
         key: &StoreKey,
         owner: OwnerToken,
-        lease: Duration,
+        times: (Duration, Duration),
     ) -> Giveback {
-        let until = tokio::time::Instant::now() + lease;
         Giveback {
-            armed: Some((store, *key, owner, until)),
+            armed: Some((store, *key, owner, times)),
         }
     }
 
@@ -203,34 +199,25 @@ impl Giveback {
 
 impl Drop for Giveback {
     fn drop(&mut self) {
-        let Some((store, key, owner, until)) = self.armed.take() else {
+        let Some((store, key, owner, times)) = self.armed.take() else {
             return;
         };
         // In the background: if the database stays unreachable the row keeps its lease and
         // then reads as an unknown outcome, which is the safe side.
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             rt.spawn(async move {
-                let (k, token): (&[u8], [u8; 16]) = (key.as_bytes(), codec::owner_bytes(owner));
-                let params: [&(dyn tokio_postgres::types::ToSql + Sync); 2] = [&k, &&token[..]];
-                let release = &store.shared.sql.release;
-                let mut pause = FIRST_PAUSE;
-                loop {
-                    if let Ok(row) = store.row("release", release, &params).await {
-                        if matches!(count(&row, 0), Ok(1)) {
-                            tracing::info!(
-                                key = key.short(),
-                                "released a reservation whose answer was lost"
-                            );
-                            return;
-                        }
+                let token = codec::owner_bytes(owner);
+                crate::store::give_back(key, times, || async {
+                    let k: &[u8] = key.as_bytes();
+                    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 2] = [&k, &&token[..]];
+                    let release = &store.shared.sql.release;
+                    // Not committed (yet), or no answer: false, and tried again.
+                    match store.row("release", release, &params).await {
+                        Ok(row) => matches!(count(&row, 0), Ok(1)),
+                        Err(_) => false,
                     }
-                    // Not committed (yet), or no answer: again, until the lease ends.
-                    if tokio::time::Instant::now() + pause >= until {
-                        return;
-                    }
-                    tokio::time::sleep(pause).await;
-                    pause = (pause * 2).min(MAX_PAUSE);
-                }
+                })
+                .await;
             });
         }
     }

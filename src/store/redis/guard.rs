@@ -2,14 +2,12 @@
 //! lost (a timeout, or the caller gone), or too few replicas acknowledged it. A reservation
 //! whose answer was lost may still land later (a command still queued on its connection, or
 //! sent again by the cluster client): the give-back is tried again, with the owner's token,
-//! until it deletes the record or the lease ends, so that a key nobody owns is not left to read
-//! as an unknown outcome for its whole `ttl`. Only for reservations: a take-over never frees
-//! its key ([`crate::store::give_back_replaced`]).
+//! until it deletes the record ([`crate::store::give_back`]), so that a key nobody owns is not
+//! left to read as an unknown outcome for its whole `ttl`. Only for reservations: a take-over
+//! never frees its key ([`crate::store::give_back_replaced`]).
 
 use std::sync::Arc;
 use std::time::Duration;
-
-use tokio::time::Instant;
 
 use super::conn::{eval, RedisConn};
 use super::scripts::Scripts;
@@ -24,6 +22,7 @@ pub(super) struct ReleaseOnDrop {
 
 /// Everything the release needs, owned, as it may run after the store call is gone. Cheap to
 /// build (nearly every guard is disarmed): the strings are made only when it fires.
+#[derive(Clone)]
 struct Armed {
     scripts: Arc<Scripts>,
     prefix: Arc<str>,
@@ -31,14 +30,9 @@ struct Armed {
     conn: RedisConn,
     key: StoreKey,
     owner: OwnerToken,
-    /// The end of the reservation's lease: after it, a record that landed reads as abandoned
-    /// to everyone, and the give-back stops trying.
-    until: Instant,
+    /// The reservation's lease and ttl: how long a give-back is tried.
+    times: (Duration, Duration),
 }
-
-/// The first pause between give-back tries; it doubles up to [`MAX_PAUSE`].
-const FIRST_PAUSE: Duration = Duration::from_millis(100);
-const MAX_PAUSE: Duration = Duration::from_secs(2);
 
 impl ReleaseOnDrop {
     pub(super) fn new(
@@ -46,7 +40,7 @@ impl ReleaseOnDrop {
         key: &StoreKey,
         owner: OwnerToken,
         conn: RedisConn,
-        lease: Duration,
+        times: (Duration, Duration),
     ) -> Self {
         ReleaseOnDrop {
             armed: Some(Armed {
@@ -56,7 +50,7 @@ impl ReleaseOnDrop {
                 conn,
                 key: *key,
                 owner,
-                until: Instant::now() + lease,
+                times,
             }),
         }
     }
@@ -96,29 +90,20 @@ impl Armed {
 
 impl Drop for ReleaseOnDrop {
     fn drop(&mut self) {
-        let Some(mut armed) = self.armed.take() else {
+        let Some(armed) = self.armed.take() else {
             return;
         };
         // In the background: if Redis stays unreachable the record keeps its lease and then
         // reads as an unknown outcome, which is the safe side.
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             rt.spawn(async move {
-                let mut pause = FIRST_PAUSE;
-                loop {
-                    if let Ok(1) = armed.release(Duration::from_secs(5)).await {
-                        tracing::info!(
-                            key = armed.key.short(),
-                            "released a reservation whose answer was lost"
-                        );
-                        return;
-                    }
-                    // Not there (yet), or Redis did not answer: again, until the lease ends.
-                    if Instant::now() + pause >= armed.until {
-                        return;
-                    }
-                    tokio::time::sleep(pause).await;
-                    pause = (pause * 2).min(MAX_PAUSE);
-                }
+                let (key, times) = (armed.key, armed.times);
+                crate::store::give_back(key, times, || {
+                    let mut armed = armed.clone();
+                    // Not there (yet), or Redis did not answer: false, and tried again.
+                    async move { matches!(armed.release(Duration::from_secs(5)).await, Ok(1)) }
+                })
+                .await;
             });
         }
     }
