@@ -359,7 +359,7 @@ fn close_delimited<B>(resp: &Response<B>) -> bool {
     let headers = resp.headers();
     let codings = headers.get_all(header::TRANSFER_ENCODING);
     // The final coding decides (as hyper reads it): chunked, or read until the close.
-    let chunked = codings.iter().last().is_some_and(|v| {
+    let chunked = codings.iter().next_back().is_some_and(|v| {
         let v = v.as_bytes().to_ascii_lowercase();
         v.rsplit(|b| *b == b',')
             .next()
