@@ -8,7 +8,7 @@ use crate::body::{self, Captured};
 use crate::config::{Policy, UpstreamUrl};
 use crate::idempotency::{Attempt, Execute};
 use crate::store::{StoredResponse, UnknownReason};
-use crate::upstream::{whole, CloseDelimited, UpstreamError, UpstreamPool, CLOSE_DELIMITED};
+use crate::upstream::{whole, CloseDelimited, UpstreamError, UpstreamPool};
 
 /// One message's call to the handler.
 pub struct HandlerCall {
@@ -60,9 +60,6 @@ impl Execute for HandlerCall {
                 .exchange(req, self.handler.protocol)
                 .await?
                 .into_parts();
-            if head.extensions.get::<CloseDelimited>().is_some() {
-                return Err(UpstreamError::Failed(CLOSE_DELIMITED.into()));
-            }
             let captured = body::capture(body, self.policy.max_stored_response)
                 .await
                 .map_err(|e| UpstreamError::Failed(Box::new(e)))?;
@@ -88,6 +85,13 @@ impl Execute for HandlerCall {
             }
         };
         let status = head.status.as_u16();
+        if head.extensions.get::<CloseDelimited>().is_some() {
+            // Its end cannot be told from a cut connection: never stored as the handler's answer.
+            return Attempt::Unframed {
+                output: status,
+                status,
+            };
+        }
         let (body, body_kept) = match captured {
             Captured::Complete(b, _) => (b, true),
             // Too large to keep: it ran, and a duplicate gets the status alone.

@@ -19,7 +19,7 @@ use crate::problem::Problem;
 use crate::store::{StoredResponse, UnknownReason};
 use crate::upstream::{
     prepare_request, whole, CloseDelimited, NoConnectionSlot, UpstreamBody, UpstreamError,
-    UpstreamPool, CLOSE_DELIMITED,
+    UpstreamPool,
 };
 
 /// Header on a replay whose body was too large to keep: the body is deliberately empty.
@@ -113,6 +113,7 @@ impl Execute for Forward {
                 error: "the gRPC answer ended without a grpc-status".into(),
             };
         }
+        let unframed = forwarded.head.extensions.get::<CloseDelimited>().is_some();
         // The upstream's own framing headers still hold: the body is the same bytes.
         let output = Response::from_parts(
             forwarded.head,
@@ -121,8 +122,13 @@ impl Execute for Forward {
                 ForwardedBody::Streaming { head, rest } => body::prepend(head, rest),
             },
         );
+        let status = grpc::effective_status(&response);
+        if unframed {
+            // Its end cannot be told from a cut connection: passed on as it came, never stored.
+            return Attempt::Unframed { output, status };
+        }
         Attempt::Answered {
-            status: grpc::effective_status(&response),
+            status,
             response,
             output,
         }
@@ -155,9 +161,6 @@ async fn forward_and_capture(
     let head_request = req.method() == http::Method::HEAD;
     let exchange = async {
         let (head, body) = upstream.exchange(req, protocol).await?.into_parts();
-        if head.extensions.get::<CloseDelimited>().is_some() {
-            return Err(UpstreamError::Failed(CLOSE_DELIMITED.into()));
-        }
         let captured = body::capture(body, policy.max_stored_response)
             .await
             // A body cut off mid-way: the upstream ran, but we do not know what it said.

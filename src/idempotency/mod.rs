@@ -111,6 +111,10 @@ pub enum Attempt<R> {
         output: R,
         status: u16,
     },
+    /// It answered, but the answer's end cannot be told from a cut connection (an HTTP/1.1 body
+    /// with neither `Content-Length` nor chunked framing): `output` goes to this caller, and the
+    /// outcome is kept unknown, never stored as the whole answer.
+    Unframed { output: R, status: u16 },
     /// The operation certainly did not run (nothing was sent).
     NotSent(BoxError),
     /// It was sent and may have run, but no complete answer came back.
@@ -586,6 +590,21 @@ impl Records {
                 tracing::warn!(key = key.short(), error = %error, "outcome unknown");
                 let retryable = self.keep_unknown(key, token, rules, reason).await;
                 return Settled::Unknown { reason, retryable };
+            }
+            Attempt::Unframed { output, status } => {
+                tracing::warn!(
+                    key = key.short(),
+                    status,
+                    "the answer has no framing that tells its end; outcome unknown"
+                );
+                let reason = UnknownReason::Interrupted;
+                let retryable = self.keep_unknown(key, token, rules, reason).await;
+                return Settled::AnsweredUnknown {
+                    output,
+                    status,
+                    reason,
+                    retryable,
+                };
             }
         };
         if rules.unknown_statuses.contains(status) {

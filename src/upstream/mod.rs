@@ -36,9 +36,6 @@ pub use tls::{client_config, TlsSetupError, UpstreamTlsConnector};
 /// How long establishing a TCP connection to the upstream may take at most.
 pub const MAX_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Why an answer without `Content-Length` or chunked framing is not taken as complete.
-pub const CLOSE_DELIMITED: &str = "the answer has neither Content-Length nor chunked framing: its end cannot be told from a cut connection";
-
 /// Whether a body of `got` bytes is the whole body its head declares: one that ended before
 /// the length its `Content-Length` says was cut short (an HTTP/2 stream reset with `NO_ERROR` or
 /// `CANCEL` mid-body reads as its end), and must not be stored as the whole answer. Not for the
