@@ -81,6 +81,9 @@ struct Effects {
     wake: Vec<StoreKey>,
     /// Some change in the batch must be on disk before its caller hears back.
     sync: bool,
+    /// The new pending records the batch wrote (reservations, take-overs), with their leases:
+    /// stamped again after a slow sync ([`Writer::restamp`]).
+    leased: Vec<(StoreKey, OwnerToken, Duration)>,
 }
 
 impl Writer {
@@ -154,6 +157,7 @@ impl Writer {
         let mut answers: Vec<Answer> = Vec::with_capacity(jobs.len());
         let mut used = self.counters.used.load(Ordering::Relaxed) as i64;
         let mut written = HashMap::new();
+        let applied_at = now_ms();
         let committed = (|| -> Result<bool, String> {
             let mut tables = Tables {
                 db: &self.db,
@@ -161,7 +165,7 @@ impl Writer {
                 batch: self.db.db.batch(),
                 written: &mut written,
             };
-            let now = now_ms();
+            let now = applied_at;
             for job in jobs {
                 let (key, change, reply, inbox) = match job {
                     Job::Change {
@@ -205,6 +209,7 @@ impl Writer {
         self.batches += 1;
         match committed {
             Ok(durable) => {
+                self.restamp(&mut written, &effects.leased, applied_at);
                 for (key, value) in written {
                     self.recent.wrote(self.batches, key, value);
                 }
@@ -242,6 +247,56 @@ impl Writer {
                     (reply, inbox, Err(StoreError::Unavailable(msg.clone())))
                 });
                 deliver(failed.collect());
+            }
+        }
+    }
+
+    /// Stamps the leases of the batch's new pending records again when its sync took more than a
+    /// third of a lease: a lease counted from when the record was applied would have run out
+    /// partly, or wholly, before anyone could read the record or its owner renew it, and a
+    /// duplicate would read the key as abandoned though its request is only now forwarded. The
+    /// new stamp is written without a sync before the batch is published: after a crash the
+    /// synced stamp stands, and reads as abandoned, which a crash is.
+    fn restamp(
+        &self,
+        written: &mut HashMap<StoreKey, Option<Vec<u8>>>,
+        leased: &[(StoreKey, OwnerToken, Duration)],
+        applied_at: u64,
+    ) {
+        let took = now_ms().saturating_sub(applied_at);
+        let mut late = leased
+            .iter()
+            .filter(|(_, _, lease)| u128::from(took) * 3 > lease.as_millis())
+            .peekable();
+        if late.peek().is_none() {
+            return;
+        }
+        let mut batch = self.db.db.batch();
+        let mut any = false;
+        for (key, owner, lease) in late {
+            let Some(Some(value)) = written.get(key) else {
+                continue;
+            };
+            let Ok((expires_at, raw)) = split(value) else {
+                continue;
+            };
+            let Ok(mut record) = codec::decode(&Bytes::copy_from_slice(raw)) else {
+                continue;
+            };
+            if !matches!(record.state, RecordState::Pending { owner: o, .. } if o == *owner) {
+                continue;
+            }
+            record = leased_record(record, *owner, *lease);
+            let value = stored_value(expires_at, &codec::encode(&record));
+            batch.insert(&self.db.records, key.as_bytes().to_vec(), value.clone());
+            written.insert(*key, Some(value));
+            any = true;
+        }
+        if any {
+            if let Err(e) = batch.commit() {
+                // The synced stamps stand: the leases are shorter than they should be, never
+                // longer.
+                tracing::warn!(error = %e, "disk store: cannot stamp the leases of a slow batch again");
             }
         }
     }
@@ -301,7 +356,7 @@ impl Writer {
                     let record = codec::decode(&raw)?.checked_lease();
                     return Ok(Done::Reserved(Reservation::Existing(record)));
                 }
-                let raw = codec::encode(&leased(record, owner, lease));
+                let raw = codec::encode(&leased_record(record, owner, lease));
                 let size = cost(k.len(), 8 + raw.len()) as i64;
                 if *used + size > self.max_disk as i64 {
                     return Err(StoreError::Full(Bound::MaxDisk));
@@ -360,9 +415,10 @@ impl Writer {
                     key,
                     Some((expires_at, old_len.unwrap_or(0))),
                     ms_after(ttl),
-                    &codec::encode(&leased(record, owner, lease)),
+                    &codec::encode(&leased_record(record, owner, lease)),
                     used,
                 );
+                effects.leased.push((*key, owner, lease));
                 Done::TakenOver(Some(owner))
             }
             Change::Delete => match current {
@@ -403,7 +459,7 @@ fn deliver(answers: Vec<Answer>) {
 }
 
 /// A new pending record with its lease from now (when the writer applies it).
-fn leased(mut record: Record, owner: OwnerToken, lease: Duration) -> Record {
+fn leased_record(mut record: Record, owner: OwnerToken, lease: Duration) -> Record {
     record.state = RecordState::Pending {
         owner,
         lease_until_ms: ms_after(lease),
