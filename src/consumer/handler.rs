@@ -85,14 +85,11 @@ impl Execute for HandlerCall {
             }
         };
         let status = head.status.as_u16();
-        if head.extensions.get::<CloseDelimited>().is_some() {
-            // Its end cannot be told from a cut connection: never stored as the handler's answer.
-            return Attempt::Unframed {
-                output: status,
-                status,
-            };
-        }
+        // An answer whose end cannot be told from a cut connection: its status and headers are
+        // what it said; its body is never kept as the whole answer.
+        let unframed = head.extensions.get::<CloseDelimited>().is_some();
         let (body, body_kept) = match captured {
+            Captured::Complete(_, _) if unframed => (Bytes::new(), false),
             Captured::Complete(b, _) => (b, true),
             // Too large to keep: it ran, and a duplicate gets the status alone.
             Captured::TooLarge { .. } => (Bytes::new(), false),

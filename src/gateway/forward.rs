@@ -86,6 +86,11 @@ impl Execute for Forward {
                 };
             }
         };
+        // An answer whose end cannot be told from a cut connection (HTTP/1.1 with neither
+        // Content-Length nor chunked framing): its status and headers are what it said, and it is
+        // stored as such, its body never kept as the whole answer (replays say so).
+        let unframed = forwarded.head.extensions.get::<CloseDelimited>().is_some();
+        let kept = matches!(forwarded.body, ForwardedBody::Complete(..)) && !unframed;
         let response = StoredResponse {
             status: forwarded.head.status,
             headers: forwarded
@@ -101,10 +106,10 @@ impl Execute for Forward {
                 _ => Vec::new(),
             },
             body: match &forwarded.body {
-                ForwardedBody::Complete(b, _) => b.clone(),
-                ForwardedBody::Streaming { .. } => Bytes::new(),
+                ForwardedBody::Complete(b, _) if kept => b.clone(),
+                _ => Bytes::new(),
             },
-            body_kept: matches!(forwarded.body, ForwardedBody::Complete(..)),
+            body_kept: kept,
             completed_ms: 0,
         };
         if grpc::ended_without_status(&response) {
@@ -113,7 +118,6 @@ impl Execute for Forward {
                 error: "the gRPC answer ended without a grpc-status".into(),
             };
         }
-        let unframed = forwarded.head.extensions.get::<CloseDelimited>().is_some();
         // The upstream's own framing headers still hold: the body is the same bytes.
         let output = Response::from_parts(
             forwarded.head,
@@ -122,13 +126,8 @@ impl Execute for Forward {
                 ForwardedBody::Streaming { head, rest } => body::prepend(head, rest),
             },
         );
-        let status = grpc::effective_status(&response);
-        if unframed {
-            // Its end cannot be told from a cut connection: passed on as it came, never stored.
-            return Attempt::Unframed { output, status };
-        }
         Attempt::Answered {
-            status,
+            status: grpc::effective_status(&response),
             response,
             output,
         }

@@ -20,6 +20,7 @@
 //! pure decisions, tested on their own below.
 
 mod detach;
+mod records;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -29,7 +30,7 @@ use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 
 use crate::config::{OnStoreError, OnUnknown, Policy, ServerStatuses};
-use crate::duplicates::{Rooms, Seen};
+use crate::duplicates::Rooms;
 use crate::error::BoxError;
 use crate::fingerprint::Fingerprint;
 use crate::key::StoreKey;
@@ -37,10 +38,11 @@ use crate::metrics::Metrics;
 use crate::quota::{Quota, Quotas, Share, SHARE_RETRY};
 use crate::reconcile::{Lookup, Reconciled, Reconciler};
 use crate::store::{
-    now_ms, Claim, OwnerToken, Record, RecordState, Reservation, Store, StoreError, StoreOp,
-    StoredResponse, UnknownReason,
+    now_ms, Claim, OwnerToken, Record, RecordState, Reservation, Store, StoreError, StoredResponse,
+    UnknownReason,
 };
 use detach::Detachable;
+use records::{Records, Waited};
 
 /// A waiter whose key keeps being released and re-taken gives up after this many rounds.
 const MAX_RESERVE_ROUNDS: usize = 8;
@@ -111,10 +113,6 @@ pub enum Attempt<R> {
         output: R,
         status: u16,
     },
-    /// It answered, but the answer's end cannot be told from a cut connection (an HTTP/1.1 body
-    /// with neither `Content-Length` nor chunked framing): `output` goes to this caller, and the
-    /// outcome is kept unknown, never stored as the whole answer.
-    Unframed { output: R, status: u16 },
     /// The operation certainly did not run (nothing was sent).
     NotSent(BoxError),
     /// It was sent and may have run, but no complete answer came back.
@@ -437,263 +435,6 @@ impl Core {
     }
 }
 
-/// The outcome of waiting on a pending record, when it is an answer.
-enum Waited {
-    Replay(Arc<StoredResponse>),
-    Refused(Refusal),
-}
-
-/// The store as the core uses it: the worker's handle, every call timed and counted.
-struct Records {
-    store: Arc<dyn Store>,
-    shared: Arc<Shared>,
-}
-
-impl Records {
-    async fn timed<T>(
-        &self,
-        op: StoreOp,
-        call: impl Future<Output = Result<T, StoreError>>,
-    ) -> Result<T, StoreError> {
-        let started = Instant::now();
-        let result = call.await;
-        let failed = result.as_ref().is_err_and(StoreError::is_failure);
-        self.shared
-            .metrics
-            .store_call(op, started.elapsed(), failed);
-        result
-    }
-
-    async fn get(&self, key: &StoreKey) -> Result<Option<Record>, StoreError> {
-        self.timed(StoreOp::Get, self.store.get(key)).await
-    }
-
-    async fn reserve(
-        &self,
-        key: &StoreKey,
-        claim: &Claim,
-        rules: Rules,
-    ) -> Result<Reservation, StoreError> {
-        self.timed(
-            StoreOp::Reserve,
-            self.store.reserve(key, claim, rules.lease, rules.ttl),
-        )
-        .await
-    }
-
-    async fn take_over(
-        &self,
-        key: &StoreKey,
-        old: &Record,
-        claim: &Claim,
-        rules: Rules,
-    ) -> Result<Option<OwnerToken>, StoreError> {
-        self.timed(
-            StoreOp::TakeOver,
-            self.store
-                .take_over(key, old, claim, rules.lease, rules.ttl),
-        )
-        .await
-    }
-
-    /// Phase `resolve`: what an existing record means, waiting while it is pending. `Ok(None)`:
-    /// the key was released meanwhile. Answers found by waiting come back as `Err(Waited)`, so
-    /// the caller can tell them from immediate ones.
-    async fn resolve(
-        &self,
-        key: &StoreKey,
-        fingerprint: Fingerprint,
-        rules: Rules,
-        record: Record,
-        wait_until: Instant,
-    ) -> Result<Option<Resolved>, Waited> {
-        if let Some(done) = decide(rules, fingerprint, &record).map_err(Waited::Refused)? {
-            return Ok(Some(done));
-        }
-        if Instant::now() >= wait_until {
-            return Err(Waited::Refused(Refusal::InFlight));
-        }
-        // The read that found the record pending counts as none here: the room's reader reads
-        // again, so a change since then is not missed.
-        let Ok(mut seat) =
-            self.shared
-                .rooms
-                .join(key, rules.max_waiters, &self.store, &self.shared.metrics)
-        else {
-            tracing::debug!(key = key.short(), "too many duplicates waiting on this key");
-            return Err(Waited::Refused(Refusal::InFlight));
-        };
-        loop {
-            let seen = tokio::select! {
-                seen = seat.next() => seen,
-                () = tokio::time::sleep_until(wait_until) => {
-                    return Err(Waited::Refused(Refusal::InFlight))
-                }
-            };
-            let record = match seen {
-                Seen::Nothing => continue,
-                Seen::Failed(e) => return Err(Waited::Refused(store_refusal(key, e))),
-                Seen::Record(None) => return Ok(None),
-                Seen::Record(Some(record)) => record,
-            };
-            match decide(rules, fingerprint, &record).map_err(Waited::Refused)? {
-                Some(Resolved::Replay(response)) => return Err(Waited::Replay(response)),
-                Some(take_over) => return Ok(Some(take_over)),
-                None => {}
-            }
-        }
-    }
-
-    /// Keeps the lease alive while the operation runs; returns only if ownership was lost.
-    async fn renew_lease(&self, key: &StoreKey, token: OwnerToken, lease: Duration) {
-        let period = (lease / 3).max(Duration::from_millis(10));
-        let mut tick = tokio::time::interval_at(Instant::now() + period, period);
-        loop {
-            tick.tick().await;
-            match self
-                .timed(StoreOp::Renew, self.store.renew(key, token, lease))
-                .await
-            {
-                Ok(()) => {}
-                Err(StoreError::NotOwner) => {
-                    tracing::warn!(
-                        key = key.short(),
-                        "lease lost while the upstream was working"
-                    );
-                    return;
-                }
-                Err(e) => tracing::warn!(key = key.short(), error = %e, "lease renewal failed"),
-            }
-        }
-    }
-
-    /// Phase `settle`: writes down what the execution did.
-    async fn settle<R>(
-        &self,
-        key: &StoreKey,
-        token: OwnerToken,
-        rules: Rules,
-        attempt: Attempt<R>,
-    ) -> Settled<R> {
-        let (mut response, output, status) = match attempt {
-            Attempt::Answered {
-                response,
-                output,
-                status,
-            } => (response, output, status),
-            Attempt::NotSent(e) => {
-                tracing::warn!(key = key.short(), error = %e, "upstream unreachable; key released");
-                self.release(key, token).await;
-                return Settled::NotSent(e);
-            }
-            Attempt::Unknown { reason, error } => {
-                tracing::warn!(key = key.short(), error = %error, "outcome unknown");
-                let retryable = self.keep_unknown(key, token, rules, reason).await;
-                return Settled::Unknown { reason, retryable };
-            }
-            Attempt::Unframed { output, status } => {
-                tracing::warn!(
-                    key = key.short(),
-                    status,
-                    "the answer has no framing that tells its end; outcome unknown"
-                );
-                let reason = UnknownReason::Interrupted;
-                let retryable = self.keep_unknown(key, token, rules, reason).await;
-                return Settled::AnsweredUnknown {
-                    output,
-                    status,
-                    reason,
-                    retryable,
-                };
-            }
-        };
-        if rules.unknown_statuses.contains(status) {
-            tracing::warn!(
-                key = key.short(),
-                status,
-                "the upstream answered a status that may follow a commit (unknown_statuses)"
-            );
-            let reason = if status == 504 {
-                UnknownReason::Timeout
-            } else {
-                UnknownReason::Interrupted
-            };
-            let retryable = self.keep_unknown(key, token, rules, reason).await;
-            return Settled::AnsweredUnknown {
-                output,
-                status,
-                reason,
-                retryable,
-            };
-        }
-        if not_executed(status, rules.store_server_errors) {
-            self.release(key, token).await;
-            return Settled::Released(output);
-        }
-        response.completed_ms = now_ms();
-        let stored = self
-            .timed(
-                StoreOp::Complete,
-                self.store.complete(key, token, response, rules.ttl),
-            )
-            .await;
-        match stored {
-            Ok(()) => {
-                let quotas = &self.shared.quotas;
-                quotas.stored_by(rules.quota.as_ref(), rules.share, rules.ttl);
-            }
-            // The caller still gets the real answer; retries will see the pending record,
-            // then (lease expired) an unknown outcome: never a second execution.
-            Err(e) => {
-                tracing::error!(key = key.short(), error = %e, "cannot store the response")
-            }
-        }
-        Settled::Stored(output)
-    }
-
-    /// Keeps the key as an unknown outcome, or releases it when the rules allow running it
-    /// again (`on_unknown = "retry"`): whether it was released.
-    async fn keep_unknown(
-        &self,
-        key: &StoreKey,
-        token: OwnerToken,
-        rules: Rules,
-        reason: UnknownReason,
-    ) -> bool {
-        if rules.on_unknown == OnUnknown::Retry {
-            tracing::warn!(key = key.short(), "key released (on_unknown = \"retry\")");
-            self.release(key, token).await;
-            return true;
-        }
-        let marked = self
-            .timed(
-                StoreOp::MarkUnknown,
-                self.store.mark_unknown(key, token, reason),
-            )
-            .await;
-        match marked {
-            // Kept for ttl like a stored answer: it counts against the quota.
-            Ok(()) => {
-                let quotas = &self.shared.quotas;
-                quotas.stored_by(rules.quota.as_ref(), rules.share, rules.ttl)
-            }
-            Err(e) => {
-                tracing::error!(key = key.short(), error = %e, "cannot mark outcome unknown; the lease will expire instead")
-            }
-        }
-        false
-    }
-
-    async fn release(&self, key: &StoreKey, token: OwnerToken) {
-        let released = self
-            .timed(StoreOp::Release, self.store.release(key, token))
-            .await;
-        if let Err(e) = released {
-            tracing::error!(key = key.short(), error = %e, "cannot release the key; it stays pending until its lease expires");
-        }
-    }
-}
-
 /// What an existing record means: `Ok(None)` while it is pending with a live lease (wait).
 pub fn decide(
     rules: Rules,
@@ -735,145 +476,4 @@ fn store_refusal(key: &StoreKey, e: StoreError) -> Refusal {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::store::OwnerToken;
-
-    const FP: Fingerprint = Fingerprint([1; 32]);
-    const OTHER: Fingerprint = Fingerprint([2; 32]);
-
-    /// The built-in policy's rules.
-    fn rules() -> Rules {
-        Rules {
-            check_fingerprint: true,
-            lease: Duration::from_secs(30),
-            ttl: Duration::from_secs(24 * 3600),
-            wait: Duration::from_secs(10),
-            max_waiters: 64,
-            quota: None,
-            share: Share::Unshared,
-            store_server_errors: false,
-            unknown_statuses: ServerStatuses::DEFAULT_UNKNOWN,
-            on_store_error: OnStoreError::Reject,
-            on_unknown: OnUnknown::Reject,
-        }
-    }
-
-    fn retrying() -> Rules {
-        Rules {
-            on_unknown: OnUnknown::Retry,
-            ..rules()
-        }
-    }
-
-    fn record(state: RecordState) -> Record {
-        Record {
-            fingerprint: FP,
-            created_ms: 1,
-            state,
-            origin: None,
-        }
-    }
-
-    fn completed() -> Record {
-        record(RecordState::Completed(Arc::new(StoredResponse {
-            trailers: vec![],
-            status: http::StatusCode::CREATED,
-            headers: vec![],
-            body: bytes::Bytes::from_static(b"{}"),
-            body_kept: true,
-            completed_ms: 2,
-        })))
-    }
-
-    fn pending() -> Record {
-        record(RecordState::Pending {
-            owner: OwnerToken(1),
-            lease_until_ms: u64::MAX,
-        })
-    }
-
-    fn abandoned() -> Record {
-        record(RecordState::Abandoned {
-            owner: OwnerToken(1),
-            lease_until_ms: 5,
-        })
-    }
-
-    fn unknown() -> Record {
-        record(RecordState::Unknown {
-            since_ms: 3,
-            reason: UnknownReason::Timeout,
-        })
-    }
-
-    #[test]
-    fn a_completed_record_is_replayed() {
-        let Ok(Some(Resolved::Replay(r))) = decide(rules(), FP, &completed()) else {
-            panic!("expected a replay");
-        };
-        assert_eq!(r.status, http::StatusCode::CREATED);
-    }
-
-    #[test]
-    fn another_fingerprint_is_refused_before_anything_else_unless_unchecked() {
-        for r in [completed(), pending(), abandoned(), unknown()] {
-            assert_eq!(decide(rules(), OTHER, &r), Err(Refusal::KeyReused));
-        }
-        let unchecked = Rules {
-            check_fingerprint: false,
-            ..rules()
-        };
-        assert!(matches!(
-            decide(unchecked, OTHER, &completed()),
-            Ok(Some(Resolved::Replay(_)))
-        ));
-    }
-
-    #[test]
-    fn a_pending_record_is_waited_on() {
-        assert_eq!(decide(rules(), FP, &pending()), Ok(None));
-        assert_eq!(decide(retrying(), FP, &pending()), Ok(None));
-    }
-
-    #[test]
-    fn unknown_and_abandoned_are_never_run_again_by_default() {
-        assert_eq!(
-            decide(rules(), FP, &unknown()),
-            Err(Refusal::OutcomeUnknown(UnknownReason::Timeout))
-        );
-        assert_eq!(
-            decide(rules(), FP, &abandoned()),
-            Err(Refusal::OutcomeUnknown(UnknownReason::Abandoned))
-        );
-    }
-
-    #[test]
-    fn unknown_and_abandoned_are_taken_over_when_the_route_allows_it() {
-        for r in [unknown(), abandoned()] {
-            assert_eq!(
-                decide(retrying(), FP, &r),
-                Ok(Some(Resolved::TakeOver(r.clone())))
-            );
-        }
-    }
-
-    #[test]
-    fn statuses_that_release_the_key() {
-        assert!(not_executed(500, false));
-        assert!(!not_executed(500, true));
-        assert!(not_executed(503, false));
-        assert!(not_executed(429, true));
-        assert!(not_executed(408, true));
-        assert!(not_executed(425, true));
-        assert!(!not_executed(201, false));
-        assert!(!not_executed(400, false));
-        assert!(not_executed(401, false));
-        assert!(not_executed(403, true));
-        assert!(!not_executed(402, false));
-        assert!(!not_executed(404, false));
-        assert!(!not_executed(409, false));
-        assert!(!not_executed(499, false));
-        assert!(!not_executed(600, false));
-    }
-}
+mod tests;

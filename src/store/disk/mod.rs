@@ -20,7 +20,11 @@
 //!   caller's thread, without a hop to the writer, on the snapshot the writer publishes after
 //!   each batch is as durable as promised: never on a result that a crash could take back.
 //! - A caller that goes away while its reservation is on its way releases it
-//!   ([`ReleaseOnDrop`]): nothing was forwarded, so the key must not stay pending.
+//!   ([`GiveBackOnDrop`]): nothing was forwarded, so the key must not stay pending; one whose
+//!   take-over is on its way writes the replaced outcome back, never frees the key.
+//! - A reservation's or take-over's lease is stamped when the writer applies it, and again after
+//!   the batch's sync if that took over a third of the lease ([`writer`]): a write stall never
+//!   publishes a lease that already ran out.
 //! - Each record is kept with its expiry (wall clock, so it holds across restarts) and filed once
 //!   in an expiry index (a rewrite that moves the expiry later is filed again when the old entry
 //!   comes up); the writer purges what expired in small passes between its batches, and fjall's
@@ -28,10 +32,12 @@
 //!   `max_disk` bounds the bytes of the records kept: at the bound new keys are refused (503),
 //!   live ones never evicted, and room comes back as records expire.
 //! - A read or write error fails the call (`Unavailable`: the route's `on_store_error` decides);
-//!   after a failed write (a full disk) fjall takes no more writes, so readiness stays false until
-//!   the gateway restarts and recovers the journal. A record that cannot be decoded, or data that
+//!   a failed read refuses only its own change, and the next one reads again; after a failed
+//!   write (a full disk) fjall takes no more writes, so readiness stays false until the gateway
+//!   restarts and recovers the journal. A record that cannot be decoded, or data that
 //!   fails its checksum, is `Corrupt` (`outcome-unknown`): nothing ever reads as "no record".
 
+mod giveback;
 mod purge;
 mod recent;
 mod scan;
@@ -50,11 +56,12 @@ use tokio::sync::{mpsc, oneshot};
 use super::changes::Waiters;
 use super::codec;
 use super::{
-    now_ms, Claim, OpenError, OwnerToken, Record, RecordState, Reservation, ScanPage, Store,
-    StoreError, StoreStats, StoredResponse, UnknownReason, Watch,
+    now_ms, Claim, OpenError, OwnerToken, Record, Reservation, ScanPage, Store, StoreError,
+    StoreStats, StoredResponse, UnknownReason, Watch,
 };
 use crate::config::DiskSettings;
 use crate::key::StoreKey;
+use giveback::GiveBackOnDrop;
 use writer::{tick, Writer};
 
 /// Keyspace of the records: key -> expiry (ms since the epoch, big endian) then codec bytes.
@@ -381,80 +388,6 @@ impl DiskStore {
         }
         let record = codec::decode(&Bytes::copy_from_slice(raw))?.checked_lease();
         Ok((Some(record), None))
-    }
-}
-
-/// Gives back what a change may have written when its answer never reached its caller (the
-/// caller's future was dropped, as when an HTTP client hangs up while the writer syncs), unless
-/// disarmed. A reservation is released: without it the key would stay pending, then read as
-/// abandoned, for its whole `ttl`, though nothing was forwarded. A take-over is never released
-/// (that would free the key and the outcome it replaced): the replaced outcome is written back
-/// under the take-over's token ([`super::replaced_state`]). The writer takes changes in order,
-/// so the give-back comes after the change; if the change did not land, the give-back is
-/// refused as not the owner's.
-struct GiveBackOnDrop {
-    armed: Option<(mpsc::Sender<Job>, StoreKey, Change)>,
-}
-
-impl GiveBackOnDrop {
-    /// For a reservation by `owner`.
-    fn release(store: &DiskStore, key: &StoreKey, owner: OwnerToken) -> Self {
-        GiveBackOnDrop {
-            armed: Some((store.shared.writer.clone(), *key, Change::Release { owner })),
-        }
-    }
-
-    /// For a take-over by `owner` of `replaced`.
-    fn restore(
-        store: &DiskStore,
-        key: &StoreKey,
-        owner: OwnerToken,
-        replaced: &Record,
-        ttl: Duration,
-    ) -> Self {
-        let change = match super::replaced_state(replaced) {
-            RecordState::Completed(response) => Change::Complete {
-                owner,
-                response: Arc::unwrap_or_clone(response),
-                ttl,
-            },
-            RecordState::Unknown { reason, .. } => Change::MarkUnknown { owner, reason },
-            // replaced_state makes no other state; abandoned is the safe reading.
-            _ => Change::MarkUnknown {
-                owner,
-                reason: UnknownReason::Abandoned,
-            },
-        };
-        GiveBackOnDrop {
-            armed: Some((store.shared.writer.clone(), *key, change)),
-        }
-    }
-
-    fn disarm(mut self) {
-        self.armed = None;
-    }
-}
-
-impl Drop for GiveBackOnDrop {
-    fn drop(&mut self) {
-        let Some((writer, key, change)) = self.armed.take() else {
-            return;
-        };
-        let (reply, _) = oneshot::channel();
-        let job = Job::Change {
-            key,
-            change,
-            reply,
-            inbox: None,
-        };
-        if let Err(mpsc::error::TrySendError::Full(job)) = writer.try_send(job) {
-            // The queue is full: wait for room in the background rather than here.
-            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-                runtime.spawn(async move {
-                    let _ = writer.send(job).await;
-                });
-            }
-        }
     }
 }
 

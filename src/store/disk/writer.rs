@@ -357,11 +357,11 @@ impl Writer {
                     return Ok(Done::Reserved(Reservation::Existing(record)));
                 }
                 let raw = codec::encode(&leased_record(record, owner, lease));
-                let size = cost(k.len(), 8 + raw.len()) as i64;
-                if *used + size > self.max_disk as i64 {
+                if *used + cost(k.len(), 8 + raw.len()) as i64 > self.max_disk as i64 {
                     return Err(StoreError::Full(Bound::MaxDisk));
                 }
                 t.put(key, None, ms_after(ttl), &raw, used);
+                effects.leased.push((*key, owner, lease));
                 Done::Reserved(Reservation::Owner(owner))
             }
             Change::Complete {
@@ -411,24 +411,18 @@ impl Writer {
                 if codec::decode(&raw)?.checked_lease() != expected {
                     return Ok(Done::TakenOver(None));
                 }
-                t.put(
-                    key,
-                    Some((expires_at, old_len.unwrap_or(0))),
-                    ms_after(ttl),
-                    &codec::encode(&leased_record(record, owner, lease)),
-                    used,
-                );
+                let raw = codec::encode(&leased_record(record, owner, lease));
+                let old = Some((expires_at, old_len.unwrap_or(0)));
+                t.put(key, old, ms_after(ttl), &raw, used);
                 effects.leased.push((*key, owner, lease));
                 Done::TakenOver(Some(owner))
             }
-            Change::Delete => match current {
-                None => Done::Deleted(false),
-                Some(_) => {
-                    t.remove(key, old_len, used);
-                    effects.wake.push(*key);
-                    Done::Deleted(true)
-                }
-            },
+            Change::Delete if current.is_none() => Done::Deleted(false),
+            Change::Delete => {
+                t.remove(key, old_len, used);
+                effects.wake.push(*key);
+                Done::Deleted(true)
+            }
         };
         effects.sync |= sync;
         Ok(done)
