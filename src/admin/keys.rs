@@ -104,7 +104,7 @@ pub fn read_token(source: &TokenSource) -> Result<String, TokenError> {
 /// Serves `/keys/...`; `None`: the API is off.
 pub(super) async fn handle(
     operator: Option<&Operator>,
-    store: &dyn Store,
+    (store, routes_ttl): (&dyn Store, Option<Duration>),
     req: Request<ClientBody>,
     peer: SocketAddr,
 ) -> Response<Body> {
@@ -145,6 +145,8 @@ pub(super) async fn handle(
     else {
         return bad("The path is /keys/{id}, the id being 64 lowercase hex digits, as `idemgate keys get` prints it.".into());
     };
+    // Never shorter than any running route's ttl.
+    let ttl = routes_ttl.map_or(operator.ttl, |t| t.max(operator.ttl));
     let force = req
         .uri()
         .query()
@@ -152,13 +154,12 @@ pub(super) async fn handle(
     let answer = match *req.method() {
         Method::GET | Method::HEAD => read(store, &key).await,
         Method::DELETE => {
-            let done = operator::release(store, (&key, None), force, operator.ttl).await;
+            let done = operator::release(store, (&key, None), force, ttl).await;
             changed(store, &key, done).await
         }
         Method::PUT => match resolution(req.into_body()).await {
             Ok(response) => {
-                let done =
-                    operator::resolve(store, (&key, None), response, force, operator.ttl).await;
+                let done = operator::resolve(store, (&key, None), response, force, ttl).await;
                 changed(store, &key, done).await
             }
             Err(why) => return bad(why),
@@ -262,7 +263,7 @@ async fn changed(
         Err(e) => {
             tracing::warn!(error = %e, "operator change: the store did not answer");
             // The operator API is behind a token: the store's own words help here.
-            problem(StatusCode::SERVICE_UNAVAILABLE, "store-unavailable", "Store unavailable", format!("The store did not answer the change ({e}). A change that was not answered never frees the key: the record is as it was, or reads as in flight until the change's 30 s lease ends and then as an unknown outcome. Read it again, then retry the change."))
+            problem(StatusCode::SERVICE_UNAVAILABLE, "store-unavailable", "Store unavailable", format!("The store did not answer the change ({e}), which may or may not have been made: read the record again. Where the record could not be taken over, the key is never freed by it: the record is as it was, or reads as in flight until the change's 30 s lease ends and then as an unknown outcome."))
         }
     }
 }

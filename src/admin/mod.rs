@@ -87,7 +87,10 @@ pub async fn serve(
                 let operator = operator.clone();
                 async move {
                     if req.uri().path() == "/keys" || req.uri().path().starts_with("/keys/") {
-                        return keys::handle(operator.as_deref(), &**gw.store(), req, peer).await;
+                        // A reload may have made a route's ttl longer than at startup.
+                        let ttl = gw.routes().iter().map(|r| r.config.policy.ttl).max();
+                        let store = &**gw.store();
+                        return keys::handle(operator.as_deref(), (store, ttl), req, peer).await;
                     }
                     handle(&gw, &brokers, req).await
                 }

@@ -91,11 +91,14 @@ async fn running_routes(admin: &str) -> Result<Vec<KeyIdentity>, String> {
             .to_bytes();
         #[derive(serde::Deserialize)]
         struct Routes {
-            /// Every route served since startup: what a reload is checked against.
-            served: Vec<KeyIdentity>,
+            routes: Vec<KeyIdentity>,
+            /// Every route served since startup: what a reload is checked against (a gateway
+            /// that does not say gives its running routes only).
+            #[serde(default)]
+            served: Option<Vec<KeyIdentity>>,
         }
         serde_json::from_slice::<Routes>(&body)
-            .map(|r| r.served)
+            .map(|r| r.served.unwrap_or(r.routes))
             .map_err(|e| format!("not a /routes answer: {e}"))
     };
     tokio::time::timeout(Duration::from_secs(5), answer)

@@ -549,26 +549,36 @@ static GIVING_BACK: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUs
 /// once, and a reservation that lands later reads as an unknown outcome instead.
 const MAX_GIVING_BACK: usize = 256;
 
+/// One running give-back, counted in [`GIVING_BACK`] for as long as it lives (a task dropped
+/// with its runtime included).
+struct Counted(usize);
+
+impl Counted {
+    fn new() -> Counted {
+        Counted(GIVING_BACK.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        GIVING_BACK.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
 /// Gives back a reservation whose answer was lost: `attempt` deletes the record with its owner's
 /// token, answering whether it did. A reservation whose answer was lost may land later (a
-/// statement still waiting for a synchronous standby, a command still queued or sent again), so
-/// it is tried until it deletes: with backoff up to 2 s until the lease ends (`lease`), then
-/// every 30 s until the record would expire anyway (`ttl`). Deleting one's own reservation is
-/// always right, since nothing was forwarded for it; the tries are bounded in time and in number
-/// ([`MAX_GIVING_BACK`]).
-pub(crate) async fn give_back<F, Fut>(
-    key: StoreKey,
-    (lease, ttl): (Duration, Duration),
-    mut attempt: F,
-) where
+/// command still queued or sent again; a Postgres statement is cancelled when it runs out of
+/// time, and one waiting for a synchronous standby then commits at once), so it is tried, with
+/// backoff up to 2 s, until it deletes or the lease ends: after that, a record that lands reads
+/// as abandoned, an unknown outcome. Deleting one's own reservation is right, since nothing was
+/// forwarded for it; at most [`MAX_GIVING_BACK`] are tried again at once.
+pub(crate) async fn give_back<F, Fut>(key: StoreKey, lease: Duration, mut attempt: F)
+where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = bool>,
 {
-    use std::sync::atomic::Ordering;
-    use tokio::time::Instant;
-    let started = Instant::now();
-    let (lease_end, ttl_end) = (started + lease, started + ttl);
-    let running = GIVING_BACK.fetch_add(1, Ordering::Relaxed);
+    let until = tokio::time::Instant::now() + lease;
+    let counted = Counted::new();
     let mut pause = Duration::from_millis(100);
     loop {
         if attempt().await {
@@ -576,20 +586,14 @@ pub(crate) async fn give_back<F, Fut>(
                 key = key.short(),
                 "released a reservation whose answer was lost"
             );
-            break;
+            return;
         }
-        let now = Instant::now();
-        if running >= MAX_GIVING_BACK || now + pause >= ttl_end {
-            break;
+        if counted.0 >= MAX_GIVING_BACK || tokio::time::Instant::now() + pause >= until {
+            return;
         }
         tokio::time::sleep(pause).await;
-        pause = if now < lease_end {
-            (pause * 2).min(Duration::from_secs(2))
-        } else {
-            Duration::from_secs(30)
-        };
+        pause = (pause * 2).min(Duration::from_secs(2));
     }
-    GIVING_BACK.fetch_sub(1, Ordering::Relaxed);
 }
 
 /// Wall-clock milliseconds since the Unix epoch.

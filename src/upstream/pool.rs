@@ -359,12 +359,14 @@ fn close_delimited<B>(resp: &Response<B>) -> bool {
     let headers = resp.headers();
     let codings = headers.get_all(header::TRANSFER_ENCODING);
     // The final coding decides (as hyper reads it): chunked, or read until the close.
-    let chunked = codings.iter().next_back().is_some_and(|v| {
-        let v = v.as_bytes().to_ascii_lowercase();
-        v.rsplit(|b| *b == b',')
-            .next()
-            .is_some_and(|last| last.trim_ascii() == b"chunked")
-    });
+    // A value hyper cannot read as text makes it read until the close.
+    let chunked = codings.iter().all(|v| v.to_str().is_ok())
+        && codings.iter().next_back().is_some_and(|v| {
+            let v = v.as_bytes().to_ascii_lowercase();
+            v.rsplit(|b| *b == b',')
+                .next()
+                .is_some_and(|last| last.trim_ascii() == b"chunked")
+        });
     let encoded = codings.iter().next().is_some();
     !bodiless && !chunked && (encoded || !headers.contains_key(header::CONTENT_LENGTH))
 }

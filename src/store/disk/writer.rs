@@ -272,7 +272,7 @@ impl Writer {
             return;
         }
         let mut batch = self.db.db.batch();
-        let mut any = false;
+        let mut stamped = Vec::new();
         for (key, owner, lease) in late {
             let Some(Some(value)) = written.get(key) else {
                 continue;
@@ -289,14 +289,17 @@ impl Writer {
             record = leased_record(record, *owner, *lease);
             let value = stored_value(expires_at, &codec::encode(&record));
             batch.insert(&self.db.records, key.as_bytes().to_vec(), value.clone());
-            written.insert(*key, Some(value));
-            any = true;
+            stamped.push((*key, value));
         }
-        if any {
-            if let Err(e) = batch.commit() {
-                // The synced stamps stand: the leases are shorter than they should be, never
-                // longer.
-                tracing::warn!(error = %e, "disk store: cannot stamp the leases of a slow batch again");
+        if stamped.is_empty() {
+            return;
+        }
+        match batch.commit() {
+            // What readers of the recent batches see is what fjall holds.
+            Ok(()) => written.extend(stamped.into_iter().map(|(k, v)| (k, Some(v)))),
+            // The synced stamps stand: the leases are shorter than they should be, never longer.
+            Err(e) => {
+                tracing::warn!(error = %e, "disk store: cannot stamp the leases of a slow batch again")
             }
         }
     }

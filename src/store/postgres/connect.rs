@@ -43,6 +43,9 @@ pub(super) struct Connect {
 /// the writable node again.
 pub(super) const MAX_AGE: Duration = Duration::from_secs(60);
 
+/// How long a cancel request may take to be made.
+const CANCEL_WAIT: Duration = Duration::from_secs(5);
+
 impl Connect {
     pub(super) fn new(settings: &PostgresSettings) -> Result<Connect, OpenError> {
         let mut config = tokio_postgres::Config::from_str(&settings.url)
@@ -70,6 +73,19 @@ impl Connect {
             allow_async_commit: settings.allow_async_commit,
             warned: Arc::new(AtomicBool::new(false)),
         })
+    }
+
+    /// Asks the server, in the background, to cancel what `token`'s connection is running.
+    pub(super) fn cancel(&self, token: tokio_postgres::CancelToken) {
+        let tls = self.tls.clone();
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(async move {
+                let cancelled = tokio::time::timeout(CANCEL_WAIT, token.cancel_query(tls)).await;
+                if let Ok(Err(e)) = cancelled {
+                    tracing::debug!(error = %e, "cannot cancel a statement that ran out of time");
+                }
+            });
+        }
     }
 
     /// One connection outside the pool; the caller drives the [`Connection`].

@@ -178,8 +178,11 @@ impl Shared {
         result
     }
 
-    /// Runs one prepared statement within `command_timeout`: its rows, or with `count` the
-    /// number of rows it changed.
+    /// Runs one prepared statement within `command_timeout` (waiting for a connection
+    /// included): its rows, or with `count` the number of rows it changed. A statement that runs
+    /// out of time is cancelled on the server, not only left behind with its closed connection:
+    /// one that waits for a lock ends there, and a commit that waits for a synchronous standby
+    /// completes locally at once, so that a give-back of it finds it within its lease.
     async fn run(
         &self,
         pool: &Pool,
@@ -189,9 +192,14 @@ impl Shared {
         count: bool,
     ) -> Result<(Vec<Row>, u64), StoreError> {
         self.ready(pool).await?;
+        let deadline = tokio::time::Instant::now() + self.timeout;
+        let late =
+            || StoreError::Unavailable(format!("{what}: no answer within {:?}", self.timeout));
+        let mut lease = tokio::time::timeout_at(deadline, Lease::take(pool))
+            .await
+            .map_err(|_| late())??;
+        let client = lease.client()?;
         let work = async {
-            let mut lease = Lease::take(pool).await?;
-            let client = lease.client()?;
             let result = async {
                 let statement = client.prepare_cached(sql).await?;
                 if count {
@@ -204,32 +212,31 @@ impl Shared {
                 }
             }
             .await;
-            let healthy = !client.is_closed();
-            match result {
-                Ok(done) => {
-                    lease.keep();
-                    Ok(done)
-                }
-                Err(e) => {
-                    // An SQL error leaves the connection usable; anything else closes it, and so
-                    // does a node that refuses writes (a standby, or a primary turned read-only):
-                    // the pool's next connection looks for the writable node.
-                    let read_only = e.code() == Some(&SqlState::READ_ONLY_SQL_TRANSACTION);
-                    if healthy && e.as_db_error().is_some() && !read_only {
-                        lease.keep();
-                    }
-                    Err(StoreError::Unavailable(format!("{what}: {}", explain(&e))))
-                }
-            }
+            (result, !client.is_closed())
         };
-        tokio::time::timeout(self.timeout, work)
-            .await
-            .unwrap_or_else(|_| {
-                Err(StoreError::Unavailable(format!(
-                    "{what}: no answer within {:?}",
-                    self.timeout
-                )))
-            })
+        let Ok((result, healthy)) = tokio::time::timeout_at(deadline, work).await else {
+            // The lease closes the connection when it drops; the statement is cancelled too.
+            if let Ok(client) = lease.client() {
+                self.connect.cancel(client.cancel_token());
+            }
+            return Err(late());
+        };
+        match result {
+            Ok(done) => {
+                lease.keep();
+                Ok(done)
+            }
+            Err(e) => {
+                // An SQL error leaves the connection usable; anything else closes it, and so
+                // does a node that refuses writes (a standby, or a primary turned read-only):
+                // the pool's next connection looks for the writable node.
+                let read_only = e.code() == Some(&SqlState::READ_ONLY_SQL_TRANSACTION);
+                if healthy && e.as_db_error().is_some() && !read_only {
+                    lease.keep();
+                }
+                Err(StoreError::Unavailable(format!("{what}: {}", explain(&e))))
+            }
+        }
     }
 }
 
@@ -306,7 +313,7 @@ impl Store for PostgresStore {
         );
         // If the insert committed but its answer was lost (a timeout, the caller gone), the
         // guard gives the row back: a key nobody owns would read as in flight, then unknown.
-        let guard = Giveback::new(self.handle(), key, owner, (lease, ttl));
+        let guard = Giveback::new(self.handle(), key, owner, lease);
         let (lease, ttl) = (millis(lease), millis(ttl));
         let origin = claim.origin.as_deref().and_then(codec::encode_origin);
         let params: [&(dyn ToSql + Sync); 6] = [&k, &fp, &&token[..], &lease, &ttl, &origin];

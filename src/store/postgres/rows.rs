@@ -176,19 +176,19 @@ impl Expected {
 /// synchronous standby commits when the standby answers): the give-back is tried again, with
 /// the owner's token, until it deletes the row ([`crate::store::give_back`]).
 pub(super) struct Giveback {
-    armed: Option<(PostgresStore, StoreKey, OwnerToken, (Duration, Duration))>,
+    armed: Option<(PostgresStore, StoreKey, OwnerToken, Duration)>,
 }
 
 impl Giveback {
-    /// For a reservation by `owner` with this lease and ttl.
+    /// For a reservation by `owner` with this lease.
     pub(super) fn new(
         store: PostgresStore,
         key: &StoreKey,
         owner: OwnerToken,
-        times: (Duration, Duration),
+        lease: Duration,
     ) -> Giveback {
         Giveback {
-            armed: Some((store, *key, owner, times)),
+            armed: Some((store, *key, owner, lease)),
         }
     }
 
@@ -199,7 +199,7 @@ impl Giveback {
 
 impl Drop for Giveback {
     fn drop(&mut self) {
-        let Some((store, key, owner, times)) = self.armed.take() else {
+        let Some((store, key, owner, lease)) = self.armed.take() else {
             return;
         };
         // In the background: if the database stays unreachable the row keeps its lease and
@@ -207,7 +207,7 @@ impl Drop for Giveback {
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             rt.spawn(async move {
                 let token = codec::owner_bytes(owner);
-                crate::store::give_back(key, times, || async {
+                crate::store::give_back(key, lease, || async {
                     let k: &[u8] = key.as_bytes();
                     let params: [&(dyn tokio_postgres::types::ToSql + Sync); 2] = [&k, &&token[..]];
                     let release = &store.shared.sql.release;

@@ -30,8 +30,8 @@ struct Armed {
     conn: RedisConn,
     key: StoreKey,
     owner: OwnerToken,
-    /// The reservation's lease and ttl: how long a give-back is tried.
-    times: (Duration, Duration),
+    /// The reservation's lease: how long a give-back is tried.
+    lease: Duration,
 }
 
 impl ReleaseOnDrop {
@@ -40,7 +40,7 @@ impl ReleaseOnDrop {
         key: &StoreKey,
         owner: OwnerToken,
         conn: RedisConn,
-        times: (Duration, Duration),
+        lease: Duration,
     ) -> Self {
         ReleaseOnDrop {
             armed: Some(Armed {
@@ -50,7 +50,7 @@ impl ReleaseOnDrop {
                 conn,
                 key: *key,
                 owner,
-                times,
+                lease,
             }),
         }
     }
@@ -97,8 +97,8 @@ impl Drop for ReleaseOnDrop {
         // reads as an unknown outcome, which is the safe side.
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             rt.spawn(async move {
-                let (key, times) = (armed.key, armed.times);
-                crate::store::give_back(key, times, || {
+                let (key, lease) = (armed.key, armed.lease);
+                crate::store::give_back(key, lease, || {
                     let mut armed = armed.clone();
                     // Not there (yet), or Redis did not answer: false, and tried again.
                     async move { matches!(armed.release(Duration::from_secs(5)).await, Ok(1)) }

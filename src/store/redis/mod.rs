@@ -422,7 +422,7 @@ impl Store for RedisStore {
         // dropped because the client hung up), a pending record would be left that nobody owns:
         // retries would see it as in flight, then as an unknown outcome, though nothing was sent
         // upstream. The guard releases it (the script only deletes our own token's record).
-        let guard = ReleaseOnDrop::new(self, key, owner, conn.clone(), (lease, ttl));
+        let guard = ReleaseOnDrop::new(self, key, owner, conn.clone(), lease);
         let (existing, acked): (Option<Vec<u8>>, Option<i64>) = match &self.shared.replicas {
             None => (
                 self.call("reserve", cmd.query_async(&mut conn)).await?,
