@@ -136,63 +136,65 @@ async fn read_request(sock: &mut TcpStream, idle: Duration) -> Option<()> {
     }
 }
 
-/// An HTTP/1.1 upstream that answers every request with `answer` and closes the connection.
-async fn cutting_upstream(answer: &'static [u8]) -> (String, Arc<AtomicUsize>) {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    let count = Arc::new(AtomicUsize::new(0));
-    let seen = Arc::clone(&count);
-    tokio::spawn(async move {
-        while let Ok((mut sock, _)) = listener.accept().await {
-            let seen = Arc::clone(&seen);
-            tokio::spawn(async move {
-                if read_request(&mut sock, Duration::from_secs(10))
-                    .await
-                    .is_some()
-                {
-                    seen.fetch_add(1, Ordering::SeqCst);
-                    let _ = sock.write_all(answer).await;
-                    let _ = sock.shutdown().await;
-                }
-            });
-        }
-    });
-    (url, count)
-}
-
-/// An HTTP/2 (h2c) upstream that sends a head declaring 40 bytes, 14 of them, then resets the
-/// stream with `NO_ERROR`, which hyper reads as the body's end.
-async fn resetting_h2_upstream() -> (String, Arc<AtomicUsize>) {
+/// A raw HTTP/1.1 upstream on loopback: `serve` handles each connection, counting the requests
+/// it executes in the counter it is given.
+async fn raw_upstream<F, Fut>(serve: F) -> (String, Arc<AtomicUsize>)
+where
+    F: Fn(TcpStream, Arc<AtomicUsize>) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let count = Arc::new(AtomicUsize::new(0));
     let seen = Arc::clone(&count);
     tokio::spawn(async move {
         while let Ok((sock, _)) = listener.accept().await {
-            let seen = Arc::clone(&seen);
-            tokio::spawn(async move {
-                let Ok(mut conn) = h2::server::handshake(sock).await else {
-                    return;
-                };
-                while let Some(Ok((_req, mut respond))) = conn.accept().await {
-                    seen.fetch_add(1, Ordering::SeqCst);
-                    tokio::spawn(async move {
-                        let head = http::Response::builder()
-                            .status(201)
-                            .header("content-type", "application/json")
-                            .header("content-length", "40")
-                            .body(())
-                            .unwrap();
-                        let mut send = respond.send_response(head, false).unwrap();
-                        let _ = send.send_data(Bytes::from_static(b"{\"id\":\"pay_1\","), false);
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        send.send_reset(h2::Reason::NO_ERROR);
-                    });
-                }
-            });
+            tokio::spawn(serve(sock, Arc::clone(&seen)));
         }
     });
     (url, count)
+}
+
+/// An HTTP/1.1 upstream that answers every request with `answer` and closes the connection.
+async fn cutting_upstream(answer: &'static [u8]) -> (String, Arc<AtomicUsize>) {
+    raw_upstream(move |mut sock, seen| async move {
+        if read_request(&mut sock, Duration::from_secs(10))
+            .await
+            .is_some()
+        {
+            seen.fetch_add(1, Ordering::SeqCst);
+            let _ = sock.write_all(answer).await;
+            let _ = sock.shutdown().await;
+        }
+    })
+    .await
+}
+
+/// An HTTP/2 (h2c) upstream that sends a head declaring 40 bytes, 14 of them, then resets the
+/// stream with `NO_ERROR`, which hyper reads as the body's end.
+async fn resetting_h2_upstream() -> (String, Arc<AtomicUsize>) {
+    raw_upstream(|sock, seen| async move {
+        let Ok(mut conn) = h2::server::handshake(sock).await else {
+            return;
+        };
+        while let Some(Ok((_req, mut respond))) = conn.accept().await {
+            seen.fetch_add(1, Ordering::SeqCst);
+            // Its own task: the connection is driven by `accept` meanwhile.
+            tokio::spawn(async move {
+                let head = http::Response::builder()
+                    .status(201)
+                    .header("content-type", "application/json")
+                    .header("content-length", "40")
+                    .body(())
+                    .unwrap();
+                let mut send = respond.send_response(head, false).unwrap();
+                let _ = send.send_data(Bytes::from_static(b"{\"id\":\"pay_1\","), false);
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                send.send_reset(h2::Reason::NO_ERROR);
+            });
+        }
+    })
+    .await
 }
 
 /// A body cut short is never stored as the whole answer: one shorter than its
@@ -244,31 +246,20 @@ async fn answers_cut_short_are_never_replayed_as_complete() {
 /// request on a connection the upstream is closing, so no request becomes an unknown outcome.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upstream_closing_idle_connections_after_2s_leaves_no_unknown_outcome() {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    let count = Arc::new(AtomicUsize::new(0));
-    let seen = Arc::clone(&count);
-    tokio::spawn(async move {
-        while let Ok((mut sock, _)) = listener.accept().await {
-            let seen = Arc::clone(&seen);
-            tokio::spawn(async move {
-                while read_request(&mut sock, Duration::from_secs(2))
-                    .await
-                    .is_some()
-                {
-                    seen.fetch_add(1, Ordering::SeqCst);
-                    let answer = b"HTTP/1.1 201 Created\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}";
-                    if sock.write_all(answer).await.is_err() {
-                        return;
-                    }
-                }
-                // Idle for 2 s: closed, as gunicorn does; its FIN takes 100 ms to reach the
-                // gateway (a network's latency, which loopback lacks), and a request that
-                // arrives meanwhile is never read: the close resets it.
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            });
+    let (url, count) = raw_upstream(|mut sock, seen| async move {
+        while read_request(&mut sock, Duration::from_secs(2)).await.is_some() {
+            seen.fetch_add(1, Ordering::SeqCst);
+            let answer = b"HTTP/1.1 201 Created\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}";
+            if sock.write_all(answer).await.is_err() {
+                return;
+            }
         }
-    });
+        // Idle for 2 s: closed, as gunicorn does; its FIN takes 100 ms to reach the gateway (a
+        // network's latency, which loopback lacks), and a request that arrives meanwhile is
+        // never read: the close resets it.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    })
+    .await;
     let gw = Running::start(config(&url, PAYMENTS)).await.unwrap();
     let http = Http::new(gw.addr());
     let gaps_ms = [1990, 2010, 2030, 2050, 2070, 2090];
