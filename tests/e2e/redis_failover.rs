@@ -108,6 +108,19 @@ async fn failover(replicas: Option<ReplicaAcks>) -> (Vec<StatusCode>, usize) {
             "{key}"
         );
     }
+    // The keys before the stall are on the replica (replication is asynchronous, and on a
+    // loaded machine a completion may still be on its way when the link stalls: its key would
+    // come back pending after the failover, and wait as in flight).
+    let offset = |info: String| -> u64 {
+        info.lines()
+            .find_map(|l| l.trim().strip_prefix("master_repl_offset:")?.parse().ok())
+            .unwrap_or(0)
+    };
+    let written = offset(pair.primary.cli(&["INFO", "replication"]));
+    let caught_up =
+        eventually(|| async { offset(pair.replica.cli(&["INFO", "replication"])) >= written })
+            .await;
+    assert!(caught_up, "the replica did not catch up before the stall");
     pair.link.stall();
     let mut stalled = Vec::new();
     for i in 0..STALLED {

@@ -276,33 +276,14 @@ async fn an_upstream_closing_idle_connections_after_2s_leaves_no_unknown_outcome
 /// acknowledge is refused, and leaves the unknown outcome as it was: the retry does not run.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_take_over_its_replica_does_not_acknowledge_leaves_the_outcome_unknown() {
-    let primary = RedisServer::start();
-    cli(
-        primary.port,
-        &["CONFIG", "SET", "repl-diskless-sync-delay", "0"],
-    );
-    let relay = Relay::start(primary.port).await;
-    let replica = RedisServer::start_with(&["--replicaof", "127.0.0.1", &relay.port.to_string()]);
-    let at = replica.port;
-    let following = eventually_within(Duration::from_secs(20), || async move {
-        cli(at, &["INFO", "replication"]).contains("master_link_status:up")
-    })
-    .await;
-    assert!(following, "the replica never caught up");
+    let redis = Replicated::start().await;
+    let relay = &redis.relay;
     let up = Upstream::start(|_, _| Reply::Reset).await;
     let dir = TempDir::new("take-over");
-    let extra = format!(
-        "[store]\nbackend = \"redis\"\nurl = \"{}\"\nmin_replicas = 1\nreplica_timeout = \"300ms\"\n{PAYMENTS}",
-        primary.url()
-    );
-    let config = with_operator(config(&up.url(), &extra), &dir);
+    let config = with_operator(config(&up.url(), &redis.store(PAYMENTS)), &dir);
     let gw = Running::start(config.clone()).await.unwrap();
     let (http, admin) = (Http::new(gw.addr()), gw.admin_addr().unwrap());
-    let ready = eventually_within(Duration::from_secs(20), || async {
-        admin_get(admin, "/readyz").await.0 == 200
-    })
-    .await;
-    assert!(ready, "{:?}", admin_get(admin, "/readyz").await);
+    ready(admin).await;
     let first = http.post("/payments", "k", "{}").await;
     assert_eq!(first.problem_type(), "outcome-unknown", "{first:?}");
     let path = format!("/keys/{}", id(&config, "k"));
@@ -330,7 +311,93 @@ async fn a_take_over_its_replica_does_not_acknowledge_leaves_the_outcome_unknown
     assert_eq!(resolved.status, 200, "{}", resolved.text());
     assert!(http.post("/payments", "k", "{}").await.is_replay());
     assert_eq!(up.executions(), 1);
-    drop((replica, relay, primary));
+}
+
+/// The same for a retry's reconciliation: the upstream's lookup says the payment happened, and
+/// the take-over that would store its answer is not acknowledged by the replica. The outcome
+/// stays unknown and the retry does not run; once the replica is back, a retry gets the
+/// lookup's answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reconciliation_its_replica_does_not_acknowledge_leaves_the_outcome_unknown() {
+    let redis = Replicated::start().await;
+    let up = Upstream::start(
+        |seen, _| match seen.path_and_query.starts_with("/lookup/") {
+            true => Reply::json(200, r#"{"id":"pay_1"}"#),
+            false => Reply::Reset,
+        },
+    )
+    .await;
+    let route = format!(
+        "[[routes]]\nname = \"payments\"\npath = \"/payments\"\nreconcile = {{ url = \"{}/lookup/{{key}}\", after = \"1s\" }}\n",
+        up.url()
+    );
+    let config = config(&up.url(), &redis.store(&route)).with_admin();
+    let gw = Running::start(config).await.unwrap();
+    let http = Http::new(gw.addr());
+    ready(gw.admin_addr().unwrap()).await;
+    let first = http.post("/payments", "k", "{}").await;
+    assert_eq!(first.problem_type(), "outcome-unknown", "{first:?}");
+    redis.relay.stall();
+    // Past `after`: the background's lookup and this retry's both find it happened, and
+    // neither can store the answer.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let retry = http.post("/payments", "k", "{}").await;
+    assert_eq!(retry.problem_type(), "outcome-unknown", "{retry:?}");
+    redis.relay.resume();
+    let replayed = eventually(|| async {
+        let got = http.post("/payments", "k", "{}").await;
+        assert!(got.status != 201 || got.is_replay(), "ran again: {got:?}");
+        got.is_replay() && got.header("idemgate-reconciled") == Some("true")
+    })
+    .await;
+    assert!(replayed, "the lookup's answer was never stored");
+    assert_eq!(up.executions_per_key().get("k"), Some(&1));
+}
+
+/// A Redis primary with one replica reached through a relay the test stalls.
+struct Replicated {
+    primary: RedisServer,
+    relay: Relay,
+    _replica: RedisServer,
+}
+
+impl Replicated {
+    async fn start() -> Replicated {
+        let primary = RedisServer::start();
+        let sync_at_once = ["CONFIG", "SET", "repl-diskless-sync-delay", "0"];
+        cli(primary.port, &sync_at_once);
+        let relay = Relay::start(primary.port).await;
+        let replica =
+            RedisServer::start_with(&["--replicaof", "127.0.0.1", &relay.port.to_string()]);
+        let at = replica.port;
+        let following = eventually_within(Duration::from_secs(20), || async move {
+            cli(at, &["INFO", "replication"]).contains("master_link_status:up")
+        })
+        .await;
+        assert!(following, "the replica never caught up");
+        Replicated {
+            primary,
+            relay,
+            _replica: replica,
+        }
+    }
+
+    /// Config lines for a store on it whose writes wait 300 ms for the replica, then `rest`.
+    fn store(&self, rest: &str) -> String {
+        format!(
+            "[store]\nbackend = \"redis\"\nurl = \"{}\"\nmin_replicas = 1\nreplica_timeout = \"300ms\"\n{rest}",
+            self.primary.url()
+        )
+    }
+}
+
+/// Waits until the gateway whose admin listener is `admin` is ready.
+async fn ready(admin: SocketAddr) {
+    let ready = eventually_within(Duration::from_secs(20), || async {
+        admin_get(admin, "/readyz").await.0 == 200
+    })
+    .await;
+    assert!(ready, "{:?}", admin_get(admin, "/readyz").await);
 }
 
 /// A reload that would change how a route's keys are derived (its name, the one it takes from
