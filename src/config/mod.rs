@@ -302,26 +302,32 @@ pub enum OnUnknown {
 }
 
 /// A set of 5xx statuses, as bits (`unknown_statuses`): small enough to copy into every
-/// operation's rules.
+/// operation's rules. Two words rather than a `u128`, whose 16-byte alignment would pad every
+/// future that holds the rules.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct ServerStatuses(u128);
+pub struct ServerStatuses([u64; 2]);
 
 impl ServerStatuses {
     /// The statuses a proxy in front of the upstream answers when it gave up on an upstream that
     /// may have committed: 502 (the connection failed mid-answer) and 504 (it timed out).
-    pub const DEFAULT_UNKNOWN: ServerStatuses = ServerStatuses((1 << 2) | (1 << 4));
+    pub const DEFAULT_UNKNOWN: ServerStatuses = ServerStatuses([(1 << 2) | (1 << 4), 0]);
 
     /// The set of `codes`; `None` if one is not from 500 to 599.
     pub fn of(codes: &[u16]) -> Option<ServerStatuses> {
-        codes.iter().try_fold(ServerStatuses(0), |set, &code| {
-            (500..600)
-                .contains(&code)
-                .then(|| ServerStatuses(set.0 | 1 << (code - 500)))
-        })
+        codes
+            .iter()
+            .try_fold(ServerStatuses::default(), |mut set, &code| {
+                let bit = code.checked_sub(500).filter(|b| *b < 100)?;
+                set.0[usize::from(bit / 64)] |= 1 << (bit % 64);
+                Some(set)
+            })
     }
 
     pub fn contains(self, status: u16) -> bool {
-        (500..600).contains(&status) && self.0 & (1 << (status - 500)) != 0
+        match status.checked_sub(500).filter(|b| *b < 100) {
+            Some(bit) => self.0[usize::from(bit / 64)] & (1 << (bit % 64)) != 0,
+            None => false,
+        }
     }
 
     /// The statuses, in order.

@@ -71,6 +71,8 @@ pub(super) struct Writer {
     pub(super) batches: u64,
     /// The records the last batches wrote, so that most changes read nothing from fjall.
     pub(super) recent: Recent,
+    /// [`Effects::leased`]'s buffer, kept from batch to batch: no allocation per batch.
+    pub(super) leased: Vec<(StoreKey, OwnerToken, Duration)>,
 }
 
 /// What one batch did, to apply once it is committed.
@@ -104,6 +106,7 @@ impl Writer {
             purged_at: 0,
             batches: 0,
             recent: Recent::new(),
+            leased: Vec::new(),
         }
     }
 
@@ -153,7 +156,10 @@ impl Writer {
 
     /// Applies `jobs` as one atomic batch, commits it (with one fsync if any needs it), answers.
     fn batch(&mut self, jobs: Vec<Job>) {
-        let mut effects = Effects::default();
+        let mut effects = Effects {
+            leased: std::mem::take(&mut self.leased),
+            ..Effects::default()
+        };
         let mut answers: Vec<Answer> = Vec::with_capacity(jobs.len());
         let mut used = self.counters.used.load(Ordering::Relaxed) as i64;
         let mut written = HashMap::new();
@@ -210,6 +216,8 @@ impl Writer {
         match committed {
             Ok(durable) => {
                 self.restamp(&mut written, &effects.leased, applied_at);
+                effects.leased.clear();
+                self.leased = std::mem::take(&mut effects.leased);
                 for (key, value) in written {
                     self.recent.wrote(self.batches, key, value);
                 }
