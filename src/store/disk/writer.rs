@@ -240,23 +240,24 @@ impl Writer {
                     self.waiters.notify(key);
                 }
             }
-            Err(e) => {
-                // The batch may be applied (a failed fsync) or not (a failed write): either
-                // way its callers are told the store failed, and a retry re-reads what is there.
-                // fjall refuses every write after a failed one (its journal may be torn): the
-                // store stays failed, and readiness says so, until the gateway restarts and
-                // recovers the journal.
-                tracing::error!(error = %e, "disk store: a write failed; the store refuses writes until the gateway restarts");
-                self.counters.failing.store(true, Ordering::Relaxed);
-                // Some of the batch may be in fjall: nothing recent is to be trusted.
-                self.recent.clear(self.batches + 1);
-                let msg = format!("disk: {e}");
-                let failed = answers.into_iter().map(|(reply, inbox, _)| {
-                    (reply, inbox, Err(StoreError::Unavailable(msg.clone())))
-                });
-                deliver(failed.collect());
-            }
+            Err(e) => self.write_failed(&e, answers),
         }
+    }
+
+    /// A batch whose commit or sync failed. It may be applied (a failed fsync) or not (a failed
+    /// write): either way its callers are told the store failed, and a retry re-reads what is
+    /// there. fjall refuses every write after a failed one (its journal may be torn): the store
+    /// stays failed, and readiness says so, until the gateway restarts and recovers the journal.
+    fn write_failed(&mut self, e: &str, answers: Vec<Answer>) {
+        tracing::error!(error = %e, "disk store: a write failed; the store refuses writes until the gateway restarts");
+        self.counters.failing.store(true, Ordering::Relaxed);
+        // Some of the batch may be in fjall: nothing recent is to be trusted.
+        self.recent.clear(self.batches + 1);
+        let msg = format!("disk: {e}");
+        let failed = answers
+            .into_iter()
+            .map(|(reply, inbox, _)| (reply, inbox, Err(StoreError::Unavailable(msg.clone()))));
+        deliver(failed.collect());
     }
 
     /// Stamps the leases of the batch's new pending records again when its sync took more than a
