@@ -497,22 +497,27 @@ pub fn pending(claim: &Claim, lease: Duration) -> (OwnerToken, Record) {
 /// with its stored answer, kept for `ttl`); a pending or abandoned one comes back as abandoned.
 /// If this fails too, the new record keeps its lease and then reads as abandoned: an unknown
 /// outcome, never a free key.
-pub(crate) fn replaced_state(replaced: &Record) -> RecordState {
-    match &replaced.state {
-        RecordState::Completed(response) => RecordState::Completed(Arc::clone(response)),
-        RecordState::Unknown { reason, .. } => RecordState::Unknown {
-            since_ms: now_ms(),
-            reason: *reason,
-        },
-        RecordState::Pending { .. } | RecordState::Abandoned { .. } => RecordState::Unknown {
-            since_ms: now_ms(),
-            reason: UnknownReason::Abandoned,
-        },
+pub(crate) enum Replaced {
+    /// Completed with this answer: `complete` it again.
+    Completed(Arc<StoredResponse>),
+    /// Unknown for this reason: `mark_unknown` it again.
+    Unknown(UnknownReason),
+}
+
+impl Replaced {
+    pub(crate) fn of(replaced: &Record) -> Replaced {
+        match &replaced.state {
+            RecordState::Completed(response) => Replaced::Completed(Arc::clone(response)),
+            RecordState::Unknown { reason, .. } => Replaced::Unknown(*reason),
+            RecordState::Pending { .. } | RecordState::Abandoned { .. } => {
+                Replaced::Unknown(UnknownReason::Abandoned)
+            }
+        }
     }
 }
 
-/// Writes [`replaced_state`] back under `owner` (the uncertain take-over's token) through the
-/// store's owner-only calls, and says in the error what became of the record.
+/// Writes the [`Replaced`] outcome back under `owner` (the uncertain take-over's token) through
+/// the store's owner-only calls, and says in the error what became of the record.
 pub(crate) async fn give_back_replaced(
     store: &dyn Store,
     key: &StoreKey,
@@ -521,14 +526,12 @@ pub(crate) async fn give_back_replaced(
     ttl: Duration,
     failed: StoreError,
 ) -> StoreError {
-    let given = match replaced_state(replaced) {
-        RecordState::Completed(response) => {
+    let given = match Replaced::of(replaced) {
+        Replaced::Completed(response) => {
             let response = Arc::unwrap_or_clone(response);
             store.complete(key, owner, response, ttl).await
         }
-        RecordState::Unknown { reason, .. } => store.mark_unknown(key, owner, reason).await,
-        // replaced_state makes no other state.
-        _ => Ok(()),
+        Replaced::Unknown(reason) => store.mark_unknown(key, owner, reason).await,
     };
     let note = match given {
         Ok(()) => "the record was left as it was",

@@ -362,10 +362,8 @@ fn close_delimited<B>(resp: &Response<B>) -> bool {
     // A value hyper cannot read as text makes it read until the close.
     let chunked = codings.iter().all(|v| v.to_str().is_ok())
         && codings.iter().next_back().is_some_and(|v| {
-            let v = v.as_bytes().to_ascii_lowercase();
-            v.rsplit(|b| *b == b',')
-                .next()
-                .is_some_and(|last| last.trim_ascii() == b"chunked")
+            (v.as_bytes().rsplit(|b| *b == b',').next())
+                .is_some_and(|last| last.trim_ascii().eq_ignore_ascii_case(b"chunked"))
         });
     let encoded = codings.iter().next().is_some();
     !bodiless && !chunked && (encoded || !headers.contains_key(header::CONTENT_LENGTH))

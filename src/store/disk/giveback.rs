@@ -8,14 +8,14 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::{Change, DiskStore, Job};
 use crate::key::StoreKey;
-use crate::store::{OwnerToken, Record, RecordState, UnknownReason};
+use crate::store::{OwnerToken, Record, Replaced};
 
 /// Gives back what a change may have written when its answer never reached its caller (the
 /// caller's future was dropped, as when an HTTP client hangs up while the writer syncs), unless
 /// disarmed. A reservation is released: without it the key would stay pending, then read as
 /// abandoned, for its whole `ttl`, though nothing was forwarded. A take-over is never released
 /// (that would free the key and the outcome it replaced): the replaced outcome is written back
-/// under the take-over's token ([`crate::store::replaced_state`]). The writer takes changes in order,
+/// under the take-over's token ([`crate::store::Replaced`]). The writer takes changes in order,
 /// so the give-back comes after the change; if the change did not land, the give-back is
 /// refused as not the owner's.
 pub(super) struct GiveBackOnDrop {
@@ -38,18 +38,13 @@ impl GiveBackOnDrop {
         replaced: &Record,
         ttl: Duration,
     ) -> Self {
-        let change = match crate::store::replaced_state(replaced) {
-            RecordState::Completed(response) => Change::Complete {
+        let change = match Replaced::of(replaced) {
+            Replaced::Completed(response) => Change::Complete {
                 owner,
                 response: Arc::unwrap_or_clone(response),
                 ttl,
             },
-            RecordState::Unknown { reason, .. } => Change::MarkUnknown { owner, reason },
-            // replaced_state makes no other state; abandoned is the safe reading.
-            _ => Change::MarkUnknown {
-                owner,
-                reason: UnknownReason::Abandoned,
-            },
+            Replaced::Unknown(reason) => Change::MarkUnknown { owner, reason },
         };
         GiveBackOnDrop {
             armed: Some((store.shared.writer.clone(), *key, change)),

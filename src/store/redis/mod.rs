@@ -569,12 +569,11 @@ impl Store for RedisStore {
     ) -> Result<Option<OwnerToken>, StoreError> {
         // The codec is deterministic, so the expected record encodes to the stored bytes (but for
         // a waiter's flag byte, which the script ignores in the comparison and keeps).
-        let old = expected;
-        let expected = codec::encode(old);
+        let expected_bytes = codec::encode(expected);
         let (owner, record) = super::pending(claim, lease);
         let record = codec::encode(&record);
         let ttl_ms = ms_arg(ttl).to_string();
-        let args: [&[u8]; 3] = [&expected, &record, ttl_ms.as_bytes()];
+        let args: [&[u8]; 3] = [&expected_bytes, &record, ttl_ms.as_bytes()];
         let script = &self.shared.scripts.take_over;
         // No give-back guard: releasing the new record would free the key along with the
         // outcome it replaced. An uncertain answer writes that outcome back instead; a dropped
@@ -584,13 +583,15 @@ impl Store for RedisStore {
             .await
         {
             Ok(answer) => answer,
-            Err(e) => return Err(super::give_back_replaced(self, key, owner, old, ttl, e).await),
+            Err(e) => {
+                return Err(super::give_back_replaced(self, key, owner, expected, ttl, e).await)
+            }
         };
         if done != 1 {
             return Ok(None);
         }
         if let Err(refused) = self.may_act(StoreOp::TakeOver, acked) {
-            return Err(super::give_back_replaced(self, key, owner, old, ttl, refused).await);
+            return Err(super::give_back_replaced(self, key, owner, expected, ttl, refused).await);
         }
         Ok(Some(owner))
     }
