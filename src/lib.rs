@@ -15,6 +15,8 @@
 //!   section under `validate/`, a rejection test in `tests.rs`, a row in docs/configuration.md.
 //! - [`route`] - which route a request belongs to (pure matching, overlap detection).
 //! - [`key`] - the `Idempotency-Key` header, client scoping, the hashed store key.
+//! - [`jwt`] - client identity from a verified JWT (`client_jwt`): the key set, fetched and
+//!   kept fresh, and a cache of verified tokens.
 //! - [`fingerprint`] - "same request?": SHA-256 over method, path, query and canonical body.
 //! - [`store`] - the store contract and records; backends [`store::disk`] (durable, embedded),
 //!   [`store::memory`] (volatile), [`store::redis`] (connections, Lua scripts, pub/sub
@@ -65,6 +67,7 @@ pub mod fingerprint;
 mod gateway;
 mod grpc;
 mod idempotency;
+mod jwt;
 pub mod key;
 mod metrics;
 pub mod operator;

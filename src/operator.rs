@@ -9,6 +9,8 @@
 use std::fmt::Write;
 use std::time::{Duration, UNIX_EPOCH};
 
+mod scope;
+
 use crate::config::{Config, StoreConfig};
 use crate::key::{parse_key_value, ClientScope, KeySource, StoreKey};
 use crate::store::{self, now_ms, OriginKind, Record, RecordState, Scanned, Store, StoreError};
@@ -28,6 +30,22 @@ pub enum OperatorError {
     MemoryStore,
     #[error("{0}")]
     Store(String),
+    #[error("{0}")]
+    Client(String),
+}
+
+/// Who a key's client is, as an operator names it: nothing (the anonymous scope), a client
+/// header's value, or a JWT client's claims.
+#[derive(Debug, Default, Clone)]
+pub struct ClientName {
+    /// The client header's value, as the client sent it ("Bearer ...", an API key).
+    pub value: Option<String>,
+    /// Which of the route's `client_header` names it was sent in; the first by default.
+    pub header: Option<String>,
+    /// For a `client_jwt` route: the token's issuer (by default the only one configured) and
+    /// its scope claims' values, `name=value`, for every claim the route names.
+    pub issuer: Option<String>,
+    pub claims: Vec<(String, String)>,
 }
 
 /// The stored key for (route, key parts, client), as the gateway derives it. A route keyed by
@@ -38,12 +56,22 @@ pub fn locate(
     config: &Config,
     route: &str,
     parts: &[String],
-    client: Option<&str>,
+    client: &ClientName,
 ) -> Result<StoreKey, OperatorError> {
-    let (source, client_headers) = match config.routes.iter().find(|r| r.name == route) {
-        Some(r) => (&r.key, r.policy.client_headers.as_slice()),
+    located(config, route, parts, client).map(|(key, _)| key)
+}
+
+/// [`locate`], and which scope it hashed, said for the operator (`idemgate keys id`).
+pub fn located(
+    config: &Config,
+    route: &str,
+    parts: &[String],
+    client: &ClientName,
+) -> Result<(StoreKey, String), OperatorError> {
+    let (source, policy) = match config.routes.iter().find(|r| r.name == route) {
+        Some(r) => (&r.key, Some(&r.policy)),
         None => match config.consumers.iter().find(|c| c.name == route) {
-            Some(c) => (&c.key, &[][..]),
+            Some(c) => (&c.key, None),
             None => {
                 let names: Vec<&str> = (config.routes.iter().map(|r| r.name.as_str()))
                     .chain(config.consumers.iter().map(|c| c.name.as_str()))
@@ -60,12 +88,14 @@ pub fn locate(
         parts if !source.is_single_header() && parts.len() == expected => KeySource::combine(parts),
         _ => return Err(OperatorError::Parts(expected, source.describe())),
     };
-    let scope = match (client_headers.is_empty(), client) {
-        (true, _) => ClientScope::shared(),
-        (false, Some(value)) => ClientScope::from_value(value.as_bytes()),
-        (false, None) => ClientScope::anonymous(),
+    let (scope, said) = match policy {
+        None => (
+            ClientScope::shared(),
+            "the one scope of a consumer's messages".to_string(),
+        ),
+        Some(policy) => scope::of(policy, client)?,
     };
-    Ok(StoreKey::new(&scope, route, &key))
+    Ok((StoreKey::new(&scope, route, &key), said))
 }
 
 /// Opens the configured shared store and waits until it answers.

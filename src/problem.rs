@@ -66,6 +66,13 @@ pub enum Problem {
     ClientRequired {
         what: String,
     },
+    /// The route takes its client scope from a JWT (`client_jwt`) and this one did not verify:
+    /// `reason` is why (`expired`, `signature`, ...).
+    ClientUnverified {
+        reason: &'static str,
+    },
+    /// The route's `client_jwt` key set has not been loaded yet.
+    ClientKeysUnavailable,
     StoreUnavailable,
     StoreFull,
     /// The client scope stored as many records as `max_keys_per_client` (or
@@ -114,6 +121,8 @@ impl Problem {
             Problem::MethodNotAllowed => "method-not-allowed",
             Problem::UpgradeRefused => "upgrade-refused",
             Problem::ClientRequired { .. } => "client-required",
+            Problem::ClientUnverified { .. } => "client-unverified",
+            Problem::ClientKeysUnavailable => "client-keys-unavailable",
             Problem::SignatureRejected { .. } => "signature-rejected",
             Problem::StoreUnavailable => "store-unavailable",
             Problem::StoreFull => "store-full",
@@ -135,9 +144,10 @@ impl Problem {
             Problem::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
             Problem::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             Problem::UpgradeRefused => StatusCode::BAD_REQUEST,
-            Problem::ClientRequired { .. } | Problem::SignatureRejected { .. } => {
-                StatusCode::UNAUTHORIZED
-            }
+            Problem::ClientRequired { .. }
+            | Problem::ClientUnverified { .. }
+            | Problem::SignatureRejected { .. } => StatusCode::UNAUTHORIZED,
+            Problem::ClientKeysUnavailable => StatusCode::SERVICE_UNAVAILABLE,
             Problem::KeyReused { status } => *status,
             Problem::InFlight { .. } => StatusCode::CONFLICT,
             Problem::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
@@ -165,9 +175,10 @@ impl Problem {
             | Problem::MethodNotAllowed
             | Problem::UpgradeRefused => Code::InvalidArgument,
             Problem::BodyTimeout => Code::DeadlineExceeded,
-            Problem::ClientRequired { .. } | Problem::SignatureRejected { .. } => {
-                Code::Unauthenticated
-            }
+            Problem::ClientRequired { .. }
+            | Problem::ClientUnverified { .. }
+            | Problem::SignatureRejected { .. } => Code::Unauthenticated,
+            Problem::ClientKeysUnavailable => Code::Unavailable,
             Problem::KeyReused { .. } => Code::FailedPrecondition,
             Problem::InFlight { .. } => Code::Aborted,
             Problem::BodyTooLarge { .. }
@@ -195,6 +206,8 @@ impl Problem {
             Problem::MethodNotAllowed => "Method not allowed",
             Problem::UpgradeRefused => "Protocol upgrade not allowed here",
             Problem::ClientRequired { .. } => "Client identification required",
+            Problem::ClientUnverified { .. } => "Client token not verified",
+            Problem::ClientKeysUnavailable => "Client token keys not loaded",
             Problem::SignatureRejected { .. } => "Delivery signature not verified",
             Problem::StoreUnavailable => "Idempotency store unavailable",
             Problem::StoreFull => "Idempotency store full",
@@ -231,6 +244,10 @@ impl Problem {
             Problem::ClientRequired { what } => format!(
                 "This endpoint requires {what}: idempotency keys are kept per client, and a request that names none cannot be told apart from another's. It was not forwarded."
             ),
+            Problem::ClientUnverified { reason } => format!(
+                "This endpoint keeps idempotency keys per client, identified by a token its issuer signed, and this request's token did not verify ({reason}). It was not forwarded and nothing was stored: get a new token and retry with the same idempotency key."
+            ),
+            Problem::ClientKeysUnavailable => "The keys that verify this endpoint's client tokens have not been loaded yet. Nothing was forwarded or stored: retry shortly with the same idempotency key.".to_string(),
             Problem::SignatureRejected { why } => {
                 let what = match *why {
                     "missing" => "carries no signature in the format this endpoint's sender uses",
@@ -275,9 +292,10 @@ impl Problem {
         match self {
             Problem::InFlight { retry_after } => Some(*retry_after),
             Problem::KeyQuota { retry_after } => Some(*retry_after),
-            Problem::StoreUnavailable | Problem::StoreFull | Problem::Overloaded { .. } => {
-                Some(Duration::from_secs(1))
-            }
+            Problem::StoreUnavailable
+            | Problem::StoreFull
+            | Problem::Overloaded { .. }
+            | Problem::ClientKeysUnavailable => Some(Duration::from_secs(1)),
             _ => None,
         }
     }
@@ -305,6 +323,13 @@ impl Problem {
                 header::RETRY_AFTER,
                 // Rounded up: a client that waits exactly this long must find the way clear.
                 HeaderValue::from(after.as_millis().div_ceil(1000).max(1) as u64),
+            );
+        }
+        if let Problem::ClientUnverified { .. } = self {
+            // RFC 6750 section 3.1: what OAuth clients read to refresh their token.
+            h.insert(
+                header::WWW_AUTHENTICATE,
+                HeaderValue::from_static("Bearer error=\"invalid_token\""),
             );
         }
         // Kept beside the response, for [`for_grpc`]; extensions never go on the wire.

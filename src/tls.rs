@@ -156,17 +156,48 @@ pub async fn watch(tls: Arc<ListenerTls>, every: Duration) {
     }
 }
 
-/// The subject of the client's verified certificate, for
-/// [`crate::config::CLIENT_SUBJECT_HEADER`]: its DER encoding in hex, exact, so that two
-/// different subjects can never read the same (a text form can: `CN=a, O=b` is one CN or two
-/// attributes). `None` for an empty subject (an identity only in a SAN): such clients would all
-/// share one.
-pub fn client_subject(conn: &rustls::ServerConnection) -> Option<http::HeaderValue> {
-    let leaf = conn.peer_certificates()?.first()?;
-    let (_, parsed) = x509_parser::parse_x509_certificate(leaf.as_ref()).ok()?;
+/// What the client's verified certificate says about who it is, as the headers carry it.
+#[derive(Debug, Clone, Default)]
+pub struct CertificateIds {
+    /// For [`crate::config::CLIENT_SUBJECT_HEADER`]: the subject's DER encoding in hex, exact,
+    /// so that two different subjects can never read the same (a text form can: `CN=a, O=b` is
+    /// one CN or two attributes). `None` for an empty subject (an identity only in a SAN): such
+    /// clients would all share one.
+    pub subject: Option<http::HeaderValue>,
+    /// For [`crate::config::CLIENT_URI_HEADER`]: the URI SANs (a SPIFFE ID, which names the
+    /// workload and stays the same across the mesh's certificate rotations), joined by ", ".
+    /// `None` without one.
+    pub uri: Option<http::HeaderValue>,
+}
+
+/// The identities in the client's certificate, once the handshake verified it.
+pub fn client_certificate(conn: &rustls::ServerConnection) -> CertificateIds {
+    let Some(leaf) = conn.peer_certificates().and_then(|c| c.first()) else {
+        return CertificateIds::default();
+    };
+    let Ok((_, parsed)) = x509_parser::parse_x509_certificate(leaf.as_ref()) else {
+        return CertificateIds::default();
+    };
     let subject = parsed.subject();
-    subject.iter().next()?;
-    http::HeaderValue::from_str(&hex::encode(subject.as_raw())).ok()
+    let subject = match subject.iter().next() {
+        Some(_) => http::HeaderValue::from_str(&hex::encode(subject.as_raw())).ok(),
+        None => None,
+    };
+    let uris: Vec<&str> = match parsed.subject_alternative_name() {
+        Ok(Some(san)) => (san.value.general_names.iter())
+            .filter_map(|name| match name {
+                x509_parser::extensions::GeneralName::URI(uri) => Some(*uri),
+                _ => None,
+            })
+            .collect(),
+        _ => Vec::new(),
+    };
+    // A URI with bytes a header cannot carry names no one: no header rather than a guess.
+    let uri = match uris.is_empty() {
+        true => None,
+        false => http::HeaderValue::from_str(&uris.join(", ")).ok(),
+    };
+    CertificateIds { subject, uri }
 }
 
 fn error(cert: &Path, key: &Path, reason: String) -> ListenerTlsError {

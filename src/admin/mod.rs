@@ -116,6 +116,9 @@ async fn handle(
             if gw.is_shutting_down() {
                 return text(StatusCode::SERVICE_UNAVAILABLE, "shutting down\n");
             }
+            if let Some(why) = gw.tokens_not_ready() {
+                return owned_text(StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n"));
+            }
             if let Some(b) = brokers.iter().find(|b| !b.is_reachable()) {
                 return owned_text(
                     StatusCode::SERVICE_UNAVAILABLE,

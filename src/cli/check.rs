@@ -40,7 +40,10 @@ pub(super) fn check(path: &Path, print_ddl: bool, running: Option<&str>) -> Exit
         };
     }
     say(&describe(&config));
-    for warning in unnamed(&config.routes) {
+    for warning in unnamed(&config.routes)
+        .into_iter()
+        .chain(subject_scoped(&config.routes))
+    {
         say(&format!("{warning}\n"));
     }
     if let Some(admin) = running {
@@ -104,4 +107,16 @@ async fn running_routes(admin: &str) -> Result<Vec<KeyIdentity>, String> {
     tokio::time::timeout(Duration::from_secs(5), answer)
         .await
         .unwrap_or_else(|_| Err("no answer within 5s".into()))
+}
+
+/// Routes scoped by the certificate subject: many workloads can share one subject (a mesh's
+/// `O=SPIRE`), and one workload's subject can change at each rotation.
+fn subject_scoped(routes: &[crate::config::RouteConfig]) -> Vec<String> {
+    (routes.iter())
+        .filter(|r| r.policy.client_headers.iter().any(|h| h == crate::config::CLIENT_SUBJECT_HEADER))
+        .map(|r| format!(
+            "warning: route {:?} scopes keys by the client certificate's subject: workloads whose certificates share a subject share one scope (one's key can replay another's answer), and a subject that changes at rotation loses the keys; in a mesh, scope by the SPIFFE ID with client_header = \"X-Client-Cert-URI\"",
+            r.name
+        ))
+        .collect()
 }

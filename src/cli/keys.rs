@@ -70,11 +70,19 @@ fn located(args: &KeyArgs) -> Result<(Config, StoreKey), ExitCode> {
         eprintln!("idemgate: {}: {e}", args.config.display());
         ExitCode::from(EXIT_BAD_CONFIG)
     })?;
-    let key =
-        operator::locate(&config, &args.route, &args.key, args.client.as_deref()).map_err(|e| {
+    let client = operator::ClientName {
+        value: args.client.clone(),
+        header: args.client_header.clone(),
+        issuer: args.jwt_issuer.clone(),
+        claims: args.jwt_claim.clone(),
+    };
+    let (key, scope) =
+        operator::located(&config, &args.route, &args.key, &client).map_err(|e| {
             eprintln!("idemgate: {e}");
             ExitCode::from(EXIT_BAD_CONFIG)
         })?;
+    // Which scope was hashed, where the operator reads it but a script reading stdout does not.
+    eprintln!("idemgate: client scope: {scope}");
     Ok((config, key))
 }
 

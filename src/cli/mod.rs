@@ -136,10 +136,27 @@ pub struct KeyArgs {
     /// The client header's value (e.g. "Bearer ..."), for routes that scope keys per client.
     #[arg(long)]
     pub client: Option<String>,
+    /// Which of the route's `client_header` names --client was sent in (default: the first).
+    #[arg(long, requires = "client")]
+    pub client_header: Option<String>,
+    /// For a `client_jwt` route: one of its scope claims as the client's token carries it,
+    /// NAME=VALUE (e.g. --jwt-claim sub=alice); one per claim the route names.
+    #[arg(long, value_parser = claim, conflicts_with = "client")]
+    pub jwt_claim: Vec<(String, String)>,
+    /// For a `client_jwt` route that accepts several issuers: the token's `iss`.
+    #[arg(long, conflicts_with = "client")]
+    pub jwt_issuer: Option<String>,
     /// Release or resolve a pending record whose lease still runs (its request may still be
     /// executing).
     #[arg(long)]
     pub force: bool,
+}
+
+fn claim(arg: &str) -> Result<(String, String), String> {
+    match arg.split_once('=') {
+        Some((name, value)) if !name.is_empty() => Ok((name.to_string(), value.to_string())),
+        _ => Err("NAME=VALUE, such as sub=alice".into()),
+    }
 }
 
 /// Parses the command line and runs the command.

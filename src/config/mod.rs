@@ -6,6 +6,7 @@
 //! default listed in [`Policy::builtin`]. Every rejection is a [`ConfigError`] naming the field, the
 //! bad value and what is allowed, and happens before anything listens.
 
+pub mod client;
 pub mod identity;
 mod raw;
 mod store;
@@ -455,10 +456,7 @@ impl std::fmt::Display for UpstreamUrl {
     }
 }
 
-/// The header that carries the subject of a client's verified certificate (with
-/// `server.tls_client_ca`); set by the gateway only, never taken from a client. Name it in
-/// `client_header` to scope keys per certificate subject.
-pub const CLIENT_SUBJECT_HEADER: &str = "x-client-cert-subject";
+pub use client::{CLIENT_SUBJECT_HEADER, CLIENT_URI_HEADER};
 
 /// How `https://` upstreams are trusted and who the gateway is to them (`[upstream] tls_*`).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -489,6 +487,8 @@ pub struct Policy {
     /// The headers that tell clients apart, in order: the first one a request carries decides
     /// its scope. Empty when `client_header = ""`: every caller shares one scope.
     pub client_headers: Vec<HeaderName>,
+    /// The scope from a verified JWT instead of `client_headers` (`client_jwt`).
+    pub client_jwt: Option<std::sync::Arc<client::ClientJwt>>,
     /// Refuse requests that carry none of `client_headers` (401), rather than putting them in
     /// the one anonymous scope they would share.
     pub require_client: bool,
@@ -537,6 +537,7 @@ impl Policy {
             mismatch_status: StatusCode::CONFLICT,
             replay_header: HeaderName::from_static("idempotent-replayed"),
             client_headers: vec![http::header::AUTHORIZATION],
+            client_jwt: None,
             require_client: false,
             max_keys_per_client: 0,
             max_keys_anonymous: 0,

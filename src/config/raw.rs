@@ -206,6 +206,7 @@ pub(super) struct RawPolicy {
     pub(super) mismatch_status: Option<i64>,
     pub(super) replay_header: Option<String>,
     pub(super) client_header: Option<OneOrMany>,
+    pub(super) client_jwt: Option<RawClientJwt>,
     pub(super) require_client: Option<bool>,
     pub(super) max_keys_per_client: Option<i64>,
     pub(super) max_keys_anonymous: Option<i64>,
@@ -223,6 +224,24 @@ pub(super) struct RawPolicy {
     pub(super) on_store_error: Option<OnStoreError>,
     #[serde(default, deserialize_with = "typed")]
     pub(super) on_unknown: Option<OnUnknown>,
+}
+
+/// A `client_jwt` table, as written.
+#[derive(Debug, Default, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawClientJwt {
+    pub(super) jwks_url: Option<String>,
+    pub(super) jwks_file: Option<String>,
+    pub(super) hmac_secret_env: Option<String>,
+    pub(super) hmac_secret_file: Option<String>,
+    pub(super) issuer: Option<OneOrMany>,
+    pub(super) audience: Option<String>,
+    pub(super) claims: Option<Vec<String>>,
+    pub(super) header: Option<String>,
+    #[serde(default, deserialize_with = "duration")]
+    pub(super) leeway: Option<Duration>,
+    #[serde(default, deserialize_with = "duration")]
+    pub(super) refresh: Option<Duration>,
 }
 
 /// The route-only keys of a `[[routes]]` table; the rest of the table is a [`RawPolicy`].

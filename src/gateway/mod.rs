@@ -28,22 +28,24 @@ use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
-use http::{request, HeaderValue, Method, Request, Response};
+use http::{request, Method, Request, Response};
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 
 use crate::body::{self, Body, Budget};
 use crate::config::identity::KeyIdentity;
-use crate::config::{Policy, RouteConfig, UpstreamUrl, CLIENT_SUBJECT_HEADER};
+use crate::config::{Policy, RouteConfig, UpstreamUrl, CLIENT_SUBJECT_HEADER, CLIENT_URI_HEADER};
 use crate::conn::{ClientBody, ConnectionSlot};
 use crate::grpc;
 use crate::idempotency::Core;
+use crate::jwt::{Verifier, Verifiers};
 use crate::key::StoreKey;
 use crate::metrics::{Metrics, Outcome, RouteMetrics};
 use crate::problem::{self, Problem};
 use crate::reconcile::Reconciler;
 use crate::route::{RoutePattern, Routed, Router};
 use crate::store::Store;
+use crate::tls::CertificateIds;
 use crate::upstream::{
     prepare_request, ClientAddr, ConnectionLimits, PoolTimeouts, UpstreamPool, UpstreamTlsConnector,
 };
@@ -54,6 +56,10 @@ use tunnel::wants_upgrade;
 pub struct Route {
     pub config: RouteConfig,
     pub metrics: RouteMetrics,
+    /// Verifies the route's client tokens (`client_jwt`); shared with routes of the same table.
+    jwt: Option<Arc<Verifier>>,
+    /// Whether the log has said that this route's client header carries JWTs.
+    jwt_noticed: AtomicBool,
 }
 
 impl Routed for Route {
@@ -76,17 +82,21 @@ pub struct Routing {
 
 impl Routing {
     /// What a config says about routing: at startup and on every reload. A reload starts every
-    /// route's metric handles afresh (a renamed route is another series).
+    /// route's metric handles afresh (a renamed route is another series), and keeps the
+    /// verifiers (their key sets and caches) of `client_jwt` tables that did not change.
     pub fn new(
         routes: Vec<RouteConfig>,
         default_upstream: UpstreamUrl,
         defaults: &Policy,
         case_sensitive: bool,
+        verifiers: &Verifiers,
     ) -> Self {
         Routing {
             router: Router::new(
                 routes.into_iter().map(|config| Route {
                     metrics: RouteMetrics::new(&config.name),
+                    jwt: config.policy.client_jwt.as_ref().map(|j| verifiers.get(j)),
+                    jwt_noticed: AtomicBool::new(false),
                     config,
                 }),
                 case_sensitive,
@@ -113,9 +123,10 @@ pub struct ClientConn {
     /// The connection's `server.max_connections` slot while it lives; a tunnel takes it over,
     /// since its socket outlives the HTTP connection.
     slot: std::sync::Mutex<Option<ConnectionSlot>>,
-    /// The subject of the client's certificate, where the listener verified it: what every
-    /// request of the connection carries as [`CLIENT_SUBJECT_HEADER`].
-    subject: Option<HeaderValue>,
+    /// The subject and URIs of the client's certificate, where the listener verified it: what
+    /// every request of the connection carries as [`CLIENT_SUBJECT_HEADER`] and
+    /// [`CLIENT_URI_HEADER`].
+    certificate: CertificateIds,
 }
 
 impl ClientConn {
@@ -124,14 +135,14 @@ impl ClientConn {
             addr,
             worker,
             slot: std::sync::Mutex::new(Some(slot)),
-            subject: None,
+            certificate: CertificateIds::default(),
         }
     }
 
     /// A client whose certificate the listener verified (`server.tls_client_ca`).
-    pub fn with_subject(self, subject: HeaderValue) -> Self {
+    pub fn with_certificate(self, certificate: CertificateIds) -> Self {
         ClientConn {
-            subject: Some(subject),
+            certificate,
             ..self
         }
     }
@@ -166,6 +177,11 @@ pub struct Gateway {
     /// How every route this process has served since it started derived its keys, removed
     /// routes too ([`Gateway::served`]).
     served: std::sync::Mutex<Vec<KeyIdentity>>,
+    /// The `client_jwt` verifiers the routes use, for reloads to share.
+    verifiers: Arc<Verifiers>,
+    /// When this process started: keys of the older scope derivation are looked up for one
+    /// `ttl` after it.
+    started: Instant,
 }
 
 /// What a gateway is made of; [`Gateway::new`] takes it.
@@ -181,6 +197,8 @@ pub struct GatewayParts {
     pub upstream_tls: Arc<UpstreamTlsConnector>,
     /// `server.max_buffered`.
     pub max_buffered: usize,
+    /// The registry `routing` took its `client_jwt` verifiers from.
+    pub verifiers: Arc<Verifiers>,
 }
 
 impl Gateway {
@@ -193,6 +211,7 @@ impl Gateway {
             upstream_limits,
             upstream_tls,
             max_buffered,
+            verifiers,
         } = parts;
         let reconciler = Reconciler::new(Arc::clone(&metrics), Arc::clone(&upstream_tls));
         let core = Arc::new(Core::new(Arc::clone(&metrics), Arc::new(reconciler)));
@@ -207,6 +226,8 @@ impl Gateway {
             pool_timeouts,
             metrics,
             shutting_down: AtomicBool::new(false),
+            verifiers,
+            started: Instant::now(),
         }
     }
 
@@ -224,6 +245,23 @@ impl Gateway {
 
     pub fn store(&self) -> &Arc<dyn Store> {
         &self.store
+    }
+
+    /// The `client_jwt` verifiers, for a reload's routing to share.
+    pub fn verifiers(&self) -> &Verifiers {
+        &self.verifiers
+    }
+
+    /// Why a route cannot verify client tokens yet (its key set not loaded), for `/readyz`.
+    pub fn tokens_not_ready(&self) -> Option<String> {
+        (self.routes().iter())
+            .find_map(|r| {
+                r.jwt
+                    .as_ref()
+                    .and_then(|v| v.not_ready())
+                    .map(|why| (r, why))
+            })
+            .map(|(r, why)| format!("route {:?}: {why}", r.config.name))
     }
 
     /// The routes as they are now (a reload replaces them).
@@ -292,7 +330,7 @@ impl Gateway {
         mut req: Request<ClientBody>,
         conn: &Arc<ClientConn>,
     ) -> Response<Body> {
-        certificate_subject(req.headers_mut(), conn.subject.as_ref());
+        certificate_headers(req.headers_mut(), &conn.certificate);
         // One await point: two would give this future two copies of `classify`'s state to move.
         let grpc = grpc::is_grpc(req.headers());
         let resp = self.classify(req, conn).await;
@@ -409,23 +447,31 @@ impl Gateway {
     }
 }
 
-/// The subject header is the gateway's alone: whatever a client sent under that name (or its
-/// underscore twin, which CGI-style servers read as the same) never reaches anyone, and a
-/// verified client's certificate subject takes its place.
-fn certificate_subject(headers: &mut http::HeaderMap, subject: Option<&HeaderValue>) {
-    // Both names are the same length: one pass over the names (a few, and no hashing) spares
-    // nearly every request two lookups.
-    if headers.keys().any(|n| n.as_str().len() == SUBJECT_LEN) {
+/// The certificate headers are the gateway's alone: whatever a client sent under those names
+/// (or their underscore twins, which CGI-style servers read as the same) never reaches anyone,
+/// and a verified client's certificate subject and URIs take their place.
+fn certificate_headers(headers: &mut http::HeaderMap, certificate: &CertificateIds) {
+    // Each name and its twin are the same length: one pass over the names (a few, and no
+    // hashing) spares nearly every request four lookups.
+    if (headers.keys()).any(|n| n.as_str().len() == SUBJECT_LEN || n.as_str().len() == URI_LEN) {
         headers.remove(CLIENT_SUBJECT_HEADER);
         headers.remove(CLIENT_SUBJECT_UNDERSCORED);
+        headers.remove(CLIENT_URI_HEADER);
+        headers.remove(CLIENT_URI_UNDERSCORED);
     }
-    if let Some(subject) = subject {
+    if let Some(subject) = &certificate.subject {
         headers.insert(CLIENT_SUBJECT_HEADER, subject.clone());
+    }
+    if let Some(uri) = &certificate.uri {
+        headers.insert(CLIENT_URI_HEADER, uri.clone());
     }
 }
 
 const CLIENT_SUBJECT_UNDERSCORED: &str = "x_client_cert_subject";
+const CLIENT_URI_UNDERSCORED: &str = "x_client_cert_uri";
 const SUBJECT_LEN: usize = CLIENT_SUBJECT_HEADER.len();
+const URI_LEN: usize = CLIENT_URI_HEADER.len();
+const _: () = assert!(CLIENT_URI_UNDERSCORED.len() == URI_LEN);
 const _: () = assert!(CLIENT_SUBJECT_UNDERSCORED.len() == SUBJECT_LEN);
 
 /// How the routes of `routing` derive their keys.

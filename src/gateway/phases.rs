@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{request, HeaderMap, HeaderValue, Request, Response};
+use http::{request, HeaderMap, HeaderName, HeaderValue, Request, Response};
 
 use super::forward::{not_sent_problem, replay, Forward, UpstreamTime};
 use super::{ClientConn, Gateway, Route};
@@ -14,8 +14,9 @@ use crate::config::{Policy, RouteConfig};
 use crate::conn::{BodyTimeout, ClientBody};
 use crate::fingerprint::{fingerprint, RequestParts};
 use crate::idempotency::{Decision, Refusal, Rules, Settled};
-use crate::key::{ClientScope, Sent, StoreKey};
-use crate::metrics::Outcome;
+use crate::jwt::{Rejected, Verifier};
+use crate::key::{ClientScope, Identified, Sent, StoreKey};
+use crate::metrics::{Metrics, Outcome};
 use crate::problem::Problem;
 use crate::quota::{Quota, QuotaId, Share};
 use crate::reconcile::Lookup;
@@ -63,6 +64,9 @@ enum Admitted {
         lookup: Option<Box<Lookup>>,
         /// The route and the client's key, kept with the record while its outcome is open.
         origin: Arc<Origin>,
+        /// The key as the gateway before issue 42 derived it, where it differs (see
+        /// [`Gateway::older_key`]).
+        legacy: Option<StoreKey>,
     },
     /// No key where none is required: forwarded as it is.
     Unkeyed(Body),
@@ -91,7 +95,12 @@ impl Gateway {
                 allowance,
                 lookup,
                 origin,
+                legacy,
             }) => {
+                let key = match legacy {
+                    Some(older) => self.older_key(conn, key, older).await,
+                    None => key,
+                };
                 let caller = (allowance, lookup, origin);
                 let mut answer = self.keyed(route, parts, body, conn, &key, caller).await;
                 answer.key = Some(key);
@@ -101,8 +110,9 @@ impl Gateway {
     }
 
     /// Phases `identify`, `read_body` (first when the key lives in the body, as for deliveries
-    /// keyed by message or business id, or the body is signed), `verify`, `extract_key`, then
-    /// `read_body` once the key is known to be valid.
+    /// keyed by message or business id, or the body is signed), `verify`, `extract_key`,
+    /// `verify_token` (on `client_jwt` routes), then `read_body` once the key is known to be
+    /// valid.
     async fn admit(
         &self,
         route: &Route,
@@ -111,7 +121,7 @@ impl Gateway {
     ) -> Result<Admitted, Problem> {
         let config = &route.config;
         let policy = &config.policy;
-        let (scope, allowance) = identify(config, &parts.headers)?;
+        let caller = identify(route, &self.metrics, &parts.headers)?;
         let mut body = ReqBody::Unread(incoming);
         if config.key.needs_body() || config.signature.is_some() {
             let (b, lease) = body.read(policy.max_body, &self.budget).await?;
@@ -121,18 +131,67 @@ impl Gateway {
         let Some(sent) = extract_key(config, &parts.headers, body.bytes())? else {
             return Ok(Admitted::Unkeyed(body.into_body()));
         };
-        let key = StoreKey::new(&scope, &config.name, &sent.key);
+        let (identified, allowance) = match caller {
+            Caller::Known(identified, allowance) => (identified, allowance),
+            Caller::Token(verifier, token) => self.verify_token(route, &verifier, token).await?,
+        };
+        let key = StoreKey::new(&identified.scope, &config.name, &sent.key);
+        // Keys stored before this derivation, looked up while one could still be kept.
+        let legacy = (identified.legacy)
+            .filter(|_| self.started.elapsed() < policy.ttl)
+            .map(|scope| StoreKey::new(&scope, &config.name, &sent.key));
         let lookup = Lookup::of(policy, &sent.sent).map(Box::new);
         // Kept with the record while its outcome is open, for operators to find it by.
         let origin = Origin::new(OriginKind::Route, &config.name, sent.sent);
         let body = body.read(policy.max_body, &self.budget).await?;
         Ok(Admitted::Keyed {
             key,
+            legacy,
             body,
             allowance,
             lookup,
             origin,
         })
+    }
+
+    /// A key stored under the derivation before issue 42 (another header of the list, an
+    /// `Authorization` scheme spelled otherwise, a header split over fields) is used where it
+    /// exists, so that a retry across the upgrade replays; an extra store read for those
+    /// requests only, and only for one `ttl` after start.
+    async fn older_key(&self, conn: &ClientConn, key: StoreKey, older: StoreKey) -> StoreKey {
+        match conn.worker.store.get(&older).await {
+            Ok(Some(_)) => older,
+            _ => key,
+        }
+    }
+
+    /// Phase `verify_token`: the scope of a verified JWT, or the 401 (503 before the route's
+    /// keys are loaded) that ends the request before anything is stored or forwarded.
+    async fn verify_token(
+        &self,
+        route: &Route,
+        verifier: &Verifier,
+        token: &str,
+    ) -> Result<(Identified, Allowance), Problem> {
+        match verifier.scope(token).await {
+            Ok(scope) => Ok((
+                Identified {
+                    scope,
+                    legacy: None,
+                    jwt_like: false,
+                },
+                allowance(&route.config, &scope, Share::Identified),
+            )),
+            Err(Rejected::NoKeys) => Err(Problem::ClientKeysUnavailable),
+            Err(Rejected::Unverified(why)) => {
+                let reason = why.as_str();
+                self.metrics.client_unverified(&route.metrics, reason);
+                // Never the token: the reason and the route are enough to find the issuer's
+                // side of it.
+                tracing::info!(route = %route.config.name, reason, "client token not verified");
+                Err(Problem::ClientUnverified { reason })
+            }
+        }
     }
 
     /// Phase `verify`: a delivery that its sender did not sign claims no key and reaches no
@@ -228,34 +287,100 @@ impl Gateway {
     }
 }
 
+/// Who a request says it is, before anything is read: a scope, or a token to verify once the
+/// request turns out to be keyed.
+enum Caller<'a> {
+    Known(Identified, Allowance),
+    Token(Arc<Verifier>, &'a str),
+}
+
 /// Phase `identify`: whose operation this is, before anything is read or stored; and the quota
 /// of records that caller may store.
-fn identify(
-    config: &RouteConfig,
-    headers: &HeaderMap,
-) -> Result<(ClientScope, Allowance), Problem> {
+fn identify<'a>(
+    route: &Route,
+    metrics: &Metrics,
+    headers: &'a HeaderMap,
+) -> Result<Caller<'a>, Problem> {
+    let config = &route.config;
     let policy = &config.policy;
-    let (scope, quota, share) = match ClientScope::identify(headers, &policy.client_headers) {
-        Some(scope) => (scope, policy.max_keys_per_client, Share::Identified),
-        None if policy.require_client => {
-            return Err(Problem::ClientRequired {
-                what: describe_headers(&policy.client_headers),
-            })
+    if let Some(verifier) = &route.jwt {
+        if let Some(token) = bearer_token(headers, &verifier.config().header) {
+            return Ok(Caller::Token(Arc::clone(verifier), token));
         }
+        if policy.require_client {
+            return Err(Problem::ClientRequired {
+                what: format!("a bearer token in the {} header", verifier.config().header),
+            });
+        }
+        return Ok(anonymous(config));
+    }
+    match ClientScope::identify(headers, &policy.client_headers) {
+        Some(identified) => {
+            if identified.jwt_like {
+                noticed_jwt(route, metrics);
+            }
+            let allowance = allowance(config, &identified.scope, Share::Identified);
+            Ok(Caller::Known(identified, allowance))
+        }
+        None if policy.require_client => Err(Problem::ClientRequired {
+            what: describe_headers(&policy.client_headers),
+        }),
         // One scope for every caller by the operator's choice: the store's bounds are its quota.
-        None if policy.client_headers.is_empty() => (ClientScope::shared(), 0, Share::Unshared),
-        None => (
-            ClientScope::anonymous(),
-            policy.max_keys_anonymous,
-            Share::Anonymous(policy.anonymous_share),
-        ),
+        None if policy.client_headers.is_empty() => Ok(Caller::Known(
+            Identified::of(ClientScope::shared()),
+            Allowance {
+                quota: None,
+                share: Share::Unshared,
+            },
+        )),
+        None => Ok(anonymous(config)),
+    }
+}
+
+/// The one scope of the requests that name no client.
+fn anonymous(config: &RouteConfig) -> Caller<'static> {
+    let scope = ClientScope::anonymous();
+    let share = Share::Anonymous(config.policy.anonymous_share);
+    Caller::Known(Identified::of(scope), allowance(config, &scope, share))
+}
+
+/// What a caller in `scope` may store.
+fn allowance(config: &RouteConfig, scope: &ClientScope, share: Share) -> Allowance {
+    let policy = &config.policy;
+    let limit = match share {
+        Share::Identified => policy.max_keys_per_client,
+        Share::Anonymous(_) => policy.max_keys_anonymous,
+        Share::Unshared => 0,
     };
-    let quota = (quota > 0).then(|| Quota {
-        id: QuotaId::new(&config.name, &scope),
-        limit: quota,
+    let quota = (limit > 0).then(|| Quota {
+        id: QuotaId::new(&config.name, scope),
+        limit,
         window: policy.ttl,
     });
-    Ok((scope, Allowance { quota, share }))
+    Allowance { quota, share }
+}
+
+/// The token in `header`: after a `Bearer` scheme (any case), or the whole value in a header
+/// other than `Authorization`. Another scheme (`Basic ...`) is a token that will not verify.
+fn bearer_token<'a>(headers: &'a HeaderMap, header: &HeaderName) -> Option<&'a str> {
+    // Not visible ASCII: an empty token, which does not verify.
+    let value = headers.get(header)?.to_str().unwrap_or("").trim();
+    match value.split_once([' ', '\t']) {
+        Some((scheme, token)) if scheme.eq_ignore_ascii_case("bearer") => Some(token.trim()),
+        _ => Some(value),
+    }
+}
+
+/// A route scoped by a header whose values are JWTs: each token refresh is a new scope, and a
+/// retry after one executes again. Said once per route in the log, counted always.
+fn noticed_jwt(route: &Route, metrics: &Metrics) {
+    metrics.jwt_in_client_header(&route.metrics);
+    if !route
+        .jwt_noticed
+        .swap(true, std::sync::atomic::Ordering::Relaxed)
+    {
+        tracing::warn!(route = %route.config.name, "this route's client_header carries JWTs: every token refresh makes a new client scope, so a retry with a refreshed token executes again; set client_jwt to scope keys by the token's issuer and subject (docs/security.md, \"Client scope\")");
+    }
 }
 
 /// What a caller may store: its count per window, and its share of the store.
@@ -384,12 +509,15 @@ pub(super) fn outcome_of(p: &Problem) -> Outcome {
         | Problem::BodyTimeout
         | Problem::MethodNotAllowed
         | Problem::ClientRequired { .. }
+        | Problem::ClientUnverified { .. }
         | Problem::SignatureRejected { .. }
         | Problem::UpgradeRefused
         // Never made on the traffic port.
         | Problem::Operator { .. } => Outcome::BadRequest,
         Problem::StoreUnavailable | Problem::StoreFull => Outcome::StoreError,
-        Problem::KeyQuota { .. } | Problem::Overloaded { .. } => Outcome::Limited,
+        Problem::KeyQuota { .. } | Problem::Overloaded { .. } | Problem::ClientKeysUnavailable => {
+            Outcome::Limited
+        }
         Problem::UpstreamUnreachable | Problem::UpstreamTimeout | Problem::UpstreamFailed => {
             Outcome::UpstreamError
         }

@@ -20,21 +20,17 @@ mod background;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
-use http::{header, HeaderName, HeaderValue, Request, Response, StatusCode, Uri};
-use http_body_util::{BodyExt, Empty, Limited};
-use hyper::body::Incoming;
-use hyper_util::rt::TokioIo;
-use tokio::net::TcpStream;
+use http::{HeaderName, HeaderValue, StatusCode, Uri};
+use http_body_util::{BodyExt, Limited};
 
 use percent_encoding::{utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
 
-use crate::config::{Policy, UpstreamProtocol};
+use crate::config::Policy;
 use crate::key::StoreKey;
 use crate::metrics::Metrics;
 use crate::operator::{self, Change};
 use crate::store::{now_ms, RecordState, Store, StoredResponse};
-use crate::upstream::UpstreamTlsConnector;
+use crate::upstream::{oneshot, UpstreamTlsConnector};
 use background::Queue;
 pub use background::{run as run_background, Backlog, Sources};
 
@@ -216,7 +212,7 @@ async fn get(
     tls: &UpstreamTlsConnector,
 ) -> Result<Option<StoredResponse>, String> {
     let answer = async {
-        let response = send(&lookup.url, tls).await?;
+        let response = oneshot::get(&lookup.url, tls, oneshot::Peer::Upstream).await?;
         let (parts, body) = response.into_parts();
         if parts.status == StatusCode::NOT_FOUND {
             return Ok(None);
@@ -248,55 +244,6 @@ async fn get(
     tokio::time::timeout(lookup.timeout, answer)
         .await
         .unwrap_or_else(|_| Err(format!("no answer within {:?}", lookup.timeout)))
-}
-
-/// One GET of `url` on a connection of its own, made on this runtime (lookups are rare; a
-/// pooled connection would be driven by whichever worker made it): HTTP/1.1, over TLS for
-/// `https://` with the upstreams' TLS settings (CA, client certificate, server name).
-async fn send(url: &Uri, tls: &UpstreamTlsConnector) -> Result<Response<Incoming>, String> {
-    let (Some(scheme), Some(authority)) = (url.scheme_str(), url.authority()) else {
-        return Err("the lookup URL has no scheme or host".into());
-    };
-    let secure = scheme == "https";
-    let port = authority
-        .port_u16()
-        .unwrap_or(if secure { 443 } else { 80 });
-    let host = authority.host();
-    let tcp = TcpStream::connect((host.trim_start_matches('[').trim_end_matches(']'), port))
-        .await
-        .map_err(|e| format!("cannot connect to {authority}: {e}"))?;
-    let _ = tcp.set_nodelay(true);
-    let request = Request::get(url.path_and_query().map_or("/", |p| p.as_str()))
-        .header(header::HOST, authority.as_str())
-        .header(header::ACCEPT, "application/json")
-        .body(Empty::<Bytes>::new())
-        .map_err(|e| e.to_string())?;
-    if secure {
-        let bare = host.trim_start_matches('[').trim_end_matches(']');
-        let (stream, _) = tls
-            .connect(bare, tcp, UpstreamProtocol::Http1)
-            .await
-            .map_err(|e| e.to_string())?;
-        exchange(TokioIo::new(stream), request).await
-    } else {
-        exchange(TokioIo::new(tcp), request).await
-    }
-}
-
-async fn exchange<T>(io: T, request: Request<Empty<Bytes>>) -> Result<Response<Incoming>, String>
-where
-    T: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
-{
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(io)
-        .await
-        .map_err(|e| e.to_string())?;
-    tokio::spawn(async move {
-        let _ = conn.await;
-    });
-    sender
-        .send_request(request)
-        .await
-        .map_err(|e| e.to_string())
 }
 
 fn hop_by_hop(name: &HeaderName) -> bool {

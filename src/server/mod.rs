@@ -27,6 +27,7 @@ use crate::admin::Operator;
 use crate::config::{Config, ConsumerConfig, ServerConfig};
 use crate::consumer::{self as consumers, AnySource, BrokerHealth, ConsumerError};
 use crate::gateway::{Gateway, GatewayParts, Routing};
+use crate::jwt::Verifiers;
 use crate::metrics::Metrics;
 use crate::store;
 use crate::tls::{ListenerTls, ListenerTlsError};
@@ -93,11 +94,17 @@ impl Server {
         // Half the shortest upstream_timeout: a connect attempt always fails before the request
         // could time out, so "not sent" is never mistaken for "unknown".
         let connect_timeout = config.shortest_upstream_timeout() / 2;
+        let upstream_tls = UpstreamTlsConnector::new(&config.upstream_tls)?;
+        let verifiers = Arc::new(Verifiers::new(
+            Arc::clone(&upstream_tls),
+            Arc::clone(&metrics),
+        ));
         let routing = Routing::new(
             config.routes,
             config.upstream,
             &config.defaults,
             config.server.case_sensitive_routes,
+            &verifiers,
         );
         let gateway = Arc::new(Gateway::new(GatewayParts {
             routing,
@@ -108,8 +115,9 @@ impl Server {
                 idle: config.upstream_idle_timeout,
             },
             upstream_limits: ConnectionLimits::new(config.upstream_max_connections),
-            upstream_tls: UpstreamTlsConnector::new(&config.upstream_tls)?,
+            upstream_tls,
             max_buffered: config.server.max_buffered,
+            verifiers,
         }));
         let sources = consumers::sources(&config.consumers)?;
         let consumers = config.consumers.into_iter().zip(sources).collect();

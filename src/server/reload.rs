@@ -83,6 +83,7 @@ pub async fn reload_on_sighup(
                 &new.defaults,
                 // A [server] setting: as the warning above says, it waits for a restart.
                 running.server.case_sensitive_routes,
+                gateway.verifiers(),
             ));
             tracing::info!(routes, "config reloaded");
         }

@@ -8,7 +8,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use http::HeaderValue;
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
@@ -19,7 +18,7 @@ use super::acceptor::Accepted;
 use crate::config::Deadlines;
 use crate::conn::{self, ClientBody, ConnectionSlot};
 use crate::gateway::{ClientConn, Gateway, WorkerContext};
-use crate::tls::ListenerTls;
+use crate::tls::{CertificateIds, ListenerTls};
 use crate::upstream::ClientAddr;
 
 /// How far ahead a worker always has a timer armed: see [`heartbeat`].
@@ -170,8 +169,8 @@ impl Serving {
                     .await
                 {
                     Ok(Ok(s)) => {
-                        let subject = crate::tls::client_subject(s.get_ref().1);
-                        let conn = self.client(addr, slot, subject);
+                        let ids = crate::tls::client_certificate(s.get_ref().1);
+                        let conn = self.client(addr, slot, ids);
                         self.http(s, conn).await
                     }
                     Ok(Err(e)) => {
@@ -188,17 +187,13 @@ impl Serving {
         }
     }
 
-    /// A TLS client: named by its certificate's subject where the listener verifies them.
-    fn client(
-        &self,
-        addr: ClientAddr,
-        slot: ConnectionSlot,
-        subject: Option<HeaderValue>,
-    ) -> ClientConn {
+    /// A TLS client: named by its certificate's subject and URIs where the listener verifies
+    /// them.
+    fn client(&self, addr: ClientAddr, slot: ConnectionSlot, ids: CertificateIds) -> ClientConn {
         let conn = ClientConn::new(addr, Arc::clone(&self.context), slot);
-        match subject {
-            Some(subject) if self.verify_clients => conn.with_subject(subject),
-            _ => conn,
+        match self.verify_clients {
+            true => conn.with_certificate(ids),
+            false => conn,
         }
     }
 

@@ -20,6 +20,7 @@
 //! again on another one, and idle connections are dropped after 60 s.
 
 mod limit;
+pub mod oneshot;
 mod pool;
 mod rewrite;
 mod tls;

@@ -148,7 +148,29 @@ impl UpstreamTlsConnector {
         stream: TcpStream,
         protocol: UpstreamProtocol,
     ) -> Result<(TlsStream<TcpStream>, bool), BoxError> {
-        let name = match &self.server_name {
+        self.connect_as(host, self.server_name.as_ref(), stream, protocol)
+            .await
+    }
+
+    /// [`Self::connect`] to a host that is not an upstream (a JWT issuer's key set): its own
+    /// name, never `tls_server_name`, with the same roots.
+    pub async fn connect_host(
+        &self,
+        host: &str,
+        stream: TcpStream,
+    ) -> Result<(TlsStream<TcpStream>, bool), BoxError> {
+        self.connect_as(host, None, stream, UpstreamProtocol::Http1)
+            .await
+    }
+
+    async fn connect_as(
+        &self,
+        host: &str,
+        server_name: Option<&ServerName<'static>>,
+        stream: TcpStream,
+        protocol: UpstreamProtocol,
+    ) -> Result<(TlsStream<TcpStream>, bool), BoxError> {
+        let name = match server_name {
             Some(name) => name.clone(),
             None => ServerName::try_from(host.to_string())
                 .map_err(|e| format!("upstream host {host:?} is not a TLS server name: {e}"))?,

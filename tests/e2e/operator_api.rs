@@ -31,7 +31,7 @@ fn config_text(upstream: &str, store: &str, admin: SocketAddr, dir: &TempDir) ->
 /// prints it.
 fn id(config: &str, key: &str) -> String {
     let config = Config::parse(config).unwrap();
-    idemgate::operator::locate(&config, "payments", &[key.to_string()], None)
+    idemgate::operator::locate(&config, "payments", &[key.to_string()], &Default::default())
         .unwrap()
         .hex()
 }

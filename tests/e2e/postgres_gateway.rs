@@ -474,7 +474,8 @@ async fn a_version_1_table_is_upgraded_in_place() {
     let pg = Postgres::start();
     let up = Upstream::counting().await;
     let config = pg_config(&up.url(), pg.url(), PAYMENTS);
-    let id = idemgate::operator::locate(&config, "payments", &["old".into()], None).unwrap();
+    let id = idemgate::operator::locate(&config, "payments", &["old".into()], &Default::default())
+        .unwrap();
     pg.psql(&format!(
         "CREATE TABLE idemgate_records (key bytea PRIMARY KEY, state smallint NOT NULL, \
            fingerprint bytea NOT NULL, created_ms bigint NOT NULL, owner bytea, \

@@ -32,7 +32,7 @@ fn with_operator(mut config: Config, dir: &TempDir) -> Config {
 
 /// The id of the anonymous client's key `key` on the payments route.
 fn id(config: &Config, key: &str) -> String {
-    idemgate::operator::locate(config, "payments", &[key.to_string()], None)
+    idemgate::operator::locate(config, "payments", &[key.to_string()], &Default::default())
         .unwrap()
         .hex()
 }

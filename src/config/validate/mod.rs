@@ -5,6 +5,7 @@
 //! rules that cross sections, and the value parsers they share.
 
 mod consumer;
+mod jwt;
 mod policy;
 mod postgres;
 mod route;
@@ -18,10 +19,11 @@ use http::HeaderName;
 use rustls::pki_types::pem::{self, PemObject};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 
+use super::client::is_certificate_header;
 use super::raw::{RawConfig, RawUpstream, Size, SIZE};
 use super::{
     redact_url, Config, ConfigError, ConsumerConfig, Policy, RouteConfig, ServerConfig,
-    StoreConfig, UpstreamTls, UpstreamUrl, CLIENT_SUBJECT_HEADER,
+    StoreConfig, UpstreamTls, UpstreamUrl,
 };
 
 /// How long an upstream connection may sit idle before it is closed rather than reused, when
@@ -123,23 +125,38 @@ fn validate_idle_timeout(raw: &RawUpstream) -> Result<Duration, ConfigError> {
     }
 }
 
-/// The subject header is the gateway's to set only where it verifies certificates; elsewhere
-/// a client could write it and pick its scope.
+/// The certificate headers are the gateway's to set only where it verifies certificates;
+/// elsewhere a client could write them and pick its scope. And a certificate's subject or URI is
+/// public: listed beside a secret header, a client whose certificate lacks one (or a client
+/// without a certificate) could send another's public value in the secret header and stand in
+/// that client's scope.
 fn check_client_subject(
     server: &ServerConfig,
     defaults: &Policy,
     routes: &[RouteConfig],
 ) -> Result<(), ConfigError> {
-    if server.tls_client_ca.is_some() {
-        return Ok(());
-    }
-    let names_subject = |p: &Policy| p.client_headers.iter().any(|h| h == CLIENT_SUBJECT_HEADER);
-    if names_subject(defaults) || routes.iter().any(|r| names_subject(&r.policy)) {
-        return Err(ConfigError::invalid(
-            "client_header",
-            CLIENT_SUBJECT_HEADER,
-            "only with server.tls_client_ca, which verifies the certificate it comes from",
-        ));
+    let policies = std::iter::once(("defaults", defaults))
+        .chain(routes.iter().map(|r| (r.name.as_str(), &r.policy)));
+    for (name, p) in policies {
+        let public = p.client_headers.iter().filter(|h| is_certificate_header(h));
+        let Some(first) = public.clone().next() else {
+            continue;
+        };
+        if server.tls_client_ca.is_none() {
+            return Err(ConfigError::invalid(
+                "client_header",
+                first.as_str(),
+                "only with server.tls_client_ca, which verifies the certificate it comes from",
+            ));
+        }
+        if public.count() != p.client_headers.len() {
+            let names: Vec<&str> = p.client_headers.iter().map(|h| h.as_str()).collect();
+            return Err(ConfigError::invalid(
+                format!("client_header ({name})"),
+                format!("{names:?}"),
+                "certificate headers (x-client-cert-subject, x-client-cert-uri) alone: they are public, and a secret header beside them would let a client without them claim another's scope by sending its public value",
+            ));
+        }
     }
     Ok(())
 }

@@ -78,6 +78,22 @@ fn apply_identity(
             }
         };
     }
+    if let Some(jwt) = &raw.client_jwt {
+        if raw.client_header.is_some() {
+            return Err(ConfigError::invalid(
+                f("client_header"),
+                "(set beside client_jwt)",
+                "either client_header or client_jwt in one table: with client_jwt the scope is the token's issuer and claims",
+            ));
+        }
+        p.client_jwt = Some(std::sync::Arc::new(super::jwt::client_jwt(
+            &f("client_jwt"),
+            jwt,
+        )?));
+    } else if raw.client_header.is_some() {
+        // A route naming its own headers leaves the defaults' token behind.
+        p.client_jwt = None;
+    }
     if let Some(b) = raw.require_client {
         p.require_client = b;
     }
@@ -276,7 +292,7 @@ fn check_policy(f: &dyn Fn(&str) -> String, p: &Policy) -> Result<(), ConfigErro
             "a header name other than key_header",
         ));
     }
-    if p.require_client && p.client_headers.is_empty() {
+    if p.require_client && p.client_headers.is_empty() && p.client_jwt.is_none() {
         return Err(ConfigError::invalid(
             f("require_client"),
             "true",

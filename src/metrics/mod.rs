@@ -22,6 +22,9 @@
 //! - `idemgate_consumer_messages_total{consumer, outcome}`, `idemgate_consumer_handler_duration_seconds{consumer}`,
 //!   `idemgate_consumer_pending{consumer}`: the broker consumers ([`crate::consumer`]); outcome
 //!   is one of the [`ConsumerOutcome`] names.
+//! - the client identity series, in [`client`].
+
+mod client;
 
 use std::sync::atomic::Ordering;
 use std::sync::OnceLock;
@@ -247,6 +250,7 @@ pub struct Metrics {
     connections_closed: Family<ReasonLabel, Counter>,
     reconciliations: Family<ResultLabel, Counter>,
     signatures: Family<SignatureLabels, Counter>,
+    client: client::ClientMetrics,
     records_purged: Counter,
     store_syncs: Counter,
     eviction_risk: Family<PolicyLabel, Gauge>,
@@ -381,7 +385,9 @@ impl Metrics {
             "Redis writes acknowledged by fewer replicas than store.min_replicas within replica_timeout, by store call; absent until the first",
         );
         let (consumer_messages, consumer_handler, consumer_pending) = consumer_families(r);
+        let client = client::ClientMetrics::new(r);
         Metrics {
+            client,
             eviction_risk,
             store_fill,
             consumer_messages,

@@ -1,0 +1,153 @@
+//! Client identity from a verified JWT (`client_jwt`): the scope is SHA-256 over the token's
+//! issuer and chosen claims, so a client that refreshes its token (same `iss` and `sub`, new
+//! `iat` and `exp`) keeps its keys, and no one can stand in its scope without a token its
+//! issuer signed.
+//!
+//! - [`keys`]: the key set (a JWKS document, or one HMAC secret) and the algorithms each key
+//!   allows.
+//! - [`refresh`]: fetching the key set at start, every `refresh`, and at once for an unknown
+//!   `kid` (at most once per [`KID_REFETCH`]).
+//! - here: [`Verifier::scope`], with a cache of verified tokens by their hash, so a client's
+//!   repeated token costs one signature check until it expires.
+
+mod keys;
+mod refresh;
+mod verify;
+
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use sha2::{Digest, Sha256};
+
+use crate::config::client::{ClientJwt, JwtKeys};
+use crate::key::ClientScope;
+use crate::metrics::Metrics;
+use crate::store::now_ms;
+use crate::upstream::UpstreamTlsConnector;
+pub use keys::KeySet;
+pub use refresh::Verifiers;
+pub use verify::Unverified;
+
+/// An unknown `kid` fetches the key set again at most this often, so that forged `kid`s cannot
+/// make the gateway hammer the issuer.
+pub const KID_REFETCH: Duration = Duration::from_secs(30);
+/// Verified tokens remembered per key source; past this, the oldest-used go.
+const CACHE_ENTRIES: usize = 16_384;
+/// A token longer than this is refused unread (real ones are under 2 KB).
+const MAX_TOKEN: usize = 8 << 10;
+
+/// Why a keyed request gets no scope from its token.
+#[derive(Debug)]
+pub enum Rejected {
+    /// The token does not verify: 401.
+    Unverified(Unverified),
+    /// No key set has been loaded yet: 503, the client may retry.
+    NoKeys,
+}
+
+/// The key set as loaded, with a number that changes when its content does.
+#[derive(Default)]
+struct Loaded {
+    set: KeySet,
+    /// SHA-256 of the document it came from; a fetch of the same document changes nothing.
+    digest: [u8; 32],
+    generation: u64,
+}
+
+/// A verified token, remembered by its hash (never its text).
+#[derive(Clone, Copy)]
+struct Cached {
+    scope: ClientScope,
+    /// Past this (its `exp` plus the leeway), the token is checked again, and refused.
+    until_ms: u64,
+    generation: u64,
+}
+
+/// Verifies one `client_jwt` table's tokens; shared by every route with the same table.
+pub struct Verifier {
+    config: Arc<ClientJwt>,
+    loaded: ArcSwap<Loaded>,
+    /// Why the last fetch failed, while no key set is loaded (for `/readyz` and the 503).
+    failure: Mutex<Option<String>>,
+    cache: quick_cache::sync::Cache<[u8; 32], Cached>,
+    /// Held for a fetch (one at a time); the time of the last one an unknown `kid` asked for.
+    fetching: tokio::sync::Mutex<Option<tokio::time::Instant>>,
+    tls: Arc<UpstreamTlsConnector>,
+    metrics: Arc<Metrics>,
+}
+
+impl Verifier {
+    fn new(config: Arc<ClientJwt>, tls: Arc<UpstreamTlsConnector>, metrics: Arc<Metrics>) -> Self {
+        let loaded = match &config.keys {
+            JwtKeys::Hmac(secret) => Loaded {
+                set: KeySet::hmac(secret.key()),
+                digest: [0; 32],
+                generation: 1,
+            },
+            JwtKeys::Url(_) | JwtKeys::File(_) => Loaded::default(),
+        };
+        Verifier {
+            config,
+            loaded: ArcSwap::from_pointee(loaded),
+            failure: Mutex::new(None),
+            cache: quick_cache::sync::Cache::new(CACHE_ENTRIES),
+            fetching: tokio::sync::Mutex::new(None),
+            tls,
+            metrics,
+        }
+    }
+
+    pub fn config(&self) -> &ClientJwt {
+        &self.config
+    }
+
+    /// `None` once a key set is loaded; until then, why not (for `/readyz`).
+    pub fn not_ready(&self) -> Option<String> {
+        if !self.loaded.load().set.is_empty() {
+            return None;
+        }
+        let why = self.failure.lock().unwrap_or_else(PoisonError::into_inner);
+        Some(format!(
+            "client_jwt keys from {} not loaded yet{}",
+            self.config.keys.describe(),
+            why.as_deref().map(|w| format!(": {w}")).unwrap_or_default()
+        ))
+    }
+
+    /// The scope of the client `token` names, once it verifies.
+    pub async fn scope(&self, token: &str) -> Result<ClientScope, Rejected> {
+        if token.len() > MAX_TOKEN {
+            return Err(Rejected::Unverified(Unverified::Malformed));
+        }
+        let digest: [u8; 32] = Sha256::digest(token.as_bytes()).into();
+        let loaded = self.loaded.load_full();
+        if loaded.set.is_empty() {
+            return Err(Rejected::NoKeys);
+        }
+        let now = now_ms();
+        if let Some(hit) = self.cache.get(&digest) {
+            if hit.generation == loaded.generation && now < hit.until_ms {
+                return Ok(hit.scope);
+            }
+        }
+        let verified = match verify::verify(token, &loaded.set, &self.config, now) {
+            Err(Unverified::UnknownKey) if self.refetch(loaded.generation).await => {
+                let loaded = self.loaded.load_full();
+                verify::verify(token, &loaded.set, &self.config, now)
+                    .map(|v| (v, loaded.generation))
+            }
+            other => other.map(|v| (v, loaded.generation)),
+        };
+        let (verified, generation) = verified.map_err(Rejected::Unverified)?;
+        self.cache.insert(
+            digest,
+            Cached {
+                scope: verified.scope,
+                until_ms: verified.until_ms,
+                generation,
+            },
+        );
+        Ok(verified.scope)
+    }
+}
