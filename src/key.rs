@@ -5,10 +5,12 @@
 //! ever stored or logged in the clear, and every stored key has the same short, bounded length.
 
 use std::fmt;
-use std::sync::OnceLock;
 
 use http::{HeaderMap, HeaderName};
 use sha2::{Digest, Sha256};
+
+mod scope;
+pub use scope::{canonical_value, ClientScope, Identified};
 
 /// Longest accepted key, as Stripe and the IETF draft's examples allow.
 pub const MAX_KEY_LEN: usize = 255;
@@ -238,198 +240,6 @@ fn unquote(body: &[u8]) -> Result<Vec<u8>, KeyError> {
     Err(KeyError::Malformed)
 }
 
-/// A client header's value as the header means it. `Authorization` and
-/// `Proxy-Authorization`: the scheme is case-insensitive (RFC 9110 section 11.1) and spelled
-/// `Bearer`, `Basic`, ... here, one space between it and the credentials; leading and trailing
-/// whitespace goes. Other headers are taken as sent. Borrowed when nothing changes (the common
-/// case costs no allocation).
-pub fn canonical_value<'a>(name: &HeaderName, value: &'a [u8]) -> std::borrow::Cow<'a, [u8]> {
-    use std::borrow::Cow;
-    if name != http::header::AUTHORIZATION && name != http::header::PROXY_AUTHORIZATION {
-        return Cow::Borrowed(value);
-    }
-    let trimmed = trim_ows(value);
-    let Some(space) = trimmed.iter().position(|b| matches!(b, b' ' | b'\t')) else {
-        return Cow::Borrowed(trimmed);
-    };
-    let (scheme, rest) = trimmed.split_at(space);
-    let credentials = trim_ows(rest);
-    let canonical_scheme = scheme.iter().enumerate().all(|(i, b)| {
-        if i == 0 {
-            !b.is_ascii_lowercase()
-        } else {
-            !b.is_ascii_uppercase()
-        }
-    });
-    if canonical_scheme && rest.len() == credentials.len() + 1 && rest[0] == b' ' {
-        return Cow::Borrowed(trimmed);
-    }
-    let mut out = Vec::with_capacity(scheme.len() + 1 + credentials.len());
-    for (i, b) in scheme.iter().enumerate() {
-        out.push(if i == 0 {
-            b.to_ascii_uppercase()
-        } else {
-            b.to_ascii_lowercase()
-        });
-    }
-    out.push(b' ');
-    out.extend_from_slice(credentials);
-    Cow::Owned(out)
-}
-
-/// Who a key belongs to: a hash of a client header's value (or a verified JWT's issuer and
-/// claims, or one shared scope).
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub struct ClientScope([u8; 32]);
-
-/// The scope a request names, and the one the gateway before issue 42 derived for it where the
-/// two differ (a retry of a key stored then is looked up under it: see [`crate::gateway`]).
-#[derive(Clone, Copy, Debug)]
-pub struct Identified {
-    pub scope: ClientScope,
-    pub legacy: Option<ClientScope>,
-    /// The value looks like a JWT (`Bearer eyJ...` in three segments): a scope that changes with
-    /// every token refresh.
-    pub jwt_like: bool,
-}
-
-impl Identified {
-    /// A scope with no older derivation.
-    pub fn of(scope: ClientScope) -> Self {
-        Identified {
-            scope,
-            legacy: None,
-            jwt_like: false,
-        }
-    }
-}
-
-/// Whether a header value looks like a JWT: `eyJ` (base64url of `{"`) and three segments,
-/// after an optional `Bearer `. Cheap: most values fail at the first bytes.
-fn looks_like_jwt(value: &[u8]) -> bool {
-    let token = match value.get(..7) {
-        Some(scheme) if scheme.eq_ignore_ascii_case(b"bearer ") => &value[7..],
-        _ => value,
-    };
-    token.starts_with(b"eyJ") && token.iter().filter(|b| **b == b'.').count() == 2
-}
-
-impl ClientScope {
-    /// The scope of the client the request names, if it carries one of `client_headers`: the
-    /// first it carries decides. The value is taken as the header means it: an
-    /// `Authorization` scheme in any case and spacing is one credential, and a header split over
-    /// several fields (HTTP/2 sends cookies so) is the one line RFC 9110 joins them into. The
-    /// header's place in the list is hashed with its value, so that the same value in two
-    /// headers is two scopes; the first header's scope is derived as it always was (no name),
-    /// so that keys stored before stay reachable.
-    pub fn identify(headers: &HeaderMap, client_headers: &[HeaderName]) -> Option<Identified> {
-        client_headers.iter().enumerate().find_map(|(place, name)| {
-            let mut values = headers.get_all(name).iter();
-            let first = values.next()?;
-            Some(match values.next() {
-                // The common case: one field, most often already in its canonical form.
-                None => {
-                    let value = first.as_bytes();
-                    let canonical = canonical_value(name, value);
-                    let scope = Self::of_header(place, name, &canonical);
-                    let legacy =
-                        (place > 0 || *canonical != *value).then(|| ClientScope::from_value(value));
-                    Identified {
-                        scope,
-                        legacy,
-                        jwt_like: looks_like_jwt(value),
-                    }
-                }
-                Some(_) => Self::joined(place, name, headers),
-            })
-        })
-    }
-
-    /// A header split over several fields: all of them, joined as RFC 9110 (and RFC 9113 for
-    /// cookies) joins them, so that no field can be left out to land in another client's scope.
-    fn joined(place: usize, name: &HeaderName, headers: &HeaderMap) -> Identified {
-        let separator: &[u8] = if name == http::header::COOKIE {
-            b"; "
-        } else {
-            b", "
-        };
-        let (mut joined, mut legacy) = (Vec::new(), Vec::new());
-        for (i, v) in headers.get_all(name).iter().enumerate() {
-            if i > 0 {
-                joined.extend_from_slice(separator);
-                legacy.push(0);
-            }
-            joined.extend_from_slice(v.as_bytes());
-            legacy.extend_from_slice(v.as_bytes());
-        }
-        let canonical = canonical_value(name, &joined);
-        Identified {
-            scope: Self::of_header(place, name, &canonical),
-            legacy: Some(ClientScope::from_value(&legacy)),
-            jwt_like: false,
-        }
-    }
-
-    /// The scope of `value` (already canonical) in the header at `place` of `client_header`.
-    pub fn of_header(place: usize, name: &HeaderName, value: &[u8]) -> Self {
-        if place == 0 {
-            return Self::from_value(value);
-        }
-        let mut h = Sha256::new();
-        h.update(b"idemgate/client-scope/v2\x00");
-        h.update((name.as_str().len() as u64).to_be_bytes());
-        h.update(name.as_str().as_bytes());
-        h.update(value);
-        ClientScope(h.finalize().into())
-    }
-
-    /// The scope of a verified JWT: its issuer and the configured claims' values, in order (a
-    /// string claim by its text, any other by its JSON), each length-prefixed.
-    pub fn of_jwt<'a>(issuer: &str, claims: impl IntoIterator<Item = &'a [u8]>) -> Self {
-        let mut h = Sha256::new();
-        h.update(b"idemgate/client-scope/jwt/v1\x00");
-        h.update((issuer.len() as u64).to_be_bytes());
-        h.update(issuer.as_bytes());
-        for value in claims {
-            h.update((value.len() as u64).to_be_bytes());
-            h.update(value);
-        }
-        ClientScope(h.finalize().into())
-    }
-
-    /// The scope every request shares when no client header is configured.
-    pub fn shared() -> Self {
-        // The two fixed scopes are hashed once, not on every request.
-        static SHARED: OnceLock<ClientScope> = OnceLock::new();
-        *SHARED.get_or_init(|| ClientScope::from_value(b"\x00shared"))
-    }
-
-    /// The scope of the requests that carry none of the client headers.
-    pub fn anonymous() -> Self {
-        static ANONYMOUS: OnceLock<ClientScope> = OnceLock::new();
-        *ANONYMOUS.get_or_init(|| ClientScope::from_value(b"\x00anonymous"))
-    }
-
-    /// The hash itself (never the header's value).
-    pub fn as_bytes(&self) -> &[u8; 32] {
-        &self.0
-    }
-
-    /// The scope of a client header value, as an operator types it (`idemgate keys --client`).
-    pub fn from_value(value: &[u8]) -> Self {
-        let mut h = Sha256::new();
-        h.update(b"idemgate/client-scope/v1\x00");
-        h.update(value);
-        ClientScope(h.finalize().into())
-    }
-}
-
-impl fmt::Debug for ClientScope {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "ClientScope({})", hex::encode(&self.0[..6]))
-    }
-}
-
 /// The key under which one operation is stored: SHA-256 of (scope, route, key). Kept as the
 /// 32 bytes (no allocation, cheap to copy and hash); hex only where text is needed (Redis keys,
 /// pub/sub messages, logs).
@@ -450,7 +260,7 @@ impl StoreKey {
     pub fn new(scope: &ClientScope, route: &str, key: &str) -> Self {
         let mut h = Sha256::new();
         h.update(b"idemgate/key/v1\x00");
-        h.update(scope.0);
+        h.update(scope.as_bytes());
         // Length prefixes keep ("ab", "c") and ("a", "bc") apart.
         h.update((route.len() as u64).to_be_bytes());
         h.update(route.as_bytes());

@@ -694,4 +694,6 @@ impl Config {
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
+mod tests_client;
+#[cfg(test)]
 mod tests_uncertain;

@@ -151,3 +151,6 @@ impl Verifier {
         Ok(verified.scope)
     }
 }
+
+#[cfg(test)]
+mod tests;
