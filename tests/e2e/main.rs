@@ -11,6 +11,7 @@ mod support;
 
 mod architecture;
 mod cli;
+mod client_jwt;
 mod consumers;
 mod disk_restarts;
 mod disk_store;

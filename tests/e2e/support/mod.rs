@@ -3,6 +3,7 @@
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod client;
+pub mod issuer;
 pub mod kafka;
 pub mod nats;
 pub mod nginx;
