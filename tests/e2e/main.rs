@@ -12,6 +12,7 @@ mod support;
 mod architecture;
 mod cli;
 mod client_jwt;
+mod client_scope;
 mod consumers;
 mod disk_restarts;
 mod disk_store;

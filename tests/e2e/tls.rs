@@ -10,58 +10,15 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
-use rcgen::{BasicConstraints, Certificate, CertificateParams, DnType, IsCa, KeyPair, SanType};
+use rcgen::{CertificateParams, DnType, KeyPair};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use tokio::net::TcpListener;
 
+use crate::support::certs::Ca;
 use crate::support::*;
 use idemgate::config::Config;
 use idemgate::server::Running;
-
-/// A certificate authority for the tests.
-struct Ca {
-    cert: Certificate,
-    key: KeyPair,
-}
-
-impl Ca {
-    fn new(name: &str) -> Ca {
-        let key = KeyPair::generate().unwrap();
-        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
-        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        params.distinguished_name.push(DnType::CommonName, name);
-        Ca {
-            cert: params.self_signed(&key).unwrap(),
-            key,
-        }
-    }
-
-    /// A leaf for `names` (DNS names, or 127.0.0.1), valid now unless `expired`: (cert, key)
-    /// in PEM.
-    fn leaf(&self, names: &[&str], expired: bool) -> (String, String) {
-        let key = KeyPair::generate().unwrap();
-        let mut params = CertificateParams::new(
-            names
-                .iter()
-                .filter(|n| n.parse::<std::net::IpAddr>().is_err())
-                .map(|n| n.to_string())
-                .collect::<Vec<_>>(),
-        )
-        .unwrap();
-        for n in names {
-            if let Ok(ip) = n.parse() {
-                params.subject_alt_names.push(SanType::IpAddress(ip));
-            }
-        }
-        if expired {
-            params.not_before = rcgen::date_time_ymd(2020, 1, 1);
-            params.not_after = rcgen::date_time_ymd(2021, 1, 1);
-        }
-        let cert = params.signed_by(&key, &self.cert, &self.key).unwrap();
-        (cert.pem(), key.serialize_pem())
-    }
-}
 
 /// An HTTPS upstream that answers 201 and counts requests and TLS handshakes; with
 /// `client_ca`, it asks for a client certificate signed by it. It speaks HTTP/1.1, and HTTP/2

@@ -2,6 +2,7 @@
 //! real Redis servers ([`redis`]).
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+pub mod certs;
 mod client;
 pub mod issuer;
 pub mod kafka;
