@@ -22,8 +22,12 @@ pub struct KeyIdentity {
     pub named: bool,
     pub path: String,
     pub methods: Vec<String>,
-    /// `client_header`, in order.
+    /// `client_header`, in order (empty where `client_jwt` names the client).
     pub client_headers: Vec<String>,
+    /// `client_jwt`'s scope claims, in order (with the token's `iss`), where it names the
+    /// client.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_jwt: Option<Vec<String>>,
     /// Where the key comes from: headers, then body fields.
     pub key: Vec<String>,
 }
@@ -35,9 +39,13 @@ impl KeyIdentity {
             named: route.named,
             path: route.pattern.to_string(),
             methods: route.methods.iter().map(|m| m.to_string()).collect(),
-            client_headers: (route.policy.client_headers.iter())
-                .map(|h| h.as_str().to_string())
-                .collect(),
+            client_headers: match &route.policy.client_jwt {
+                Some(_) => Vec::new(),
+                None => (route.policy.client_headers.iter())
+                    .map(|h| h.as_str().to_string())
+                    .collect(),
+            },
+            client_jwt: (route.policy.client_jwt.as_ref()).map(|j| j.claims.clone()),
             key: (route.key.headers.iter().map(|h| h.as_str().to_string()))
                 .chain(route.key.pointers.iter().map(|p| format!("body {p}")))
                 .collect(),
@@ -86,6 +94,17 @@ pub fn rekeyed(running: &[KeyIdentity], new: &[KeyIdentity]) -> Vec<String> {
                     old.client_headers, now.client_headers
                 ));
             }
+            if old.client_jwt != now.client_jwt {
+                let said = |j: &Option<Vec<String>>| match j {
+                    Some(claims) => format!("the JWT's iss and {claims:?}"),
+                    None => "a header".to_string(),
+                };
+                changed.push(format!(
+                    "its client scope from {} becomes from {}",
+                    said(&old.client_jwt),
+                    said(&now.client_jwt)
+                ));
+            }
             if old.key != now.key {
                 changed.push(format!("its key {:?} becomes {:?}", old.key, now.key));
             }
@@ -126,7 +145,16 @@ mod tests {
             path: path.into(),
             methods: vec!["POST".into()],
             client_headers: vec![client.into()],
+            client_jwt: None,
             key: vec!["idempotency-key".into()],
+        }
+    }
+
+    fn jwt(claims: &[&str]) -> KeyIdentity {
+        KeyIdentity {
+            client_headers: Vec::new(),
+            client_jwt: Some(claims.iter().map(|c| c.to_string()).collect()),
+            ..route("pay", true, "/pay", "")
         }
     }
 
@@ -155,6 +183,13 @@ mod tests {
                 route("pay", true, "/pay", "x-api-key"),
                 "client_header",
             ),
+            (
+                pay(),
+                jwt(&["sub"]),
+                "becomes from the JWT's iss and [\"sub\"]",
+            ),
+            (jwt(&["sub"]), pay(), "from a header"),
+            (jwt(&["sub"]), jwt(&["sub", "tenant_id"]), "tenant_id"),
         ];
         for (old, new, said) in cases {
             let why = rekeyed(&[old], &[new]);

@@ -75,6 +75,9 @@ fn client_jwt_needs_one_key_source_an_issuer_and_sane_claims() {
         refused(with(&format!("jwks_url = \"ftp://a/k\", {iss}"))).0,
         "routes[0].client_jwt.jwks_url"
     );
+    let secret = with(&format!("jwks_url = \"https://user:hunter2@a/k\", {iss}"));
+    assert!(!format!("{}", secret.as_ref().err().unwrap()).contains("hunter2"));
+    assert_eq!(refused(secret).0, "routes[0].client_jwt.jwks_url");
     for claims in ["[]", "[\"iss\"]", "[\"sub\", \"sub\"]", "[\"\"]"] {
         let r = with(&format!("{JWKS}, {iss}, claims = {claims}"));
         assert_eq!(refused(r).0, "routes[0].client_jwt.claims", "{claims}");

@@ -20,6 +20,7 @@
 //! [`tunnel`]. Every response the gateway makes itself comes from [`Problem`].
 
 mod forward;
+mod legacy;
 mod phases;
 mod tunnel;
 
@@ -179,9 +180,8 @@ pub struct Gateway {
     served: std::sync::Mutex<Vec<KeyIdentity>>,
     /// The `client_jwt` verifiers the routes use, for reloads to share.
     verifiers: Arc<Verifiers>,
-    /// When this process started: keys of the older scope derivation are looked up for one
-    /// `ttl` after it.
-    started: Instant,
+    /// When keys of the older scope derivation are looked up too.
+    legacy: Arc<legacy::LegacyWindow>,
 }
 
 /// What a gateway is made of; [`Gateway::new`] takes it.
@@ -199,6 +199,8 @@ pub struct GatewayParts {
     pub max_buffered: usize,
     /// The registry `routing` took its `client_jwt` verifiers from.
     pub verifiers: Arc<Verifiers>,
+    /// Whether the store keeps records across restarts (all but `memory`).
+    pub durable_store: bool,
 }
 
 impl Gateway {
@@ -212,7 +214,12 @@ impl Gateway {
             upstream_tls,
             max_buffered,
             verifiers,
+            durable_store,
         } = parts;
+        let legacy = Arc::new(legacy::LegacyWindow::new(durable_store));
+        if durable_store {
+            tokio::spawn(Arc::clone(&legacy).learn(Arc::clone(&store)));
+        }
         let reconciler = Reconciler::new(Arc::clone(&metrics), Arc::clone(&upstream_tls));
         let core = Arc::new(Core::new(Arc::clone(&metrics), Arc::new(reconciler)));
         Gateway {
@@ -227,7 +234,7 @@ impl Gateway {
             metrics,
             shutting_down: AtomicBool::new(false),
             verifiers,
-            started: Instant::now(),
+            legacy,
         }
     }
 
@@ -448,16 +455,26 @@ impl Gateway {
 }
 
 /// The certificate headers are the gateway's alone: whatever a client sent under those names
-/// (or their underscore twins, which CGI-style servers read as the same) never reaches anyone,
-/// and a verified client's certificate subject and URIs take their place.
+/// (or any spelling with `_` for `-`, which CGI-style servers read as the same) never reaches
+/// anyone, and a verified client's certificate subject and URIs take their place.
 fn certificate_headers(headers: &mut http::HeaderMap, certificate: &CertificateIds) {
-    // Each name and its twin are the same length: one pass over the names (a few, and no
-    // hashing) spares nearly every request four lookups.
-    if (headers.keys()).any(|n| n.as_str().len() == SUBJECT_LEN || n.as_str().len() == URI_LEN) {
-        headers.remove(CLIENT_SUBJECT_HEADER);
-        headers.remove(CLIENT_SUBJECT_UNDERSCORED);
-        headers.remove(CLIENT_URI_HEADER);
-        headers.remove(CLIENT_URI_UNDERSCORED);
+    // A length first: one pass over the names (a few, and no hashing) spares nearly every
+    // request the comparisons.
+    let twin = |n: &http::HeaderName| {
+        let n = n.as_str();
+        (n.len() == SUBJECT_LEN || n.len() == URI_LEN)
+            && [CLIENT_SUBJECT_HEADER, CLIENT_URI_HEADER].iter().any(|h| {
+                n.bytes()
+                    .zip(h.bytes())
+                    .all(|(a, b)| a == b || (a == b'_' && b == b'-'))
+                    && n.len() == h.len()
+            })
+    };
+    if headers.keys().any(twin) {
+        let names: Vec<http::HeaderName> = headers.keys().filter(|n| twin(n)).cloned().collect();
+        for name in names {
+            headers.remove(name);
+        }
     }
     if let Some(subject) = &certificate.subject {
         headers.insert(CLIENT_SUBJECT_HEADER, subject.clone());
@@ -467,12 +484,8 @@ fn certificate_headers(headers: &mut http::HeaderMap, certificate: &CertificateI
     }
 }
 
-const CLIENT_SUBJECT_UNDERSCORED: &str = "x_client_cert_subject";
-const CLIENT_URI_UNDERSCORED: &str = "x_client_cert_uri";
 const SUBJECT_LEN: usize = CLIENT_SUBJECT_HEADER.len();
 const URI_LEN: usize = CLIENT_URI_HEADER.len();
-const _: () = assert!(CLIENT_URI_UNDERSCORED.len() == URI_LEN);
-const _: () = assert!(CLIENT_SUBJECT_UNDERSCORED.len() == SUBJECT_LEN);
 
 /// How the routes of `routing` derive their keys.
 fn identities(routing: &Routing) -> Vec<KeyIdentity> {

@@ -138,7 +138,7 @@ impl Gateway {
         let key = StoreKey::new(&identified.scope, &config.name, &sent.key);
         // Keys stored before this derivation, looked up while one could still be kept.
         let legacy = (identified.legacy)
-            .filter(|_| self.started.elapsed() < policy.ttl)
+            .filter(|_| self.legacy.open(policy.ttl))
             .map(|scope| StoreKey::new(&scope, &config.name, &sent.key));
         let lookup = Lookup::of(policy, &sent.sent).map(Box::new);
         // Kept with the record while its outcome is open, for operators to find it by.
@@ -157,7 +157,7 @@ impl Gateway {
     /// A key stored under the derivation before issue 42 (another header of the list, an
     /// `Authorization` scheme spelled otherwise, a header split over fields) is used where it
     /// exists, so that a retry across the upgrade replays; an extra store read for those
-    /// requests only, and only for one `ttl` after start.
+    /// requests only, and only for one `ttl` after the upgrade ([`super::legacy`]).
     async fn older_key(&self, conn: &ClientConn, key: StoreKey, older: StoreKey) -> StoreKey {
         match conn.worker.store.get(&older).await {
             Ok(Some(_)) => older,

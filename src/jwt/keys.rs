@@ -27,6 +27,8 @@ impl Key {
 #[derive(Default)]
 pub struct KeySet {
     keys: Vec<Key>,
+    /// One configured secret: nothing to fetch, so its one key is the token's whatever it names.
+    fixed: bool,
 }
 
 /// Why a token's key was not found.
@@ -59,7 +61,7 @@ impl KeySet {
                 "no signature key of a supported type (RSA, EC P-256/P-384, Ed25519)".into(),
             );
         }
-        Ok(KeySet { keys })
+        Ok(KeySet { keys, fixed: false })
     }
 
     /// One HMAC secret: HS256, HS384 or HS512, whatever `kid` a token names.
@@ -70,6 +72,7 @@ impl KeySet {
                 key: DecodingKey::from_secret(secret),
                 algorithms: vec![Algorithm::HS256, Algorithm::HS384, Algorithm::HS512],
             }],
+            fixed: true,
         }
     }
 
@@ -81,14 +84,18 @@ impl KeySet {
         self.keys.len()
     }
 
-    /// The key a token names by `kid`; without a `kid`, the only key there is.
-    pub(super) fn find(&self, kid: Option<&str>) -> Result<&Key, NoKey> {
-        match kid {
-            Some(kid) => (self.keys.iter())
-                .find(|k| k.kid.as_deref() == Some(kid) || k.kid.is_none() && self.keys.len() == 1)
-                .ok_or(NoKey::Unknown),
-            None if self.keys.len() == 1 => self.keys.first().ok_or(NoKey::Unknown),
-            None => Err(NoKey::Unknown),
+    /// The key a token names by `kid`, and whether it was named: a key with that `kid`; else
+    /// (a token without one, or a set whose one key has none) the only key there is, not
+    /// named, so that a signature it does not verify may be a rotation to fetch.
+    pub(super) fn find(&self, kid: Option<&str>) -> Result<(&Key, bool), NoKey> {
+        if let Some(kid) = kid {
+            if let Some(key) = self.keys.iter().find(|k| k.kid.as_deref() == Some(kid)) {
+                return Ok((key, true));
+            }
+        }
+        match self.keys.as_slice() {
+            [only] if kid.is_none() || only.kid.is_none() => Ok((only, self.fixed)),
+            _ => Err(NoKey::Unknown),
         }
     }
 }

@@ -6,7 +6,8 @@
 //! - [`keys`]: the key set (a JWKS document, or one HMAC secret) and the algorithms each key
 //!   allows.
 //! - [`refresh`]: fetching the key set at start, every `refresh`, and at once for an unknown
-//!   `kid` (at most once per [`KID_REFETCH`]).
+//!   `kid` (at most once per [`KID_REFETCH`]); one [`KeySource`] per JWKS, whichever tables
+//!   name it.
 //! - here: [`Verifier::scope`], with a cache of verified tokens by their hash, so a client's
 //!   repeated token costs one signature check until it expires.
 
@@ -64,22 +65,28 @@ struct Cached {
     generation: u64,
 }
 
-/// Verifies one `client_jwt` table's tokens; shared by every route with the same table.
-pub struct Verifier {
-    config: Arc<ClientJwt>,
+/// One source of keys (a JWKS URL or file, or an HMAC secret), fetched and kept fresh for
+/// every `client_jwt` table that names it, whatever their issuers or audiences.
+pub struct KeySource {
+    keys: JwtKeys,
+    refresh: Duration,
     loaded: ArcSwap<Loaded>,
     /// Why the last fetch failed, while no key set is loaded (for `/readyz` and the 503).
     failure: Mutex<Option<String>>,
-    cache: quick_cache::sync::Cache<[u8; 32], Cached>,
     /// Held for a fetch (one at a time); the time of the last one an unknown `kid` asked for.
     fetching: tokio::sync::Mutex<Option<tokio::time::Instant>>,
     tls: Arc<UpstreamTlsConnector>,
     metrics: Arc<Metrics>,
 }
 
-impl Verifier {
-    fn new(config: Arc<ClientJwt>, tls: Arc<UpstreamTlsConnector>, metrics: Arc<Metrics>) -> Self {
-        let loaded = match &config.keys {
+impl KeySource {
+    fn new(
+        keys: JwtKeys,
+        refresh: Duration,
+        tls: Arc<UpstreamTlsConnector>,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        let loaded = match &keys {
             JwtKeys::Hmac(secret) => Loaded {
                 set: KeySet::hmac(secret.key()),
                 digest: [0; 32],
@@ -87,19 +94,15 @@ impl Verifier {
             },
             JwtKeys::Url(_) | JwtKeys::File(_) => Loaded::default(),
         };
-        Verifier {
-            config,
+        KeySource {
+            keys,
+            refresh,
             loaded: ArcSwap::from_pointee(loaded),
             failure: Mutex::new(None),
-            cache: quick_cache::sync::Cache::new(CACHE_ENTRIES),
             fetching: tokio::sync::Mutex::new(None),
             tls,
             metrics,
         }
-    }
-
-    pub fn config(&self) -> &ClientJwt {
-        &self.config
     }
 
     /// `None` once a key set is loaded; until then, why not (for `/readyz`).
@@ -110,9 +113,27 @@ impl Verifier {
         let why = self.failure.lock().unwrap_or_else(PoisonError::into_inner);
         Some(format!(
             "client_jwt keys from {} not loaded yet{}",
-            self.config.keys.describe(),
+            self.keys.describe(),
             why.as_deref().map(|w| format!(": {w}")).unwrap_or_default()
         ))
+    }
+}
+
+/// Verifies one `client_jwt` table's tokens; shared by every route with the same table.
+pub struct Verifier {
+    config: Arc<ClientJwt>,
+    keys: Arc<KeySource>,
+    cache: quick_cache::sync::Cache<[u8; 32], Cached>,
+}
+
+impl Verifier {
+    pub fn config(&self) -> &ClientJwt {
+        &self.config
+    }
+
+    /// `None` once a key set is loaded; until then, why not (for `/readyz`).
+    pub fn not_ready(&self) -> Option<String> {
+        self.keys.not_ready()
     }
 
     /// The scope of the client `token` names, once it verifies.
@@ -121,7 +142,7 @@ impl Verifier {
             return Err(Rejected::Unverified(Unverified::Malformed));
         }
         let digest: [u8; 32] = Sha256::digest(token.as_bytes()).into();
-        let loaded = self.loaded.load_full();
+        let loaded = self.keys.loaded.load_full();
         if loaded.set.is_empty() {
             return Err(Rejected::NoKeys);
         }
@@ -132,8 +153,8 @@ impl Verifier {
             }
         }
         let verified = match verify::verify(token, &loaded.set, &self.config, now) {
-            Err(Unverified::UnknownKey) if self.refetch(loaded.generation).await => {
-                let loaded = self.loaded.load_full();
+            Err(Unverified::UnknownKey) if self.keys.refetch(loaded.generation).await => {
+                let loaded = self.keys.loaded.load_full();
                 verify::verify(token, &loaded.set, &self.config, now)
                     .map(|v| (v, loaded.generation))
             }

@@ -1,8 +1,8 @@
 //! Getting the key set and keeping it current: fetched (or read) at start and retried until it
 //! loads, again every `refresh`, and at once when a token names an unknown `kid` (at most once
 //! per [`KID_REFETCH`]). A failed fetch keeps the last good set, logged and counted. The
-//! [`Verifiers`] registry shares one verifier per `client_jwt` table, across routes and
-//! reloads, so a reload neither refetches nor forgets the cache.
+//! [`Verifiers`] registry shares one verifier per `client_jwt` table and one [`KeySource`] per
+//! key source, across routes and reloads, so a reload neither refetches nor forgets the cache.
 
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::Duration;
@@ -12,22 +12,26 @@ use http_body_util::{BodyExt, Limited};
 use sha2::{Digest, Sha256};
 
 use super::keys::MAX_JWKS_BYTES;
-use super::{KeySet, Loaded, Verifier, KID_REFETCH};
+use super::{KeySet, KeySource, Loaded, Verifier, CACHE_ENTRIES, KID_REFETCH};
 use crate::config::client::{ClientJwt, JwtKeys};
 use crate::metrics::Metrics;
 use crate::upstream::{oneshot, UpstreamTlsConnector};
 
 /// One fetch, whole, within this.
 const FETCH_TIMEOUT: Duration = Duration::from_secs(10);
+/// A request whose token names an unknown `kid` waits at most this for the key set to be
+/// fetched again (behind a fetch already running, or its own).
+const KID_WAIT: Duration = Duration::from_secs(5);
 /// Until a first key set loads, retries start this far apart and double to [`RETRY_MAX`].
 const RETRY_FIRST: Duration = Duration::from_millis(500);
 const RETRY_MAX: Duration = Duration::from_secs(30);
 
-/// The verifiers in use, one per distinct `client_jwt` table.
+/// The verifiers in use, one per distinct `client_jwt` table, and the key sources they share.
 pub struct Verifiers {
     tls: Arc<UpstreamTlsConnector>,
     metrics: Arc<Metrics>,
     live: Mutex<Vec<Weak<Verifier>>>,
+    sources: Mutex<Vec<Weak<KeySource>>>,
 }
 
 impl Verifiers {
@@ -36,78 +40,97 @@ impl Verifiers {
             tls,
             metrics,
             live: Mutex::new(Vec::new()),
+            sources: Mutex::new(Vec::new()),
         }
     }
 
-    /// The verifier for `config`: the one in use if a route already has it, else a new one
-    /// whose key set starts loading now (on the calling runtime).
+    /// The verifier for `config`: the one in use if a route already has it, else a new one on
+    /// the key source in use for its keys (so a reload that changes only an audience or a
+    /// claim neither refetches nor waits for keys), or on a new source that starts loading now
+    /// (on the calling runtime).
     pub fn get(&self, config: &Arc<ClientJwt>) -> Arc<Verifier> {
         let mut live = self.live.lock().unwrap_or_else(PoisonError::into_inner);
         live.retain(|w| w.strong_count() > 0);
-        if let Some(v) = live
-            .iter()
-            .filter_map(Weak::upgrade)
-            .find(|v| *v.config == **config)
-        {
+        if let Some(v) = (live.iter().filter_map(Weak::upgrade)).find(|v| *v.config == **config) {
             return v;
         }
-        let verifier = Arc::new(Verifier::new(
-            Arc::clone(config),
+        let verifier = Arc::new(Verifier {
+            config: Arc::clone(config),
+            keys: self.source(config),
+            cache: quick_cache::sync::Cache::new(CACHE_ENTRIES),
+        });
+        live.push(Arc::downgrade(&verifier));
+        verifier
+    }
+
+    fn source(&self, config: &ClientJwt) -> Arc<KeySource> {
+        let mut sources = self.sources.lock().unwrap_or_else(PoisonError::into_inner);
+        sources.retain(|w| w.strong_count() > 0);
+        let same = |s: &Arc<KeySource>| s.keys == config.keys && s.refresh == config.refresh;
+        if let Some(s) = sources.iter().filter_map(Weak::upgrade).find(same) {
+            return s;
+        }
+        let source = Arc::new(KeySource::new(
+            config.keys.clone(),
+            config.refresh,
             Arc::clone(&self.tls),
             Arc::clone(&self.metrics),
         ));
-        live.push(Arc::downgrade(&verifier));
+        sources.push(Arc::downgrade(&source));
         if !matches!(config.keys, JwtKeys::Hmac(_)) {
-            tokio::spawn(keep_fresh(Arc::downgrade(&verifier)));
+            tokio::spawn(keep_fresh(Arc::downgrade(&source)));
         }
-        verifier
+        source
     }
 }
 
-/// Loads the key set, then keeps it fresh, until no route uses the verifier any more.
-async fn keep_fresh(verifier: Weak<Verifier>) {
+/// Loads the key set, then keeps it fresh, until no verifier uses the source any more.
+async fn keep_fresh(source: Weak<KeySource>) {
     let mut retry = RETRY_FIRST;
     loop {
-        let Some(v) = verifier.upgrade() else {
+        let Some(s) = source.upgrade() else {
             return;
         };
         let fetched = {
-            let _one_at_a_time = v.fetching.lock().await;
-            v.fetch().await
+            let _one_at_a_time = s.fetching.lock().await;
+            s.fetch().await
         };
         let wait = if fetched {
             retry = RETRY_FIRST;
-            v.config.refresh
+            s.refresh
         } else {
-            let wait = retry.min(v.config.refresh);
+            let wait = retry.min(s.refresh);
             retry = (retry * 2).min(RETRY_MAX);
             wait
         };
-        drop(v);
+        drop(s);
         tokio::time::sleep(wait).await;
     }
 }
 
-impl Verifier {
+impl KeySource {
     /// After a token named an unknown `kid` under `seen` (a generation): whether the key set
     /// changed since, by another's fetch or by one made now, if none was made for a `kid` in
-    /// the last [`KID_REFETCH`].
+    /// the last [`KID_REFETCH`]. The request waits at most [`KID_WAIT`] for it, whoever fetches.
     pub(super) async fn refetch(&self, seen: u64) -> bool {
-        if matches!(self.config.keys, JwtKeys::Hmac(_)) {
+        if matches!(self.keys, JwtKeys::Hmac(_)) {
             return false;
         }
-        let Ok(mut last) = tokio::time::timeout(FETCH_TIMEOUT, self.fetching.lock()).await else {
-            return false;
+        let refetched = async {
+            let mut last = self.fetching.lock().await;
+            if self.loaded.load().generation != seen {
+                return true;
+            }
+            let now = tokio::time::Instant::now();
+            if last.is_some_and(|at| now.duration_since(at) < KID_REFETCH) {
+                return false;
+            }
+            *last = Some(now);
+            self.fetch().await && self.loaded.load().generation != seen
         };
-        if self.loaded.load().generation != seen {
-            return true;
-        }
-        let now = tokio::time::Instant::now();
-        if last.is_some_and(|at| now.duration_since(at) < KID_REFETCH) {
-            return false;
-        }
-        *last = Some(now);
-        self.fetch().await && self.loaded.load().generation != seen
+        tokio::time::timeout(KID_WAIT, refetched)
+            .await
+            .unwrap_or(false)
     }
 
     /// One fetch (the caller holds `fetching`): the new set replaces the old one if it parses;
@@ -118,7 +141,7 @@ impl Verifier {
             Ok(Err(why)) => Err(why),
             Err(_) => Err(format!("no answer within {FETCH_TIMEOUT:?}")),
         };
-        let source = self.config.keys.describe();
+        let source = self.keys.describe();
         match document {
             Ok((set, bytes)) => {
                 self.metrics.jwks_fetch("ok");
@@ -147,7 +170,7 @@ impl Verifier {
 
     /// The JWKS document's bytes, bounded.
     async fn document(&self) -> Result<Vec<u8>, String> {
-        match &self.config.keys {
+        match &self.keys {
             JwtKeys::Url(url) => {
                 let response = oneshot::get(url, &self.tls, oneshot::Peer::Other).await?;
                 let (parts, body) = response.into_parts();

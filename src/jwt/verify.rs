@@ -58,7 +58,7 @@ pub(super) fn verify(
     now_ms: u64,
 ) -> Result<Verified, Unverified> {
     let header = decode_header(token).map_err(|_| Unverified::Malformed)?;
-    let key = set
+    let (key, named) = set
         .find(header.kid.as_deref())
         .map_err(|_| Unverified::UnknownKey)?;
     if !key.allows(header.alg) {
@@ -71,6 +71,8 @@ pub(super) fn verify(
     validation.required_spec_claims.clear();
     let claims = decode::<Map<String, Value>>(token, &key.key, &validation)
         .map_err(|e| match e.kind() {
+            // The only key, not named by the token: the issuer may have rotated to another.
+            jsonwebtoken::errors::ErrorKind::InvalidSignature if !named => Unverified::UnknownKey,
             jsonwebtoken::errors::ErrorKind::InvalidSignature => Unverified::Signature,
             jsonwebtoken::errors::ErrorKind::InvalidAlgorithm => Unverified::Algorithm,
             _ => Unverified::Malformed,

@@ -24,7 +24,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::admin::Operator;
-use crate::config::{Config, ConsumerConfig, ServerConfig};
+use crate::config::{Config, ConsumerConfig, ServerConfig, StoreConfig};
 use crate::consumer::{self as consumers, AnySource, BrokerHealth, ConsumerError};
 use crate::gateway::{Gateway, GatewayParts, Routing};
 use crate::jwt::Verifiers;
@@ -118,6 +118,7 @@ impl Server {
             upstream_tls,
             max_buffered: config.server.max_buffered,
             verifiers,
+            durable_store: !matches!(config.store, StoreConfig::Memory { .. }),
         }));
         let sources = consumers::sources(&config.consumers)?;
         let consumers = config.consumers.into_iter().zip(sources).collect();

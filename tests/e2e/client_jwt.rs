@@ -15,13 +15,29 @@ fn claims(sub: &str, iat: u64, exp: u64) -> Value {
 }
 
 fn config(upstream: &str, jwks: &str) -> String {
+    let admin = crate::support::redis::free_port(false);
     TomlConfig::parse(&format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\n[upstream]\nurl = \"{upstream}\"\n[store]\nbackend = \"memory\"\n{PAYMENTS}"
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin = \"127.0.0.1:{admin}\"\n[upstream]\nurl = \"{upstream}\"\n[store]\nbackend = \"memory\"\n{PAYMENTS}"
     ))
     .set("defaults.client_jwt.jwks_url", jwks)
     .set("defaults.client_jwt.issuer", ISSUER)
     .set("defaults.client_jwt.audience", "payments-api")
     .text()
+}
+
+/// Waits until `/readyz` answers 200: the key set has loaded.
+async fn ready(config: &str) {
+    let admin: std::net::SocketAddr = toml::from_str::<toml::Table>(config).unwrap()["server"]
+        ["admin"]
+        .as_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(
+        eventually(|| async { admin_get(admin, "/readyz").await.0 == 200 }).await,
+        "the key set never loaded: {:?}",
+        admin_get(admin, "/readyz").await
+    );
 }
 
 async fn pay(http: &Http, key: &str, token: &str) -> Got {
@@ -38,8 +54,9 @@ async fn a_refreshed_token_replays_and_forgeries_run_nothing() {
     let k1 = SigningKey::rsa("k1");
     let jwks = Jwks::serve(&[&k1]).await;
     let up = Upstream::counting().await;
-    let gw = GatewayProcess::start(&config(&up.url(), &jwks.url));
-    gw.wait_log("client_jwt key set loaded");
+    let text = config(&up.url(), &jwks.url);
+    let gw = GatewayProcess::start(&text);
+    ready(&text).await;
     let http = Http::new(gw.addr);
     let now = now_s();
     let mut tokens = Vec::new();
@@ -179,8 +196,20 @@ async fn keys_not_loaded_yet_answer_503_and_no_token_is_anonymous() {
     let jwks = Jwks::serve(&[&k1]).await;
     jwks.take_down();
     let up = Upstream::counting().await;
-    let gw = GatewayProcess::start(&config(&up.url(), &jwks.url));
-    gw.wait_log("client_jwt key set not fetched");
+    let text = config(&up.url(), &jwks.url);
+    let gw = GatewayProcess::start(&text);
+    let admin: std::net::SocketAddr = toml::from_str::<toml::Table>(&text).unwrap()["server"]
+        ["admin"]
+        .as_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let (status, why) = admin_get(admin, "/readyz").await;
+    assert_eq!(status, 503);
+    assert!(
+        why.contains("client_jwt keys from") && why.contains("not loaded yet"),
+        "{why}"
+    );
     let http = Http::new(gw.addr);
     let now = now_s();
     let got = pay(&http, "k", &k1.sign(&claims("alice", now, now + 600))).await;
@@ -203,4 +232,56 @@ async fn keys_not_loaded_yet_answer_503_and_no_token_is_anonymous() {
     assert_eq!(got.status, 401);
     assert_eq!(got.problem_type(), "client-required");
     assert_eq!(up.executions(), 1);
+}
+
+/// An operator names a JWT client's key by its claims, as the gateway derives it: `keys get`
+/// with `--jwt-claim sub=alice` finds alice's record, with bob's subject it finds none; and
+/// `--client` on such a route is refused with what to give instead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_names_a_jwt_clients_key_by_its_claims() {
+    let k1 = SigningKey::ec("k1");
+    let jwks = Jwks::serve(&[&k1]).await;
+    let up = Upstream::counting().await;
+    let dir = TempDir::new("jwt-operator");
+    let text = TomlConfig::parse(&config(&up.url(), &jwks.url))
+        .set("store.backend", "disk")
+        .set("store.path", format!("{}/store", dir.path.display()))
+        .text();
+    let gw = GatewayProcess::start(&text);
+    ready(&text).await;
+    let now = now_s();
+    let got = pay(
+        &Http::new(gw.addr),
+        "op-1",
+        &k1.sign(&claims("alice", now, now + 600)),
+    )
+    .await;
+    assert_eq!(got.status, 201);
+    gw.signal_and_wait("-TERM");
+    let path = dir.path.join("proxy.toml");
+    std::fs::write(&path, &text).unwrap();
+    let get = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_idemgate"))
+            .args([
+                "keys", "get", "--route", "payments", "--key", "op-1", "--config",
+            ])
+            .arg(&path)
+            .args(args)
+            .output()
+            .unwrap();
+        let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+        (out.status.success(), text(&out.stdout), text(&out.stderr))
+    };
+    let (ok, stdout, stderr) = get(&["--jwt-claim", "sub=alice"]);
+    assert!(ok, "{stderr}");
+    assert!(stdout.contains("completed"), "{stdout}");
+    assert!(
+        stderr.contains("the JWT client iss=https://auth.example/ sub=alice"),
+        "{stderr}"
+    );
+    let (_, stdout, _) = get(&["--jwt-claim", "sub=bob"]);
+    assert!(stdout.contains("no record"), "{stdout}");
+    let (ok, _, stderr) = get(&["--client", "Bearer x"]);
+    assert!(!ok);
+    assert!(stderr.contains("--jwt-claim"), "{stderr}");
 }

@@ -96,6 +96,18 @@ fn keys(f: &dyn Fn(&str) -> String, raw: &RawClientJwt) -> Result<JwtKeys, Confi
     }
     if let Some(url) = &raw.jwks_url {
         let uri: Option<Uri> = url.parse().ok();
+        // A key set is public: credentials in its URL would only be logged and shown.
+        if uri
+            .as_ref()
+            .and_then(Uri::authority)
+            .is_some_and(|a| a.as_str().contains('@'))
+        {
+            return Err(ConfigError::invalid(
+                f("jwks_url"),
+                "(not shown: it carries credentials)",
+                "the URL of a public JWKS document, without user or password",
+            ));
+        }
         return match uri {
             Some(u) if matches!(u.scheme_str(), Some("http" | "https")) && u.host().is_some() => {
                 Ok(JwtKeys::Url(u))
