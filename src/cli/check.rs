@@ -109,14 +109,26 @@ async fn running_routes(admin: &str) -> Result<Vec<KeyIdentity>, String> {
         .unwrap_or_else(|_| Err("no answer within 5s".into()))
 }
 
-/// Routes scoped by the certificate subject: many workloads can share one subject (a mesh's
-/// `O=SPIRE`), and one workload's subject can change at each rotation.
+/// Routes scoped by a certificate: by its subject, many workloads can share one (a mesh's
+/// `O=SPIRE`), and one workload's can change at each rotation; by its URIs or subject without
+/// `require_client`, every certificate without one shares the anonymous scope.
 fn subject_scoped(routes: &[crate::config::RouteConfig]) -> Vec<String> {
-    (routes.iter())
-        .filter(|r| r.policy.client_headers.iter().any(|h| h == crate::config::CLIENT_SUBJECT_HEADER))
-        .map(|r| format!(
-            "warning: route {:?} scopes keys by the client certificate's subject: workloads whose certificates share a subject share one scope (one's key can replay another's answer), and a subject that changes at rotation loses the keys; in a mesh, scope by the SPIFFE ID with client_header = \"X-Client-Cert-URI\"",
-            r.name
-        ))
-        .collect()
+    use crate::config::{CLIENT_SUBJECT_HEADER, CLIENT_URI_HEADER};
+    let mut warnings = Vec::new();
+    for r in routes {
+        let names = |h: &str| r.policy.client_headers.iter().any(|c| c == h);
+        if names(CLIENT_SUBJECT_HEADER) {
+            warnings.push(format!(
+                "warning: route {:?} scopes keys by the client certificate's subject: workloads whose certificates share a subject share one scope (one's key can replay another's answer), and a subject that changes at rotation loses the keys; in a mesh, scope by the SPIFFE ID with client_header = \"X-Client-Cert-URI\"",
+                r.name
+            ));
+        }
+        if (names(CLIENT_SUBJECT_HEADER) || names(CLIENT_URI_HEADER)) && !r.policy.require_client {
+            warnings.push(format!(
+                "warning: route {:?} scopes keys by the client certificate, without require_client: every certificate without that field shares the one anonymous scope; set require_client = true",
+                r.name
+            ));
+        }
+    }
+    warnings
 }

@@ -98,7 +98,7 @@ impl Gateway {
                 legacy,
             }) => {
                 let key = match legacy {
-                    Some(older) => self.older_key(conn, key, older).await,
+                    Some(older) => Box::pin(self.older_key(conn, key, older)).await,
                     None => key,
                 };
                 let caller = (allowance, lookup, origin);
@@ -133,7 +133,11 @@ impl Gateway {
         };
         let (identified, allowance) = match caller {
             Caller::Known(identified, allowance) => (identified, allowance),
-            Caller::Token(verifier, token) => self.verify_token(route, &verifier, token).await?,
+            // Boxed: inline, its future (the key set's refetch among it) would size, and be
+            // copied with, every keyed request's (bench/README.md, "Before and after issue 42").
+            Caller::Token(verifier, token) => {
+                Box::pin(self.verify_token(route, &verifier, token)).await?
+            }
         };
         let key = StoreKey::new(&identified.scope, &config.name, &sent.key);
         // Keys stored before this derivation, looked up while one could still be kept.

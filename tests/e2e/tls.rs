@@ -10,7 +10,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
-use rcgen::{CertificateParams, DnType, KeyPair};
+use rcgen::DnType;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use tokio::net::TcpListener;
@@ -566,13 +566,7 @@ async fn client_certificates_are_verified_and_their_subject_scopes_keys() {
     write(&dir, "cert.pem", &cert);
     write(&dir, "key.pem", &key);
     write(&dir, "clients.pem", &ca.cert.pem());
-    let client = |cn: &str| {
-        let key = KeyPair::generate().unwrap();
-        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
-        params.distinguished_name.push(DnType::CommonName, cn);
-        let cert = params.signed_by(&key, &ca.cert, &ca.key).unwrap();
-        (cert.der().clone(), key.serialize_der())
-    };
+    let client = |cn: &str| ca.client(&[(DnType::CommonName, cn)], &[]);
     let up = Upstream::counting().await;
     let config = TomlConfig::parse(&listener_config(&dir, &up.url()))
         .set(
@@ -582,38 +576,7 @@ async fn client_certificates_are_verified_and_their_subject_scopes_keys() {
         .set("defaults.client_header", "X-Client-Cert-Subject")
         .text();
     let gw = GatewayProcess::start(&config);
-    let connect_as = |identity: Option<(CertificateDer<'static>, Vec<u8>)>| {
-        let mut roots = rustls::RootCertStore::empty();
-        roots.add(ca.cert.der().clone()).unwrap();
-        let builder = rustls::ClientConfig::builder_with_provider(Arc::new(
-            rustls::crypto::ring::default_provider(),
-        ))
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_root_certificates(roots);
-        let config = match identity {
-            None => builder.with_no_client_auth(),
-            Some((cert, key)) => builder
-                .with_client_auth_cert(vec![cert], PrivateKeyDer::Pkcs8(key.into()))
-                .unwrap(),
-        };
-        let addr = gw.addr;
-        async move {
-            let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
-            let tls = tokio_rustls::TlsConnector::from(Arc::new(config))
-                .connect(
-                    rustls::pki_types::ServerName::try_from("localhost").unwrap(),
-                    tcp,
-                )
-                .await
-                .ok()?;
-            let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
-                .await
-                .ok()?;
-            tokio::spawn(conn);
-            Some(sender)
-        }
-    };
+    let connect_as = |identity| ca.session(gw.addr, identity);
     let post = |sender: &mut hyper::client::conn::http1::SendRequest<Full<Bytes>>,
                 spoof: Option<&str>| {
         let mut req = hyper::Request::post("/payments")
