@@ -71,7 +71,8 @@ pub enum Problem {
     ClientUnverified {
         reason: &'static str,
     },
-    /// The route's `client_jwt` key set has not been loaded yet.
+    /// The route's `client_jwt` key set has not been loaded yet, or is being fetched again for
+    /// the key this token names.
     ClientKeysUnavailable,
     StoreUnavailable,
     StoreFull,
@@ -247,7 +248,7 @@ impl Problem {
             Problem::ClientUnverified { reason } => format!(
                 "This endpoint keeps idempotency keys per client, identified by a token its issuer signed, and this request's token did not verify ({reason}). It was not forwarded and nothing was stored: get a new token and retry with the same idempotency key."
             ),
-            Problem::ClientKeysUnavailable => "The keys that verify this endpoint's client tokens have not been loaded yet. Nothing was forwarded or stored: retry shortly with the same idempotency key.".to_string(),
+            Problem::ClientKeysUnavailable => "The keys that verify this endpoint's client tokens have not been loaded yet, or not the one this token names (they are being fetched). Nothing was forwarded or stored: retry shortly with the same idempotency key.".to_string(),
             Problem::SignatureRejected { why } => {
                 let what = match *why {
                     "missing" => "carries no signature in the format this endpoint's sender uses",

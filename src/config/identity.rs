@@ -24,8 +24,9 @@ pub struct KeyIdentity {
     pub methods: Vec<String>,
     /// `client_header`, in order (empty where `client_jwt` names the client).
     pub client_headers: Vec<String>,
-    /// `client_jwt`'s scope claims, in order (with the token's `iss`), where it names the
-    /// client.
+    /// `client_jwt`'s header, then its scope claims in order (with the token's `iss`), where it
+    /// names the client: a token looked for elsewhere is, for a client that keeps sending it
+    /// where it did, no token (the anonymous scope).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub client_jwt: Option<Vec<String>>,
     /// Where the key comes from: headers, then body fields.
@@ -45,7 +46,11 @@ impl KeyIdentity {
                     .map(|h| h.as_str().to_string())
                     .collect(),
             },
-            client_jwt: (route.policy.client_jwt.as_ref()).map(|j| j.claims.clone()),
+            client_jwt: (route.policy.client_jwt.as_ref()).map(|j| {
+                std::iter::once(format!("header {}", j.header))
+                    .chain(j.claims.iter().cloned())
+                    .collect()
+            }),
             key: (route.key.headers.iter().map(|h| h.as_str().to_string()))
                 .chain(route.key.pointers.iter().map(|p| format!("body {p}")))
                 .collect(),
@@ -96,7 +101,7 @@ pub fn rekeyed(running: &[KeyIdentity], new: &[KeyIdentity]) -> Vec<String> {
             }
             if old.client_jwt != now.client_jwt {
                 let said = |j: &Option<Vec<String>>| match j {
-                    Some(claims) => format!("the JWT's iss and {claims:?}"),
+                    Some(named) => format!("the JWT (its {named:?}, with iss)"),
                     None => "a header".to_string(),
                 };
                 changed.push(format!(
@@ -185,11 +190,24 @@ mod tests {
             ),
             (
                 pay(),
-                jwt(&["sub"]),
-                "becomes from the JWT's iss and [\"sub\"]",
+                jwt(&["header authorization", "sub"]),
+                "becomes from the JWT",
             ),
-            (jwt(&["sub"]), pay(), "from a header"),
-            (jwt(&["sub"]), jwt(&["sub", "tenant_id"]), "tenant_id"),
+            (
+                jwt(&["header authorization", "sub"]),
+                pay(),
+                "from a header",
+            ),
+            (
+                jwt(&["header authorization", "sub"]),
+                jwt(&["header authorization", "sub", "tenant_id"]),
+                "tenant_id",
+            ),
+            (
+                jwt(&["header authorization", "sub"]),
+                jwt(&["header x-token", "sub"]),
+                "x-token",
+            ),
         ];
         for (old, new, said) in cases {
             let why = rekeyed(&[old], &[new]);

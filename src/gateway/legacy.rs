@@ -47,6 +47,8 @@ impl LegacyWindow {
             match since(&*store).await {
                 Ok(Some(at)) => {
                     self.since_ms.store(at, Ordering::Relaxed);
+                    // Its id, for an operator to start the window again (docs/security.md).
+                    tracing::info!(since_ms = at, marker = %marker(), "keys of the client scope derivation before issue 42 are looked up for one ttl from since_ms");
                     return;
                 }
                 Ok(None) => {}
@@ -54,6 +56,7 @@ impl LegacyWindow {
             }
             tokio::time::sleep(Duration::from_secs(1)).await;
         }
+        tracing::warn!("the scope derivation marker could not be read or written: keys of the previous derivation are looked up for one ttl from this start");
     }
 }
 

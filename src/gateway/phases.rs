@@ -98,7 +98,10 @@ impl Gateway {
                 legacy,
             }) => {
                 let key = match legacy {
-                    Some(older) => Box::pin(self.older_key(conn, key, older)).await,
+                    Some(older) => match Box::pin(self.older_key(conn, key, older)).await {
+                        Ok(key) => key,
+                        Err(problem) => return Answer::problem(problem),
+                    },
                     None => key,
                 };
                 let caller = (allowance, lookup, origin);
@@ -162,10 +165,21 @@ impl Gateway {
     /// `Authorization` scheme spelled otherwise, a header split over fields) is used where it
     /// exists, so that a retry across the upgrade replays; an extra store read for those
     /// requests only, and only for one `ttl` after the upgrade ([`super::legacy`]).
-    async fn older_key(&self, conn: &ClientConn, key: StoreKey, older: StoreKey) -> StoreKey {
+    async fn older_key(
+        &self,
+        conn: &ClientConn,
+        key: StoreKey,
+        older: StoreKey,
+    ) -> Result<StoreKey, Problem> {
         match conn.worker.store.get(&older).await {
-            Ok(Some(_)) => older,
-            _ => key,
+            Ok(Some(_)) => Ok(older),
+            Ok(None) => Ok(key),
+            // Not knowing whether the older key holds the operation, the newer one may not be
+            // claimed: its reservation could run it again.
+            Err(e) => {
+                tracing::warn!(error = %e, "older scope's key not read; refused");
+                Err(Problem::StoreUnavailable)
+            }
         }
     }
 

@@ -27,6 +27,7 @@ use crate::metrics::Metrics;
 use crate::store::now_ms;
 use crate::upstream::UpstreamTlsConnector;
 pub use keys::KeySet;
+use refresh::Refetched;
 pub use refresh::Verifiers;
 pub use verify::Unverified;
 
@@ -43,7 +44,8 @@ const MAX_TOKEN: usize = 8 << 10;
 pub enum Rejected {
     /// The token does not verify: 401.
     Unverified(Unverified),
-    /// No key set has been loaded yet: 503, the client may retry.
+    /// No key set has been loaded yet, or the token names a key the set may be about to get
+    /// (a fetch running, or one made in the last [`KID_REFETCH`]): 503, the client may retry.
     NoKeys,
 }
 
@@ -74,7 +76,7 @@ pub struct KeySource {
     /// Why the last fetch failed, while no key set is loaded (for `/readyz` and the 503).
     failure: Mutex<Option<String>>,
     /// Held for a fetch (one at a time); the time of the last one an unknown `kid` asked for.
-    fetching: tokio::sync::Mutex<Option<tokio::time::Instant>>,
+    fetching: Arc<tokio::sync::Mutex<Option<tokio::time::Instant>>>,
     tls: Arc<UpstreamTlsConnector>,
     metrics: Arc<Metrics>,
 }
@@ -99,7 +101,7 @@ impl KeySource {
             refresh,
             loaded: ArcSwap::from_pointee(loaded),
             failure: Mutex::new(None),
-            fetching: tokio::sync::Mutex::new(None),
+            fetching: Arc::new(tokio::sync::Mutex::new(None)),
             tls,
             metrics,
         }
@@ -153,11 +155,16 @@ impl Verifier {
             }
         }
         let verified = match verify::verify(token, &loaded.set, &self.config, now) {
-            Err(Unverified::UnknownKey) if self.keys.refetch(loaded.generation).await => {
-                let loaded = self.keys.loaded.load_full();
-                verify::verify(token, &loaded.set, &self.config, now)
-                    .map(|v| (v, loaded.generation))
-            }
+            Err(Unverified::UnknownKey) => match self.keys.refetch(loaded.generation).await {
+                Refetched::Changed => {
+                    let loaded = self.keys.loaded.load_full();
+                    verify::verify(token, &loaded.set, &self.config, now)
+                        .map(|v| (v, loaded.generation))
+                }
+                Refetched::Unchanged => Err(Unverified::UnknownKey),
+                // A rotation may be on its way: a 401 would end a real client's retries.
+                Refetched::Later => return Err(Rejected::NoKeys),
+            },
             other => other.map(|v| (v, loaded.generation)),
         };
         let (verified, generation) = verified.map_err(Rejected::Unverified)?;

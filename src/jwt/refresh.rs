@@ -108,29 +108,52 @@ async fn keep_fresh(source: Weak<KeySource>) {
     }
 }
 
+/// What fetching the key set again for an unknown `kid` came to.
+pub(super) enum Refetched {
+    /// The key set changed: check the token again.
+    Changed,
+    /// Fetched (or not fetchable): the key is not there.
+    Unchanged,
+    /// Not now: one was fetched for a `kid` in the last [`KID_REFETCH`], or the fetch is still
+    /// running after [`KID_WAIT`] (it goes on; the client may retry).
+    Later,
+}
+
 impl KeySource {
     /// After a token named an unknown `kid` under `seen` (a generation): whether the key set
-    /// changed since, by another's fetch or by one made now, if none was made for a `kid` in
-    /// the last [`KID_REFETCH`]. The request waits at most [`KID_WAIT`] for it, whoever fetches.
-    pub(super) async fn refetch(&self, seen: u64) -> bool {
+    /// changed since, by another's fetch or by one started now, if none was started for a
+    /// `kid` in the last [`KID_REFETCH`]. The request waits at most [`KID_WAIT`]; a fetch it
+    /// started finishes whether it waits or not, and requests that come while one runs wait
+    /// for it rather than start their own.
+    pub(super) async fn refetch(self: &Arc<Self>, seen: u64) -> Refetched {
         if matches!(self.keys, JwtKeys::Hmac(_)) {
-            return false;
+            return Refetched::Unchanged;
         }
-        let refetched = async {
-            let mut last = self.fetching.lock().await;
-            if self.loaded.load().generation != seen {
-                return true;
-            }
-            let now = tokio::time::Instant::now();
-            if last.is_some_and(|at| now.duration_since(at) < KID_REFETCH) {
-                return false;
-            }
-            *last = Some(now);
-            self.fetch().await && self.loaded.load().generation != seen
+        let changed = || self.loaded.load().generation != seen;
+        let Ok(mut last) = Arc::clone(&self.fetching).try_lock_owned() else {
+            return match tokio::time::timeout(KID_WAIT, self.fetching.lock()).await {
+                Ok(_) if changed() => Refetched::Changed,
+                _ => Refetched::Later,
+            };
         };
-        tokio::time::timeout(KID_WAIT, refetched)
-            .await
-            .unwrap_or(false)
+        if changed() {
+            return Refetched::Changed;
+        }
+        let now = tokio::time::Instant::now();
+        if last.is_some_and(|at| now.duration_since(at) < KID_REFETCH) {
+            return Refetched::Later;
+        }
+        *last = Some(now);
+        let source = Arc::clone(self);
+        let fetch = tokio::spawn(async move {
+            let _one_at_a_time = last;
+            source.fetch().await
+        });
+        match tokio::time::timeout(KID_WAIT, fetch).await {
+            Ok(Ok(_)) if changed() => Refetched::Changed,
+            Ok(_) => Refetched::Unchanged,
+            Err(_) => Refetched::Later,
+        }
     }
 
     /// One fetch (the caller holds `fetching`): the new set replaces the old one if it parses;
