@@ -184,11 +184,20 @@ fn signature(out: &mut String, r: &RouteConfig) {
 
 /// How a route tells clients apart.
 fn client_scope(p: &Policy) -> String {
+    let required = if p.require_client { ", required" } else { "" };
+    if let Some(jwt) = &p.client_jwt {
+        return format!(
+            "JWT in {} verified with {} (iss {}, {}){required}",
+            jwt.header,
+            jwt.keys.describe(),
+            jwt.issuers.join(" or "),
+            jwt.claims.join(", ")
+        );
+    }
     if p.client_headers.is_empty() {
         return "(one scope)".into();
     }
     let names: Vec<&str> = p.client_headers.iter().map(HeaderName::as_str).collect();
-    let required = if p.require_client { ", required" } else { "" };
     format!("{}{required}", names.join(" or "))
 }
 
