@@ -7,6 +7,7 @@
 //! identify ──── no client header + require_client ─▶ 401 problem
 //! verify ────── signed route, signature fails ──────▶ 401 problem (body read first, nothing stored)
 //! extract_key ─ missing/invalid ─▶ 400 problem   (missing + require_key=false ▶ pass_through)
+//! verify_token  client_jwt, token does not verify ▶ 401 problem (keys not loaded ▶ 503)
 //! read_body ─── over max_body ───▶ 413 problem   (counted while reading, upstream not called)
 //!               over max_buffered ▶ 503 problem
 //! fingerprint
@@ -17,7 +18,8 @@
 //! ```
 //! The phases are in [`phases`]; the core executes through [`forward`] (send upstream and
 //! capture the answer within `upstream_timeout`); WebSockets outside the routes are relayed by
-//! [`tunnel`]. Every response the gateway makes itself comes from [`Problem`].
+//! [`tunnel`]; [`legacy`] says how long keys of the client scope derivation before issue 42 are
+//! looked up too. Every response the gateway makes itself comes from [`Problem`].
 
 mod forward;
 mod legacy;
