@@ -183,7 +183,7 @@ pub struct Gateway {
     /// The `client_jwt` verifiers the routes use, for reloads to share.
     verifiers: Arc<Verifiers>,
     /// When keys of the older scope derivation are looked up too.
-    legacy: Arc<legacy::LegacyWindow>,
+    legacy: legacy::LegacyWindow,
 }
 
 /// What a gateway is made of; [`Gateway::new`] takes it.
@@ -218,10 +218,7 @@ impl Gateway {
             verifiers,
             durable_store,
         } = parts;
-        let legacy = Arc::new(legacy::LegacyWindow::new(durable_store));
-        if durable_store {
-            tokio::spawn(Arc::clone(&legacy).learn(Arc::clone(&store)));
-        }
+        let legacy = legacy::LegacyWindow::new(durable_store);
         let reconciler = Reconciler::new(Arc::clone(&metrics), Arc::clone(&upstream_tls));
         let core = Arc::new(Core::new(Arc::clone(&metrics), Arc::new(reconciler)));
         Gateway {

@@ -164,7 +164,7 @@ impl Gateway {
     /// A key stored under the derivation before issue 42 (another header of the list, an
     /// `Authorization` scheme spelled otherwise, a header split over fields) is used where it
     /// exists, so that a retry across the upgrade replays; an extra store read for those
-    /// requests only, and only for one `ttl` after the upgrade ([`super::legacy`]).
+    /// requests only, and only for one `ttl` after start ([`super::legacy`]).
     async fn older_key(
         &self,
         conn: &ClientConn,
