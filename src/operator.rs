@@ -179,7 +179,13 @@ pub fn describe(key: &StoreKey, route: &str, record: &Record) -> String {
     out
 }
 
+/// The last instant RFC 3339 can write (9999-12-31T23:59:59.999Z), in ms since the epoch.
+const LAST_RFC3339_MS: u64 = 253_402_300_799_999;
+
+/// A record's time as RFC 3339. A corrupt record's time past year 9999 is written as the last
+/// one there is: humantime's formatting fails past it, and `to_string` would panic on that.
 fn timestamp(ms: u64) -> String {
+    let ms = ms.min(LAST_RFC3339_MS);
     humantime::format_rfc3339_millis(UNIX_EPOCH + Duration::from_millis(ms)).to_string()
 }
 
@@ -405,6 +411,13 @@ mod tests {
             body_kept: true,
             completed_ms: 1,
         }
+    }
+
+    #[test]
+    fn a_time_past_year_9999_is_written_not_panicked_on() {
+        assert_eq!(timestamp(0), "1970-01-01T00:00:00.000Z");
+        assert_eq!(timestamp(u64::MAX), "9999-12-31T23:59:59.999Z");
+        assert_eq!(timestamp(LAST_RFC3339_MS + 1), "9999-12-31T23:59:59.999Z");
     }
 
     /// A reconciliation decides on the record it read before asking the upstream: if a retry
