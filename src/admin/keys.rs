@@ -151,25 +151,40 @@ pub(super) async fn handle(
         .uri()
         .query()
         .is_some_and(|q| q.split('&').any(|p| p == "force=true"));
-    let answer = match *req.method() {
+    // The audit line is written as soon as the change is made, before the follow-up read: a
+    // client that hangs up meanwhile drops this future, and the change would go unaudited.
+    let audit = |done: &Result<Change, StoreError>| {
+        let status = status_of(done);
+        tracing::info!(target: "idemgate::audit", %peer, action, key_id = %key, force, status, "operator change");
+    };
+    match *req.method() {
         Method::GET | Method::HEAD => read(store, &key).await,
         Method::DELETE => {
             let done = operator::release(store, (&key, None), force, ttl).await;
+            audit(&done);
             changed(store, &key, done).await
         }
         Method::PUT => match resolution(req.into_body()).await {
             Ok(response) => {
                 let done = operator::resolve(store, (&key, None), response, force, ttl).await;
+                audit(&done);
                 changed(store, &key, done).await
             }
-            Err(why) => return bad(why),
+            Err(why) => bad(why),
         },
-        _ => return bad("Use GET, PUT or DELETE.".into()),
-    };
-    if action != "read" {
-        tracing::info!(target: "idemgate::audit", %peer, action, key_id = %key, force, status = answer.status().as_u16(), "operator change");
+        _ => bad("Use GET, PUT or DELETE.".into()),
     }
-    answer
+}
+
+/// The status a change's answer has (a change made is 200 even if the follow-up read of the
+/// record then fails).
+fn status_of(done: &Result<Change, StoreError>) -> u16 {
+    match done {
+        Ok(Change::Done) => 200,
+        Ok(Change::NotFound) => 404,
+        Ok(Change::Live | Change::Completed | Change::Changed) => 409,
+        Err(_) => 503,
+    }
 }
 
 /// `GET /keys?...`: one page of the unknown outcomes.

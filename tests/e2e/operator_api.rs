@@ -242,6 +242,11 @@ async fn unknown_outcomes_resolved_while_the_gateway_runs(store: &str) {
         "{logs}"
     );
     assert!(logs.contains("operator request refused"), "{logs}");
+    // With the change's status, written before the answer's follow-up read.
+    assert!(
+        logs.contains("status=200") && logs.contains("status=409"),
+        "{logs}"
+    );
     assert!(!logs.contains(TOKEN), "the token reached the log");
 }
 
