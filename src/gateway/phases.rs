@@ -139,7 +139,7 @@ impl Gateway {
             // Boxed: inline, its future (the key set's refetch among it) would size, and be
             // copied with, every keyed request's (bench/README.md, "Before and after issue 42").
             Caller::Token(verifier, token) => {
-                Box::pin(self.verify_token(route, &verifier, token)).await?
+                Box::pin(self.verify_token(route, verifier, token)).await?
             }
         };
         let key = StoreKey::new(&identified.scope, &config.name, &sent.key);
@@ -309,13 +309,13 @@ impl Gateway {
 /// request turns out to be keyed.
 enum Caller<'a> {
     Known(Identified, Allowance),
-    Token(Arc<Verifier>, &'a str),
+    Token(&'a Verifier, &'a str),
 }
 
 /// Phase `identify`: whose operation this is, before anything is read or stored; and the quota
 /// of records that caller may store.
 fn identify<'a>(
-    route: &Route,
+    route: &'a Route,
     metrics: &Metrics,
     headers: &'a HeaderMap,
 ) -> Result<Caller<'a>, Problem> {
@@ -323,7 +323,7 @@ fn identify<'a>(
     let policy = &config.policy;
     if let Some(verifier) = &route.jwt {
         if let Some(token) = bearer_token(headers, &verifier.config().header) {
-            return Ok(Caller::Token(Arc::clone(verifier), token));
+            return Ok(Caller::Token(verifier, token));
         }
         if policy.require_client {
             return Err(Problem::ClientRequired {

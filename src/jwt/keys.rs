@@ -31,13 +31,6 @@ pub struct KeySet {
     fixed: bool,
 }
 
-/// Why a token's key was not found.
-pub(super) enum NoKey {
-    /// No key has the token's `kid` (or the token names none and there is more than one key):
-    /// a rotation the gateway has not fetched yet, or a forgery.
-    Unknown,
-}
-
 impl KeySet {
     /// The keys of a JWKS document: signature keys of a supported type; others (encryption
     /// keys, symmetric keys, types this verifier does not know) are skipped, so that an issuer
@@ -86,16 +79,18 @@ impl KeySet {
 
     /// The key a token names by `kid`, and whether it was named: a key with that `kid`; else
     /// (a token without one, or a set whose one key has none) the only key there is, not
-    /// named, so that a signature it does not verify may be a rotation to fetch.
-    pub(super) fn find(&self, kid: Option<&str>) -> Result<(&Key, bool), NoKey> {
+    /// named, so that a signature it does not verify may be a rotation to fetch. `None`: no key
+    /// has the token's `kid` (or it names none among several): a rotation the gateway has not
+    /// fetched yet, or a forgery.
+    pub(super) fn find(&self, kid: Option<&str>) -> Option<(&Key, bool)> {
         if let Some(kid) = kid {
             if let Some(key) = self.keys.iter().find(|k| k.kid.as_deref() == Some(kid)) {
-                return Ok((key, true));
+                return Some((key, true));
             }
         }
         match self.keys.as_slice() {
-            [only] if kid.is_none() || only.kid.is_none() => Ok((only, self.fixed)),
-            _ => Err(NoKey::Unknown),
+            [only] if kid.is_none() || only.kid.is_none() => Some((only, self.fixed)),
+            _ => None,
         }
     }
 }

@@ -143,11 +143,11 @@ impl Verifier {
         if token.len() > MAX_TOKEN {
             return Err(Rejected::Unverified(Unverified::Malformed));
         }
-        let digest: [u8; 32] = Sha256::digest(token.as_bytes()).into();
         let loaded = self.keys.loaded.load_full();
         if loaded.set.is_empty() {
             return Err(Rejected::NoKeys);
         }
+        let digest: [u8; 32] = Sha256::digest(token.as_bytes()).into();
         let now = now_ms();
         if let Some(hit) = self.cache.get(&digest) {
             if hit.generation == loaded.generation && now < hit.until_ms {

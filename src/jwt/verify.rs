@@ -60,7 +60,7 @@ pub(super) fn verify(
     let header = decode_header(token).map_err(|_| Unverified::Malformed)?;
     let (key, named) = set
         .find(header.kid.as_deref())
-        .map_err(|_| Unverified::UnknownKey)?;
+        .ok_or(Unverified::UnknownKey)?;
     if !key.allows(header.alg) {
         return Err(Unverified::Algorithm);
     }
