@@ -7,5 +7,8 @@
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> std::process::ExitCode {
+    // Test builds only (`--features failpoints`): the fault injections `FAILPOINTS` names.
+    #[cfg(feature = "failpoints")]
+    let _failpoints = fail::FailScenario::setup();
     idemgate::cli::main()
 }

@@ -119,11 +119,8 @@ async fn handle(
             if let Some(why) = gw.tokens_not_ready() {
                 return owned_text(StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n"));
             }
-            if let Some(b) = brokers.iter().find(|b| !b.is_reachable()) {
-                return owned_text(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    format!("consumer {:?}: broker unreachable\n", b.consumer),
-                );
+            if let Some(why) = brokers.iter().find_map(|b| b.not_ready()) {
+                return owned_text(StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n"));
             }
             let started = tokio::time::Instant::now();
             let ping = tokio::time::timeout(READY_TIMEOUT, gw.store().ping()).await;

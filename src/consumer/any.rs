@@ -76,6 +76,24 @@ impl Source for AnySource {
         }
     }
 
+    async fn release(&self, message: &Message) -> Result<(), SourceError> {
+        match self {
+            AnySource::Redis(s) => s.release(message).await,
+            AnySource::Nats(s) => s.release(message).await,
+            AnySource::Rabbit(s) => s.release(message).await,
+            AnySource::Kafka(s) => s.release(message).await,
+        }
+    }
+
+    fn gives_back(&self) -> bool {
+        match self {
+            AnySource::Redis(s) => s.gives_back(),
+            AnySource::Nats(s) => s.gives_back(),
+            AnySource::Rabbit(s) => s.gives_back(),
+            AnySource::Kafka(s) => s.gives_back(),
+        }
+    }
+
     async fn pending(&self) -> Result<u64, SourceError> {
         match self {
             AnySource::Redis(s) => s.pending().await,
@@ -97,9 +115,15 @@ impl Source for AnySource {
 
 /// Makes each consumer's source (without connecting yet).
 pub fn sources(configs: &[ConsumerConfig]) -> Result<Vec<AnySource>, ConsumerError> {
-    configs
-        .iter()
-        .map(|c| match &c.source {
+    configs.iter().map(AnySource::of).collect()
+}
+
+impl AnySource {
+    /// The source of consumer `c` (without connecting yet): at start, and again for each
+    /// restart of its task, so that a restart reads from what the broker holds, not from where
+    /// the stopped task left off.
+    pub fn of(c: &ConsumerConfig) -> Result<AnySource, ConsumerError> {
+        match &c.source {
             SourceConfig::RedisStream {
                 stream,
                 group,
@@ -133,6 +157,6 @@ pub fn sources(configs: &[ConsumerConfig]) -> Result<Vec<AnySource>, ConsumerErr
                     consumer: c.name.clone(),
                     source,
                 }),
-        })
-        .collect()
+        }
+    }
 }

@@ -17,7 +17,10 @@
 //! - Retries wait here, the message held (Kafka has no redelivery of one message), and are
 //!   counted here: a restart counts again from 1.
 //! - Dead letters are produced to the dead-letter topic (`acks=all`), with the original key,
-//!   value and headers and `idemgate-*` headers, before the offset moves past the original.
+//!   value and headers and `idemgate-*` headers, before the offset moves past the original. One
+//!   the topic does not take is tried again by the consumer, holding the message (and so the
+//!   partition's committed offset) while `/readyz` fails and
+//!   `idemgate_consumer_dead_letters_owed` says so: never frozen silently.
 //! - The gateway creates no topic: both must exist (checked with a metadata request, which is
 //!   also how readiness knows the brokers answer while the topic is idle).
 
@@ -30,11 +33,12 @@ use futures_util::FutureExt;
 use http::{HeaderMap, HeaderName, HeaderValue};
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, Rebalance, StreamConsumer};
 use rdkafka::error::KafkaError;
-use rdkafka::message::{BorrowedMessage, Header, Headers, OwnedHeaders};
+use rdkafka::message::{BorrowedMessage, Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::{ClientConfig, ClientContext, Message as _, Offset, TopicPartitionList};
 use tokio::time::Instant;
 
+use super::kafka_headers;
 use super::redis_stream::passed_on;
 use super::source::{Message, Source, SourceError};
 use crate::config::KafkaSource;
@@ -45,9 +49,6 @@ const WAIT: Duration = Duration::from_millis(1000);
 const TIMEOUT: Duration = Duration::from_secs(5);
 /// While nothing arrives, how often the brokers are asked whether the topics exist.
 const CHECK_EVERY: Duration = Duration::from_secs(5);
-/// Tries at producing one dead letter (1, 2, 4 and 8 s apart) before the message is left
-/// unfinished, its partition's offset held back until a restart or a rebalance reads it again.
-const DEAD_LETTER_TRIES: u32 = 5;
 /// The field that holds the message's Kafka key (`key = { field = "kafka-key" }`).
 pub const KEY_FIELD: &str = "kafka-key";
 
@@ -166,7 +167,7 @@ impl KafkaTopic {
             .map(|mut o| o.read(partition, offset))
             .unwrap_or(0);
         let id = format!("{}/{partition}@{offset}", self.source.topic);
-        let (fields, raw) = fields_of(m);
+        let (fields, raw, invalid) = fields_of(m);
         let message = Message {
             id: id.clone(),
             // Kafka counts no deliveries: retries are counted here, from 1 at each read.
@@ -174,6 +175,7 @@ impl KafkaTopic {
             body: Some(Bytes::copy_from_slice(m.payload().unwrap_or_default())),
             fields,
             raw,
+            invalid,
         };
         if let Ok(mut held) = self.held.lock() {
             held.insert(
@@ -239,13 +241,15 @@ fn exists(consumer: &StreamConsumer<Rebalances>, topic: &str) -> Result<(), Sour
 
 /// The message's headers, and its key as the field `kafka-key`, as the consumer sees fields
 /// (what `key = { field = ... }` names, passed on as the handler's headers); the headers as
-/// they came, for the dead letter.
-fn fields_of(m: &BorrowedMessage<'_>) -> (HeaderMap, Vec<(Bytes, Bytes)>) {
+/// they came, for the dead letter; and why the message is invalid, if it is (a header name that
+/// is not UTF-8: it is dead-lettered, its name written lossily).
+fn fields_of(m: &BorrowedMessage<'_>) -> (HeaderMap, Vec<(Bytes, Bytes)>, Option<String>) {
     let mut raw = Vec::new();
     let mut fields = HeaderMap::new();
-    let add = |name: &str, value: &[u8], fields: &mut HeaderMap| {
+    let mut invalid = None;
+    let add = |name: &[u8], value: &[u8], fields: &mut HeaderMap| {
         if let (Ok(n), Ok(v)) = (
-            HeaderName::from_bytes(name.to_ascii_lowercase().as_bytes()),
+            HeaderName::from_bytes(&name.to_ascii_lowercase()),
             HeaderValue::from_bytes(value),
         ) {
             if passed_on(&n, v.len(), fields.len()) {
@@ -254,19 +258,21 @@ fn fields_of(m: &BorrowedMessage<'_>) -> (HeaderMap, Vec<(Bytes, Bytes)>) {
         }
     };
     if let Some(key) = m.key() {
-        add(KEY_FIELD, key, &mut fields);
+        add(KEY_FIELD.as_bytes(), key, &mut fields);
     }
-    if let Some(headers) = m.headers() {
-        for h in headers.iter() {
-            let value = h.value.unwrap_or_default();
-            add(h.key, value, &mut fields);
-            raw.push((
-                Bytes::copy_from_slice(h.key.as_bytes()),
-                Bytes::copy_from_slice(value),
-            ));
+    for (i, h) in kafka_headers::raw_headers(m).into_iter().enumerate() {
+        let value = h.value.unwrap_or_default();
+        if std::str::from_utf8(h.name).is_err() {
+            invalid.get_or_insert_with(|| format!("header {i}'s name is not UTF-8"));
+        } else {
+            add(h.name, value, &mut fields);
         }
+        raw.push((
+            Bytes::copy_from_slice(h.name),
+            Bytes::copy_from_slice(value),
+        ));
     }
-    (fields, raw)
+    (fields, raw, invalid)
 }
 
 fn unreachable(e: impl std::fmt::Display) -> SourceError {
@@ -357,32 +363,34 @@ impl Source for KafkaTopic {
             });
         }
         let body = message.body.clone().unwrap_or_default();
-        // Kafka gives the message back to no one while this instance holds its partition:
-        // the dead letter is tried again here before the message is left unfinished.
-        let mut tries = 0;
-        loop {
-            tries += 1;
-            let mut record = FutureRecord::to(&self.source.dead_letter)
-                .payload(body.as_ref())
-                .headers(headers.clone());
-            if let Some(key) = &key {
-                record = record.key(key.as_slice());
-            }
-            let sent = tokio::time::timeout(TIMEOUT * 2, self.producer.send(record, TIMEOUT)).await;
-            let failed = match sent {
-                Ok(Ok(_)) => return self.ack(message).await,
-                Ok(Err((e, _))) => SourceError::Refused(format!(
-                    "the dead-letter topic {:?} did not take the message: {e}",
-                    self.source.dead_letter
-                )),
-                Err(_) => SourceError::Unreachable(format!("no answer within {:?}", TIMEOUT * 2)),
-            };
-            if tries >= DEAD_LETTER_TRIES {
-                return Err(failed);
-            }
-            tracing::warn!(id = %message.id, error = %failed, "dead letter not taken; trying again");
-            tokio::time::sleep(Duration::from_secs(1 << tries)).await;
+        // One try: the consumer tries again with backoff, holding the message (Kafka gives it
+        // to no one else while this instance holds its partition).
+        let mut record = FutureRecord::to(&self.source.dead_letter)
+            .payload(body.as_ref())
+            .headers(headers);
+        if let Some(key) = &key {
+            record = record.key(key.as_slice());
         }
+        match tokio::time::timeout(TIMEOUT * 2, self.producer.send(record, TIMEOUT)).await {
+            Ok(Ok(_)) => self.ack(message).await,
+            Ok(Err((e, _))) => Err(SourceError::Refused(format!(
+                "the dead-letter topic {:?} did not take the message: {e}",
+                self.source.dead_letter
+            ))),
+            Err(_) => Err(SourceError::Unreachable(format!(
+                "no answer within {:?}",
+                TIMEOUT * 2
+            ))),
+        }
+    }
+
+    async fn release(&self, message: &Message) -> Result<(), SourceError> {
+        // Its offset stays unfinished, so the partition's committed offset stays before it: read
+        // again by this group after a restart or a rebalance.
+        if let Ok(mut held) = self.held.lock() {
+            held.remove(&message.id);
+        }
+        Ok(())
     }
 
     async fn pending(&self) -> Result<u64, SourceError> {

@@ -1,17 +1,20 @@
 //! Broker consumers (`[[consumers]]`): the second front on the idempotency core, beside the HTTP
 //! gateway. Each reads one [`Source`] (a Redis stream, a NATS JetStream stream, a RabbitMQ
 //! queue or a Kafka topic), POSTs every message to its handler
-//! through [`Core::run`], with the same stores, key hashing, fingerprints and unknown-outcome
-//! rules as an HTTP route, and acknowledges the message only once its result is stored.
+//! through [`Core::run`](crate::idempotency::Core::run), with the same stores, key hashing,
+//! fingerprints and unknown-outcome rules as an HTTP route, and acknowledges the message only
+//! once its result is stored.
 //!
-//! One message, phase by phase:
+//! One message, phase by phase ([`message`] and [`attempt`]):
 //! ```text
-//! read ─▶ key (a body field, entry fields) ── none ─▶ dead-letter "missing-key"
+//! read ─▶ invalid (a header name not UTF-8) ─▶ dead-letter "invalid-message"
+//!   └─▶ key (a body field, entry fields) ── none ─▶ dead-letter "missing-key"
 //!   └─▶ core.run ─▶ verdict:  stored answer (2xx, 4xx), replay ───────────▶ ack
 //!                            5xx, 401/403/408/425/429, handler unreachable ─▶ retry (backoff) ─▶ … ─▶ dead-letter after max_attempts
 //!                            another message with this key and other content ─▶ dead-letter "key-reused"
 //!                            outcome unknown ─▶ dead-letter "outcome-unknown" (on_unknown = "retry": retry)
 //!                            store down, original still running ─▶ retry, not counted
+//!                            answered, the store refused the answer ─▶ not acknowledged; tried again, not counted
 //! ```
 //! The message stays claimed (unacknowledged, its idle time reset) while it is handled and
 //! while it waits for a retry, so no other instance takes it; a crash leaves it pending, and
@@ -19,13 +22,24 @@
 //! record: a replay if the
 //! answer was stored, an unknown outcome (never run twice) if the crash came mid-call.
 //!
+//! A dead letter the target refuses is tried again with backoff, the message held (RabbitMQ:
+//! given back to the queue after each pause instead), while `/readyz` fails ([`health`]).
+//!
 //! Back pressure: at most `concurrency` messages are held at once; no more are read until one
 //! is done. Shutdown stops reading, lets the messages being handled finish (within
 //! `server.shutdown_grace`) and leaves those waiting for a retry pending, for the next claim.
+//!
+//! A consumer's task that ends or panics (or one of whose messages panics) is started again
+//! with backoff ([`supervise`]), from a new source, so that it reads what the broker still
+//! holds; `/readyz` fails until its broker answers again.
 
 mod any;
+mod attempt;
 mod handler;
+mod health;
 pub mod kafka;
+mod kafka_headers;
+mod message;
 pub mod nats;
 pub mod rabbitmq;
 pub mod redis_stream;
@@ -35,23 +49,22 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use http::{HeaderName, HeaderValue, Method};
+use futures_util::FutureExt;
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::ConsumerConfig;
-use crate::fingerprint::{fingerprint, IgnoredFields, RequestParts};
-use crate::idempotency::{Core, Decision, Refusal, Rules, Settled};
-use crate::key::{ClientScope, Sent, StoreKey};
-use crate::metrics::{ConsumerMetrics, ConsumerOutcome, Metrics};
-use crate::store::{Claim, Origin, OriginKind, Store};
+use crate::idempotency::Core;
+use crate::metrics::{ConsumerMetrics, Metrics};
+use crate::store::Store;
 use crate::upstream::UpstreamPool;
 
 pub use any::{sources, AnySource};
-use handler::HandlerCall;
+pub use health::BrokerHealth;
 pub use kafka::KafkaTopic;
+use message::Consumer;
 pub use nats::NatsStream;
 pub use rabbitmq::RabbitQueue;
 pub use redis_stream::RedisStream;
@@ -61,39 +74,19 @@ pub use source::{Message, Source, SourceError};
 const MAX_BATCH: usize = 64;
 /// How often the group's pending count is read for the metric.
 const PENDING_EVERY: Duration = Duration::from_secs(5);
+/// The pause before a stopped consumer task is started again: the first, and the longest.
+const RESTART_FIRST: Duration = Duration::from_secs(1);
+const RESTART_MAX: Duration = Duration::from_secs(30);
+/// A task that ran this long before it stopped starts its backoff afresh.
+const RAN_WELL: Duration = Duration::from_secs(60);
 
 /// What a consumer needs of the running gateway.
+#[derive(Clone)]
 pub struct Context {
     pub core: Arc<Core>,
     pub store: Arc<dyn Store>,
     pub metrics: Arc<Metrics>,
     pub pool: UpstreamPool,
-}
-
-/// Whether a consumer's broker answered its last read (a fetch; a failed ack, keep or
-/// dead-letter does not count): `/readyz` fails while one does not.
-#[derive(Debug)]
-pub struct BrokerHealth {
-    pub consumer: String,
-    reachable: AtomicBool,
-}
-
-impl BrokerHealth {
-    pub fn new(consumer: &str) -> Arc<Self> {
-        Arc::new(BrokerHealth {
-            consumer: consumer.to_string(),
-            // Not ready until the broker has answered once.
-            reachable: AtomicBool::new(false),
-        })
-    }
-
-    pub fn is_reachable(&self) -> bool {
-        self.reachable.load(Ordering::Relaxed)
-    }
-
-    fn set(&self, reachable: bool) {
-        self.reachable.store(reachable, Ordering::Relaxed);
-    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -103,23 +96,120 @@ pub struct ConsumerError {
     source: SourceError,
 }
 
-/// One consumer, running until `shutdown`: reads, hands each message to a task of its own
-/// (at most `concurrency`), and at shutdown waits up to `grace` for those tasks.
-pub async fn run<S: Source>(
+/// One consumer, for as long as the gateway runs: its task (`run`), started again with backoff
+/// whenever it ends or panics before `shutdown`, each time on a source from `remake`.
+pub async fn supervise<S: Source>(
     config: ConsumerConfig,
-    source: S,
+    first: S,
+    remake: impl Fn(&ConsumerConfig) -> Result<S, ConsumerError>,
     ctx: Context,
     health: Arc<BrokerHealth>,
     shutdown: CancellationToken,
     grace: Duration,
 ) {
-    let metrics = ctx.metrics.consumer(&config.name);
+    let name = config.name.clone();
+    let metrics = ctx.metrics.consumer(&name);
+    let mut source = Some(first);
+    let mut stops = 0u32;
+    loop {
+        let source = match source.take().map_or_else(|| remake(&config), Ok) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::error!(consumer = %name, error = %e, "cannot make the consumer's source again");
+                stops = stops.saturating_add(1);
+                if !pause(stops, &shutdown).await {
+                    return;
+                }
+                continue;
+            }
+        };
+        health.set_restarting(false);
+        let started = Instant::now();
+        // This run's own stop: whatever ends it, the retries its messages' tasks wait on end
+        // too, so that no two runs hold messages at once.
+        let stop = shutdown.child_token();
+        let task = tokio::spawn(run(
+            config.clone(),
+            source,
+            ctx.clone(),
+            metrics.clone(),
+            Arc::clone(&health),
+            stop.clone(),
+            grace,
+        ));
+        let ended = task.await;
+        stop.cancel();
+        if shutdown.is_cancelled() {
+            return;
+        }
+        health.set_restarting(true);
+        metrics.restarted();
+        stops = if started.elapsed() >= RAN_WELL {
+            1
+        } else {
+            stops.saturating_add(1)
+        };
+        let why = match ended {
+            Ok(Stopped::MessagePanicked) => "handling a message panicked".to_string(),
+            Ok(Stopped::Ended) => "the task ended".to_string(),
+            Err(e) if e.is_panic() => format!("it panicked: {}", panic_text(e.into_panic())),
+            Err(e) => format!("it was cancelled: {e}"),
+        };
+        tracing::error!(consumer = %name, %why, "consumer stopped; starting it again");
+        if !pause(stops, &shutdown).await {
+            return;
+        }
+    }
+}
+
+/// Waits before restart number `stops`; false if shutdown came first.
+async fn pause(stops: u32, shutdown: &CancellationToken) -> bool {
+    let delay = backoff(stops, RESTART_FIRST, RESTART_MAX, jitter());
+    tokio::select! {
+        () = tokio::time::sleep(delay) => true,
+        () = shutdown.cancelled() => false,
+    }
+}
+
+fn panic_text(payload: Box<dyn std::any::Any + Send>) -> String {
+    match payload.downcast::<String>() {
+        Ok(s) => *s,
+        Err(payload) => payload
+            .downcast_ref::<&str>()
+            .map_or_else(|| "(no message)".to_string(), |s| (*s).to_string()),
+    }
+}
+
+/// Why a consumer's task returned (at shutdown, this says nothing).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stopped {
+    /// The read loop ended.
+    Ended,
+    /// A message's task panicked: the run stops, so that a new source reads that message
+    /// again rather than leaving it held (and a Kafka partition's offset frozen behind it).
+    MessagePanicked,
+}
+
+/// One run of a consumer, until `stop` (shutdown) or a message's panic: reads, hands each
+/// message to a task of its own (at most `concurrency`), and at the end waits up to `grace` for
+/// those tasks.
+async fn run<S: Source>(
+    config: ConsumerConfig,
+    source: S,
+    ctx: Context,
+    metrics: ConsumerMetrics,
+    health: Arc<BrokerHealth>,
+    stop: CancellationToken,
+    grace: Duration,
+) -> Stopped {
+    let panicked = Arc::new(AtomicBool::new(false));
     let consumer = Arc::new(Consumer {
         config,
         source,
         ctx,
         metrics,
-        shutdown: shutdown.clone(),
+        health: Arc::clone(&health),
+        stop: stop.clone(),
     });
     let slots = Arc::new(Semaphore::new(consumer.config.concurrency));
     let tasks = TaskTracker::new();
@@ -133,8 +223,9 @@ pub async fn run<S: Source>(
                 Ok(s) => s,
                 Err(_) => break,
             },
-            () = shutdown.cancelled() => break,
+            () = stop.cancelled() => break,
         };
+        failpoint_read();
         let mut held = vec![first];
         while held.len() < MAX_BATCH {
             match Arc::clone(&slots).try_acquire_owned() {
@@ -144,22 +235,30 @@ pub async fn run<S: Source>(
         }
         let fetched = tokio::select! {
             f = consumer.source.fetch(held.len()) => f,
-            () = shutdown.cancelled() => break,
+            () = stop.cancelled() => break,
         };
         match fetched {
             Ok(messages) => {
-                health.set(true);
+                health.set_reachable(true);
                 failures = 0;
-                for (message, slot) in messages.into_iter().zip(held) {
+                for (mut message, slot) in messages.into_iter().zip(held) {
                     let consumer = Arc::clone(&consumer);
+                    let (stop, panicked) = (stop.clone(), Arc::clone(&panicked));
                     tasks.spawn(async move {
-                        consumer.handle(message).await;
+                        let handled = std::panic::AssertUnwindSafe(consumer.handle(&mut message))
+                            .catch_unwind()
+                            .await;
+                        if handled.is_err() {
+                            tracing::error!(consumer = %consumer.config.name, id = %message.id, "handling the message panicked; the consumer starts again");
+                            panicked.store(true, Ordering::Relaxed);
+                            stop.cancel();
+                        }
                         drop(slot);
                     });
                 }
             }
             Err(e) => {
-                health.set(false);
+                health.set_reachable(false);
                 failures = failures.saturating_add(1);
                 tracing::warn!(consumer = %consumer.config.name, error = %e, "cannot read from the broker; trying again");
                 let pause = backoff(
@@ -170,7 +269,7 @@ pub async fn run<S: Source>(
                 );
                 tokio::select! {
                     () = tokio::time::sleep(pause) => {}
-                    () = shutdown.cancelled() => break,
+                    () = stop.cancelled() => break,
                 }
             }
         }
@@ -189,283 +288,18 @@ pub async fn run<S: Source>(
             "grace period over with messages still being handled; they stay pending and are delivered again"
         );
     }
-}
-
-struct Consumer<S> {
-    config: ConsumerConfig,
-    source: S,
-    ctx: Context,
-    metrics: ConsumerMetrics,
-    shutdown: CancellationToken,
-}
-
-/// What to do with a message after one attempt.
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum Verdict {
-    /// Its result is stored (now, or by an earlier delivery): acknowledge it.
-    Ack(ConsumerOutcome),
-    /// Not done: try again later. `counted`: the attempt counts against `max_attempts` (the
-    /// handler failed), rather than waiting on something else (the store, the original).
-    Retry { reason: String, counted: bool },
-    /// Never to be tried again automatically: to the dead-letter stream, with why.
-    DeadLetter(String),
-}
-
-impl<S: Source> Consumer<S> {
-    async fn handle(&self, mut message: Message) {
-        let name = &self.config.name;
-        loop {
-            let verdict = self.attempt(&message).await;
-            match verdict {
-                Verdict::Ack(outcome) => {
-                    // A lost acknowledgement only means one more delivery, which replays.
-                    if let Err(e) = self.source.ack(&message).await {
-                        tracing::warn!(consumer = %name, id = %message.id, error = %e, "acknowledgement failed; the message will be delivered again");
-                    }
-                    self.metrics.count(outcome);
-                    return;
-                }
-                Verdict::DeadLetter(reason) => return self.dead_letter(&message, &reason).await,
-                Verdict::Retry { reason, counted } => {
-                    if counted && message.deliveries >= self.config.max_attempts {
-                        let reason = format!(
-                            "failed: {reason} (gave up after {} attempts)",
-                            message.deliveries
-                        );
-                        return self.dead_letter(&message, &reason).await;
-                    }
-                    self.metrics.count(ConsumerOutcome::Retried);
-                    let delay = backoff(
-                        u32::try_from(message.deliveries).unwrap_or(u32::MAX),
-                        self.config.backoff,
-                        self.config.max_backoff,
-                        jitter(),
-                    );
-                    tracing::info!(consumer = %name, id = %message.id, %reason, ?delay, "message not done; trying again");
-                    if counted {
-                        match self.source.retry_later(&message, delay).await {
-                            // The broker delivers it again, as one more delivery.
-                            Ok(true) => return,
-                            Ok(false) => {}
-                            Err(e) => {
-                                tracing::warn!(consumer = %name, id = %message.id, error = %e, "cannot hand the message back; it is delivered again after its claim runs out");
-                                return;
-                            }
-                        }
-                    }
-                    if !self.wait_claimed(&message, delay).await {
-                        // Shutting down: left pending, for whichever instance claims it next.
-                        return;
-                    }
-                    if counted {
-                        if let Err(e) = self.source.keep(&message, true).await {
-                            tracing::warn!(consumer = %name, id = %message.id, error = %e, "cannot count the attempt; leaving the message pending");
-                            return;
-                        }
-                        message.deliveries += 1;
-                    }
-                }
-            }
-        }
-    }
-
-    async fn dead_letter(&self, message: &Message, reason: &str) {
-        let name = &self.config.name;
-        match self.source.dead_letter(message, reason).await {
-            Ok(()) => {
-                tracing::warn!(consumer = %name, id = %message.id, %reason, "message moved to the dead-letter stream");
-                self.metrics.count(ConsumerOutcome::DeadLettered);
-            }
-            // Still pending: delivered again, and judged again.
-            Err(e) => {
-                tracing::error!(consumer = %name, id = %message.id, error = %e, "cannot dead-letter the message; it stays pending")
-            }
-        }
-    }
-
-    /// Sleeps `delay` while keeping the message claimed; false if shutdown came first.
-    async fn wait_claimed(&self, message: &Message, delay: Duration) -> bool {
-        let until = Instant::now() + delay;
-        let every = (self.source.claim_after() / 3).max(Duration::from_millis(10));
-        loop {
-            let next = (Instant::now() + every).min(until);
-            tokio::select! {
-                () = tokio::time::sleep_until(next) => {}
-                () = self.shutdown.cancelled() => return false,
-            }
-            if Instant::now() >= until {
-                return true;
-            }
-            let _ = self.source.keep(message, false).await;
-        }
-    }
-
-    /// One attempt at a message: key, fingerprint, the core.
-    async fn attempt(&self, message: &Message) -> Verdict {
-        let config = &self.config;
-        let Some(body) = &message.body else {
-            return Verdict::DeadLetter(format!(
-                "no-body: the entry has no field {:?}",
-                config.body_field
-            ));
-        };
-        if body.len() > config.policy.max_body {
-            return Verdict::DeadLetter(format!(
-                "too-large: {} bytes, over max_body ({})",
-                body.len(),
-                config.policy.max_body
-            ));
-        }
-        let Sent { key, sent } = match config.key.extract_sent(&message.fields, body) {
-            Ok(Some(k)) => k,
-            Ok(None) => {
-                let parts: Vec<String> = config
-                    .key
-                    .headers
-                    .iter()
-                    .map(|f| format!("the field {f}"))
-                    .chain(
-                        config
-                            .key
-                            .pointers
-                            .iter()
-                            .map(|p| format!("the body field {p}")),
-                    )
-                    .collect();
-                return Verdict::DeadLetter(format!(
-                    "missing-key: the message has no value for {}",
-                    parts.join(" and ")
-                ));
-            }
-            Err(e) => return Verdict::DeadLetter(format!("invalid-key: {e}")),
-        };
-        let store_key = StoreKey::new(&ClientScope::shared(), &config.name, &key);
-        let lookup = crate::reconcile::Lookup::of(&config.policy, &sent);
-        let mut headers = message.fields.clone();
-        headers.insert(http::header::CONTENT_TYPE, config.content_type.clone());
-        let fp = fingerprint(
-            &RequestParts {
-                method: &Method::POST,
-                route: &config.name,
-                path: &config.handler.prefix,
-                query: None,
-                headers: &headers,
-                body,
-            },
-            &IgnoredFields::default(),
-        );
-        headers.insert(IDEMPOTENCY_KEY.clone(), header_value(&key));
-        headers.insert(MESSAGE_ID.clone(), header_value(&message.id));
-        headers.insert(DELIVERIES.clone(), HeaderValue::from(message.deliveries));
-        let call = HandlerCall {
-            pool: self.ctx.pool.clone(),
-            handler: config.handler.clone(),
-            policy: config.policy.clone(),
-            headers,
-            body: body.clone(),
-        };
-        let claim = Claim {
-            fingerprint: fp,
-            origin: Some(Origin::new(OriginKind::Consumer, &config.name, sent)),
-        };
-        let run = self.ctx.core.run(
-            &self.ctx.store,
-            &store_key,
-            claim,
-            // A message has no client to count records for.
-            (
-                Rules::of(&config.policy, config.check_fingerprint),
-                lookup.as_ref(),
-            ),
-            call,
-        );
-        tokio::pin!(run);
-        // Claimed for as long as it runs, however long the handler takes.
-        let every = (self.source.claim_after() / 3).max(Duration::from_millis(10));
-        let decision = loop {
-            tokio::select! {
-                d = &mut run => break d,
-                () = tokio::time::sleep(every) => {
-                    let _ = self.source.keep(message, false).await;
-                }
-            }
-        };
-        if let Decision::Owned { took, .. } = &decision {
-            self.metrics.handler(*took);
-        }
-        verdict(decision)
+    if panicked.load(Ordering::Relaxed) {
+        Stopped::MessagePanicked
+    } else {
+        Stopped::Ended
     }
 }
 
-/// What became of one attempt, as the broker must see it: the pure core of this module.
-fn verdict(decision: Decision<HandlerCall>) -> Verdict {
-    match decision {
-        Decision::Owned { settled, .. } => match settled {
-            Settled::Stored(_) => Verdict::Ack(ConsumerOutcome::Delivered),
-            Settled::Released(status) => Verdict::Retry {
-                reason: format!("the handler answered {status}"),
-                counted: true,
-            },
-            Settled::NotSent(e) => Verdict::Retry {
-                reason: format!("the handler could not be reached: {e}"),
-                counted: true,
-            },
-            Settled::Unknown {
-                retryable: true, ..
-            } => Verdict::Retry {
-                reason: "outcome unknown (on_unknown = \"retry\")".into(),
-                counted: true,
-            },
-            Settled::Unknown { reason, .. } => Verdict::DeadLetter(format!(
-                "outcome-unknown: the handler was called and gave no complete answer ({})",
-                reason.as_str()
-            )),
-            Settled::AnsweredUnknown {
-                retryable: true,
-                status,
-                ..
-            } => Verdict::Retry {
-                reason: format!("the handler answered {status}, which may follow a commit; outcome unknown (on_unknown = \"retry\")"),
-                counted: true,
-            },
-            Settled::AnsweredUnknown { status, .. } => Verdict::DeadLetter(format!(
-                "outcome-unknown: the handler answered {status}, which may follow a commit (unknown_statuses)"
-            )),
-        },
-        Decision::Replay { .. } => Verdict::Ack(ConsumerOutcome::Deduplicated),
-        Decision::Refused(refusal) => match refusal {
-            Refusal::KeyReused => Verdict::DeadLetter(
-                "key-reused: a message with this key and other content was handled before".into(),
-            ),
-            Refusal::OutcomeUnknown(reason) => Verdict::DeadLetter(format!(
-                "outcome-unknown: an earlier delivery called the handler and its outcome is not known ({})",
-                reason.as_str()
-            )),
-            Refusal::InFlight => Verdict::Retry {
-                reason: "another delivery of this key is still being handled".into(),
-                counted: false,
-            },
-            Refusal::StoreUnavailable | Refusal::StoreFull | Refusal::OverQuota { .. } => {
-                Verdict::Retry {
-                    reason: "the store cannot take the key now".into(),
-                    counted: false,
-                }
-            }
-        },
-        // on_store_error is always "reject" for consumers (config).
-        Decision::Bypass(_) => Verdict::Retry {
-            reason: "the store cannot take the key now".into(),
-            counted: false,
-        },
-    }
-}
-
-static IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
-static MESSAGE_ID: HeaderName = HeaderName::from_static("idemgate-message-id");
-static DELIVERIES: HeaderName = HeaderName::from_static("idemgate-deliveries");
-
-fn header_value(s: &str) -> HeaderValue {
-    HeaderValue::from_str(s).unwrap_or_else(|_| HeaderValue::from_static("invalid"))
+/// Fault injection for the tests of restarts (`--features failpoints`, then
+/// `FAILPOINTS=consumer-read=1*panic`): nothing in other builds.
+fn failpoint_read() {
+    #[cfg(feature = "failpoints")]
+    fail::fail_point!("consumer-read", |_| {});
 }
 
 /// The delay before retry number `attempt` (1 for the first): `base` doubled per attempt up to
@@ -484,81 +318,6 @@ fn jitter() -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::UnknownReason;
-
-    fn owned(settled: Settled<u16>) -> Decision<HandlerCall> {
-        Decision::Owned {
-            settled,
-            took: Duration::ZERO,
-        }
-    }
-
-    #[test]
-    fn stored_answers_and_replays_are_acknowledged() {
-        assert_eq!(
-            verdict(owned(Settled::Stored(201))),
-            Verdict::Ack(ConsumerOutcome::Delivered)
-        );
-        assert_eq!(
-            verdict(owned(Settled::Stored(422))),
-            Verdict::Ack(ConsumerOutcome::Delivered)
-        );
-        let replay = Decision::Replay {
-            response: Arc::new(crate::store::StoredResponse {
-                status: http::StatusCode::CREATED,
-                headers: Vec::new(),
-                trailers: Vec::new(),
-                body: bytes::Bytes::new(),
-                body_kept: true,
-                completed_ms: 0,
-            }),
-            waited: false,
-        };
-        assert_eq!(verdict(replay), Verdict::Ack(ConsumerOutcome::Deduplicated));
-    }
-
-    #[test]
-    fn handler_failures_are_retried_and_counted() {
-        for d in [
-            owned(Settled::Released(503)),
-            owned(Settled::NotSent("refused".into())),
-            owned(Settled::Unknown {
-                reason: UnknownReason::Timeout,
-                retryable: true,
-            }),
-        ] {
-            assert!(matches!(verdict(d), Verdict::Retry { counted: true, .. }));
-        }
-    }
-
-    #[test]
-    fn waiting_on_others_is_retried_without_counting() {
-        for r in [
-            Refusal::InFlight,
-            Refusal::StoreUnavailable,
-            Refusal::StoreFull,
-        ] {
-            assert!(matches!(
-                verdict(Decision::Refused(r)),
-                Verdict::Retry { counted: false, .. }
-            ));
-        }
-    }
-
-    #[test]
-    fn unknown_outcomes_and_reused_keys_go_to_an_operator() {
-        let unknown = verdict(owned(Settled::Unknown {
-            reason: UnknownReason::Interrupted,
-            retryable: false,
-        }));
-        assert!(matches!(unknown, Verdict::DeadLetter(r) if r.starts_with("outcome-unknown")));
-        let earlier = verdict(Decision::Refused(Refusal::OutcomeUnknown(
-            UnknownReason::Abandoned,
-        )));
-        assert!(matches!(earlier, Verdict::DeadLetter(r) if r.starts_with("outcome-unknown")));
-        let reused = verdict(Decision::Refused(Refusal::KeyReused));
-        assert!(matches!(reused, Verdict::DeadLetter(r) if r.starts_with("key-reused")));
-    }
 
     #[test]
     fn backoff_doubles_up_to_its_cap_with_jitter() {
@@ -576,5 +335,12 @@ mod tests {
         );
         let j = jitter();
         assert!((0.5..1.0).contains(&j));
+    }
+
+    #[test]
+    fn a_panics_text_is_kept_whatever_its_type() {
+        assert_eq!(panic_text(Box::new("static")), "static");
+        assert_eq!(panic_text(Box::new(String::from("owned"))), "owned");
+        assert_eq!(panic_text(Box::new(7u8)), "(no message)");
     }
 }

@@ -196,6 +196,7 @@ impl NatsStream {
             body,
             fields,
             raw,
+            invalid: None,
         })
     }
 }
@@ -310,6 +311,12 @@ impl Source for NatsStream {
             .await
             .map_err(unreachable)??;
         self.ack(message).await
+    }
+
+    async fn release(&self, message: &Message) -> Result<(), SourceError> {
+        // Redelivered by the server once its ack_wait runs out.
+        self.take(&message.id);
+        Ok(())
     }
 
     async fn pending(&self) -> Result<u64, SourceError> {

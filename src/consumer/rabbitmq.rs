@@ -18,6 +18,14 @@
 //!   `tls_ca_file`.
 //! - The gateway declares nothing: the queue and the dead-letter queue must exist (a passive
 //!   declare checks both at connect, and says which is missing).
+//! - A message whose `message_id`, `correlation_id`, `type` or a header name is not UTF-8:
+//!   RabbitMQ takes and delivers it as it came, and lapin fails the whole connection on it
+//!   without telling which message it was. It comes back at each reconnection until a quorum
+//!   queue's `x-delivery-limit` dead-letters it (by `x-dead-letter-exchange`); the consumer is
+//!   unready meanwhile. Declare the queue so.
+//! - A dead letter the dead-letter queue refuses (full, with `x-overflow = reject-publish`;
+//!   unconfirmed): the original is given back (`basic.nack`, requeued) after a pause, instead
+//!   of holding a prefetch slot, and comes back to be judged again.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -27,7 +35,7 @@ use bytes::Bytes;
 use futures_util::StreamExt;
 use http::{HeaderMap, HeaderName, HeaderValue};
 use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
+    BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicPublishOptions, BasicQosOptions,
     ConfirmSelectOptions, QueueDeclareOptions,
 };
 use lapin::tcp::OwnedTLSConfig;
@@ -183,6 +191,7 @@ impl RabbitQueue {
             body: Some(Bytes::from(d.data)),
             fields,
             raw,
+            invalid: None,
         };
         if let Ok(mut held) = self.held.lock() {
             held.insert(
@@ -286,6 +295,19 @@ fn fields_of(properties: &BasicProperties) -> (HeaderMap, Vec<(Bytes, Bytes)>) {
     (fields, raw)
 }
 
+/// The broker sent a frame lapin cannot parse, most likely a message whose `message_id`,
+/// `correlation_id`, `type` or header name is not UTF-8 (RabbitMQ passes such bytes on; lapin
+/// holds them as `String`s and fails the whole connection, before the consumer sees which
+/// message it was). The broker gives the message back and delivers it again; only a quorum
+/// queue's `x-delivery-limit` ends that, dead-lettering it through the queue's
+/// `x-dead-letter-exchange` (README, "RabbitMQ").
+fn unparsable(e: &lapin::Error) -> SourceError {
+    SourceError::Refused(format!(
+        "a message the AMQP client cannot read ({e}): a property or header name that is not \
+         UTF-8? RabbitMQ delivers it again until the queue's x-delivery-limit dead-letters it"
+    ))
+}
+
 fn unreachable(e: impl std::fmt::Display) -> SourceError {
     SourceError::Unreachable(e.to_string())
 }
@@ -313,6 +335,9 @@ impl Source for RabbitQueue {
                 drop(deliveries);
                 self.reset().await;
                 return Err(match ended {
+                    Ok(Some(Err(e))) if matches!(e.kind(), lapin::ErrorKind::ParsingError(_)) => {
+                        unparsable(&e)
+                    }
                     Ok(Some(Err(e))) => unreachable(e),
                     _ => SourceError::Unreachable("the broker cancelled the consumer".into()),
                 });
@@ -396,6 +421,23 @@ impl Source for RabbitQueue {
                 "the broker did not confirm the dead letter: {other:?}"
             ))),
         }
+    }
+
+    async fn release(&self, message: &Message) -> Result<(), SourceError> {
+        let Some(held) = self.take(&message.id) else {
+            return Ok(());
+        };
+        // Given back to the queue now rather than holding a prefetch slot for as long as the
+        // connection lives.
+        let options = BasicNackOptions {
+            multiple: false,
+            requeue: true,
+        };
+        bounded(held.connected.consuming.basic_nack(held.tag, options)).await
+    }
+
+    fn gives_back(&self) -> bool {
+        true
     }
 
     async fn pending(&self) -> Result<u64, SourceError> {

@@ -268,6 +268,7 @@ impl RedisStream {
             body,
             fields,
             raw,
+            invalid: None,
         }
     }
 }
@@ -367,6 +368,11 @@ impl Source for RedisStream {
             .arg("idemgate-deliveries")
             .arg(message.deliveries);
         self.call(&self.writer, &cmd, self.timeout).await.map(drop)
+    }
+
+    async fn release(&self, _message: &Message) -> Result<(), SourceError> {
+        // Nothing held here: the entry stays pending in the group, claimed after claim_idle.
+        Ok(())
     }
 
     async fn pending(&self) -> Result<u64, SourceError> {

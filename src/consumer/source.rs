@@ -25,6 +25,9 @@ pub struct Message {
     pub fields: HeaderMap,
     /// The entry as it came, every field in order, copied whole into a dead-letter record.
     pub raw: Vec<(Bytes, Bytes)>,
+    /// Why the message cannot be handled as it came (a header name that is not UTF-8): it is
+    /// dead-lettered as `invalid-message` without an attempt.
+    pub invalid: Option<String>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -74,6 +77,21 @@ pub trait Source: Send + Sync + 'static {
         message: &Message,
         reason: &str,
     ) -> impl Future<Output = Result<(), SourceError>> + Send;
+
+    /// Done with `message` without acknowledging it (shutdown, a broker call that failed, a
+    /// dead letter not taken): forgets what is held for it. A source that
+    /// [gives messages back](Source::gives_back) tells the broker to deliver it again now; the
+    /// others leave it pending, delivered again once its claim runs out.
+    fn release(&self, message: &Message) -> impl Future<Output = Result<(), SourceError>> + Send;
+
+    /// Whether [`Source::release`] has the broker deliver the message again at once (RabbitMQ's
+    /// `basic.nack` with requeue): a message whose dead letter is refused is then given back
+    /// after a pause rather than held, since a held one takes one of the broker's prefetch
+    /// slots. Without it (a stream whose offset cannot move past it, a claim the broker would
+    /// only time out), the consumer holds the message and tries again.
+    fn gives_back(&self) -> bool {
+        false
+    }
 
     /// Entries read by the group but not acknowledged yet (every consumer's), for the metric.
     fn pending(&self) -> impl Future<Output = Result<u64, SourceError>> + Send;

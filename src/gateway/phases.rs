@@ -439,7 +439,9 @@ fn extract_key(
 /// The answer to the owner of a key, once the core has settled what its execution means.
 fn settled_answer(settled: Settled<Response<Body>>) -> Answer {
     match settled {
-        Settled::Stored(r) => Answer::of(r, Outcome::Executed),
+        // Not stored: the client still gets the real answer; its retries find the pending
+        // record, then an unknown outcome.
+        Settled::Stored(r) | Settled::NotStored(r) => Answer::of(r, Outcome::Executed),
         Settled::Released(r) => Answer::of(r, Outcome::Released),
         Settled::NotSent(e) => Answer::problem(not_sent_problem(&*e)),
         Settled::Unknown { reason, retryable } => Answer::of(

@@ -6,7 +6,7 @@
 //! ```text
 //! reserve ───── store down/full ─▶ Refused(StoreUnavailable | StoreFull), or Bypass (on_store_error = "pass")
 //!    ├─ Owner ──▶ execute (lease renewed) ─▶ settle: complete | release | mark_unknown
-//!    │            ─▶ Owned { Stored | Released | NotSent | Unknown }
+//!    │            ─▶ Owned { Stored | NotStored | Released | NotSent | Unknown }
 //!    └─ Existing ▶ decide: other fingerprint ─▶ Refused(KeyReused) (record untouched)
 //!                  completed ─▶ Replay (byte for byte)
 //!                  unknown, abandoned ─▶ Refused(OutcomeUnknown) (never re-executed), or take
@@ -147,6 +147,10 @@ pub enum Decision<E: Execute> {
 pub enum Settled<R> {
     /// It ran and answered; the answer is stored for retries.
     Stored(R),
+    /// It ran and answered, and the store refused the answer (down, or the lease lost): the
+    /// record stays pending until its lease runs out, then reads as an unknown outcome, never
+    /// run again. An HTTP caller still gets the answer; a broker message is not acknowledged.
+    NotStored(R),
     /// It ran, and its answer says it did not execute (408, 425, 429, or a 5xx the rules do
     /// not store): the answer is passed on and the key released.
     Released(R),

@@ -209,14 +209,15 @@ impl Records {
             Ok(()) => {
                 let quotas = &self.shared.quotas;
                 quotas.stored_by(rules.quota.as_ref(), rules.share, rules.ttl);
+                Settled::Stored(output)
             }
-            // The caller still gets the real answer; retries will see the pending record,
-            // then (lease expired) an unknown outcome: never a second execution.
+            // Retries will see the pending record, then (lease expired) an unknown outcome:
+            // never a second execution.
             Err(e) => {
-                tracing::error!(key = key.short(), error = %e, "cannot store the response")
+                tracing::error!(key = key.short(), error = %e, "cannot store the response");
+                Settled::NotStored(output)
             }
         }
-        Settled::Stored(output)
     }
 
     /// Keeps the key as an unknown outcome, or releases it when the rules allow running it

@@ -19,12 +19,13 @@
 //!   replicas than `store.min_replicas` ([`crate::store::redis`]).
 //! - `idemgate_store_syncs_total`: durable commits (fsyncs) of the disk store; divided by the
 //!   requests, the fsyncs per request (below 1 under concurrent load: group commit).
-//! - `idemgate_consumer_messages_total{consumer, outcome}`, `idemgate_consumer_handler_duration_seconds{consumer}`,
-//!   `idemgate_consumer_pending{consumer}`: the broker consumers ([`crate::consumer`]); outcome
-//!   is one of the [`ConsumerOutcome`] names.
+//! - the broker consumers' series ([`crate::consumer`]), in [`consumer`].
 //! - the client identity series, in [`client`].
 
 mod client;
+mod consumer;
+
+pub use consumer::{ConsumerMetrics, ConsumerOutcome};
 
 use std::sync::atomic::Ordering;
 use std::sync::OnceLock;
@@ -141,66 +142,6 @@ struct OpLabel {
     op: &'static str,
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct ConsumerLabel {
-    consumer: String,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct ConsumerLabels {
-    consumer: String,
-    outcome: &'static str,
-}
-
-/// What became of one delivery of a broker message (the `outcome` label of
-/// `idemgate_consumer_messages_total`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ConsumerOutcome {
-    /// The handler ran it, its answer was stored, and the message was acknowledged.
-    Delivered,
-    /// A duplicate (a producer's retry, a redelivery): the stored answer stood for it, and it
-    /// was acknowledged without reaching the handler.
-    Deduplicated,
-    /// The handler failed (or could not be reached, or the store): to be tried again.
-    Retried,
-    /// Moved to the dead-letter stream with its reason, then acknowledged.
-    DeadLettered,
-}
-
-impl ConsumerOutcome {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            ConsumerOutcome::Delivered => "delivered",
-            ConsumerOutcome::Deduplicated => "deduplicated",
-            ConsumerOutcome::Retried => "retried",
-            ConsumerOutcome::DeadLettered => "dead_lettered",
-        }
-    }
-}
-
-/// One consumer's series, made once when it starts.
-#[derive(Clone)]
-pub struct ConsumerMetrics {
-    messages: [Counter; 4],
-    handler: Histogram,
-    pending: Gauge,
-}
-
-impl ConsumerMetrics {
-    pub fn count(&self, outcome: ConsumerOutcome) {
-        self.messages[outcome as usize].inc();
-    }
-
-    pub fn handler(&self, took: Duration) {
-        self.handler.observe(took.as_secs_f64());
-    }
-
-    /// Entries read but not acknowledged yet, in the whole group (every instance's).
-    pub fn set_pending(&self, pending: u64) {
-        self.pending.set(i64::try_from(pending).unwrap_or(i64::MAX));
-    }
-}
-
 type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
 
 /// One route's series, taken from the families on first use and kept: a family lookup hashes
@@ -256,9 +197,7 @@ pub struct Metrics {
     eviction_risk: Family<PolicyLabel, Gauge>,
     store_fill: Gauge<f64, std::sync::atomic::AtomicU64>,
     replica_acks_missed: Family<OpLabel, Counter>,
-    consumer_messages: Family<ConsumerLabels, Counter>,
-    consumer_handler: HistogramFamily<ConsumerLabel>,
-    consumer_pending: Family<ConsumerLabel, Gauge>,
+    consumers: consumer::ConsumerFamilies,
     /// Requests outside any route.
     unrouted: RouteMetrics,
     store_ops: [OnceLock<Histogram>; StoreOp::COUNT],
@@ -274,33 +213,6 @@ where
     metric
 }
 
-/// The consumers' families: messages by outcome, handler durations, pending messages.
-fn consumer_families(
-    r: &mut Registry,
-) -> (
-    Family<ConsumerLabels, Counter>,
-    HistogramFamily<ConsumerLabel>,
-    Family<ConsumerLabel, Gauge>,
-) {
-    let messages = registered(
-        r,
-        "consumer_messages",
-        "Broker messages by consumer and outcome (delivered, deduplicated, retried, dead_lettered)",
-    );
-    let handler = histograms(
-        r,
-        "consumer_handler_duration_seconds",
-        "Time to the handler's complete answer, per consumer",
-    );
-    let pending = registered(
-        r,
-        "consumer_pending",
-        "Messages read and not acknowledged (and, for NATS, RabbitMQ and Kafka, those waiting to be delivered)",
-    );
-    (messages, handler, pending)
-}
-
-/// A new family of latency histograms, registered under `name`.
 fn histograms<L>(registry: &mut Registry, name: &str, help: &str) -> HistogramFamily<L>
 where
     L: Clone + std::hash::Hash + Eq,
@@ -384,15 +296,13 @@ impl Metrics {
             "store_replica_acks_missed",
             "Redis writes acknowledged by fewer replicas than store.min_replicas within replica_timeout, by store call; absent until the first",
         );
-        let (consumer_messages, consumer_handler, consumer_pending) = consumer_families(r);
+        let consumers = consumer::ConsumerFamilies::new(r);
         let client = client::ClientMetrics::new(r);
         Metrics {
             client,
             eviction_risk,
             store_fill,
-            consumer_messages,
-            consumer_handler,
-            consumer_pending,
+            consumers,
             registry,
             requests,
             upstream_seconds,
@@ -411,31 +321,6 @@ impl Metrics {
             replica_acks_missed,
             unrouted: RouteMetrics::new(""),
             store_ops: Default::default(),
-        }
-    }
-
-    /// The series of one consumer, created (at zero) now.
-    pub fn consumer(&self, consumer: &str) -> ConsumerMetrics {
-        let count = |outcome: ConsumerOutcome| {
-            self.consumer_messages
-                .get_or_create(&ConsumerLabels {
-                    consumer: consumer.to_string(),
-                    outcome: outcome.as_str(),
-                })
-                .clone()
-        };
-        let label = ConsumerLabel {
-            consumer: consumer.to_string(),
-        };
-        ConsumerMetrics {
-            messages: [
-                count(ConsumerOutcome::Delivered),
-                count(ConsumerOutcome::Deduplicated),
-                count(ConsumerOutcome::Retried),
-                count(ConsumerOutcome::DeadLettered),
-            ],
-            handler: self.consumer_handler.get_or_create(&label).clone(),
-            pending: self.consumer_pending.get_or_create(&label).clone(),
         }
     }
 

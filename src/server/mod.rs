@@ -307,9 +307,10 @@ fn start_consumers(
             metrics: Arc::clone(gateway.metrics()),
             pool: gateway.upstream_pool(),
         };
-        tasks.push(tokio::spawn(consumers::run(
+        tasks.push(tokio::spawn(consumers::supervise(
             config,
             source,
+            AnySource::of,
             ctx,
             health,
             stop.clone(),

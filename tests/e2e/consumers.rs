@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use crate::support::redis::RedisServer;
 
+mod failures;
 mod kafka;
 mod rabbitmq;
 use crate::support::{admin_get, eventually_within, scrape, GatewayProcess, Reply, Upstream};
@@ -198,6 +199,29 @@ async fn wait_metric(admin: SocketAddr, outcome: &str, n: f64) {
         reached,
         "{outcome} never reached {n}: {}",
         metric(admin, outcome).await
+    );
+}
+
+/// A consumer-wide series of consumer "orders" (`idemgate_consumer_restarts_total`,
+/// `idemgate_consumer_dead_letters_owed`), 0 when absent.
+async fn consumer_series(admin: SocketAddr, name: &str) -> f64 {
+    scrape(admin)
+        .await
+        .get(&format!("{name}{{consumer=\"orders\"}}"))
+        .copied()
+        .unwrap_or(0.0)
+}
+
+/// Waits (at most 30 s) for `/readyz` to say 200.
+async fn wait_ready(admin: SocketAddr) {
+    let ready = eventually_within(Duration::from_secs(30), || async {
+        admin_get(admin, "/readyz").await.0 == 200
+    })
+    .await;
+    assert!(
+        ready,
+        "never ready: {:?}",
+        admin_get(admin, "/readyz").await
     );
 }
 

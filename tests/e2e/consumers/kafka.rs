@@ -9,6 +9,10 @@
 
 use super::*;
 use crate::support::kafka::{Kafka, Record};
+use crate::support::kafka_raw::{produce_raw, RawRecord};
+use crate::support::redis::free_port;
+use crate::support::relay::Relay;
+use crate::support::Semaphore;
 use crate::support::TempDir;
 
 const TOPIC: &str = "orders";
@@ -317,5 +321,112 @@ async fn readiness_fails_until_the_topic_exists() {
     kafka.produce(TOPIC, &[message("late", "")]).await;
     wait_metric(admin, "delivered", 1.0).await;
     assert_eq!(admin_get(admin, "/readyz").await.0, 200);
+    nothing_left(&kafka, gw).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_header_name_that_is_not_utf8_is_dead_lettered_and_the_next_messages_applied() {
+    let kafka = broker(1).await;
+    let dir = TempDir::new("kafka-utf8");
+    let up = Upstream::counting().await;
+    let admin = free_addr();
+    let gw = GatewayProcess::start(&config(&kafka, &dir, &up.url(), admin, (BY_JSON, "")));
+    wait_ready(admin).await;
+    // What a Go or C producer can write, and rdkafka's header reader panics on.
+    let headers: &[(&[u8], &[u8])] = &[(b"order-id", b"o-9"), (b"\xffname", b"v")];
+    let bad = RawRecord {
+        key: Some(b"key-bad"),
+        value: br#"{"messageId": "bad"}"#,
+        headers,
+    };
+    produce_raw(&kafka.brokers(), TOPIC, 0, &bad).await;
+    kafka
+        .produce(TOPIC, &[message("ok-1", ""), message("ok-2", "")])
+        .await;
+    wait_metric(admin, "dead_lettered", 1.0).await;
+    wait_metric(admin, "delivered", 2.0).await;
+    let mut applied = applied(&up);
+    applied.sort();
+    assert_eq!(applied, vec!["ok-1", "ok-2"], "the bad one never ran");
+    let dead = kafka.read(DEAD, 1).await;
+    let reason = dead[0].header("idemgate-reason");
+    assert!(
+        reason.starts_with("invalid-message") && reason.contains("not UTF-8"),
+        "{reason}"
+    );
+    assert_eq!(dead[0].header("order-id"), "o-9", "the original headers");
+    assert_eq!(
+        dead[0].header("\u{fffd}name"),
+        "v",
+        "the bad name, written lossily"
+    );
+    assert_eq!(
+        consumer_series(admin, "idemgate_consumer_restarts_total").await,
+        0.0,
+        "nothing stopped the consumer"
+    );
+    assert_eq!(admin_get(admin, "/readyz").await.0, 200);
+    nothing_left(&kafka, gw).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_the_brokers_do_not_take_is_owed_until_they_do_and_nothing_is_lost() {
+    // Every client reaches the broker through a relay the test stalls, as in a partition.
+    // (A deleted dead-letter topic would not do: tansu 0.6 still takes records for it.)
+    let port = free_port(false);
+    let relay = Relay::start(port).await;
+    let kafka = Kafka::start_advertised(port, relay.port).await;
+    kafka.create_topic(TOPIC, 1).await;
+    kafka.create_topic(DEAD, 1).await;
+    let dir = TempDir::new("kafka-dead-owed");
+    let gate = Arc::new(Semaphore::new(0));
+    let g = Arc::clone(&gate);
+    let up = Upstream::start(move |seen, _| {
+        if String::from_utf8_lossy(&seen.body).contains("poison") {
+            Reply::json(503, "{}").gated(&g)
+        } else {
+            Reply::json(201, "{}")
+        }
+    })
+    .await;
+    let admin = free_addr();
+    let cfg = config(
+        &kafka,
+        &dir,
+        &up.url(),
+        admin,
+        (BY_JSON, "max_attempts = 1"),
+    );
+    let gw = GatewayProcess::start(&cfg);
+    wait_ready(admin).await;
+    kafka
+        .produce(TOPIC, &[message("p-1", r#", "kind": "poison""#)])
+        .await;
+    up.next_arrival().await;
+    // The handler holds the message while the brokers go out of reach; then it fails for good.
+    relay.stall();
+    gate.add_permits(1);
+    let owed = eventually_within(Duration::from_secs(30), || async {
+        consumer_series(admin, "idemgate_consumer_dead_letters_owed").await == 1.0
+    })
+    .await;
+    assert!(owed, "the dead letter is owed");
+    let (status, body) = admin_get(admin, "/readyz").await;
+    assert_eq!(status, 503, "{body}");
+    relay.resume();
+    kafka.produce(TOPIC, &[message("ok-1", "")]).await;
+    wait_metric(admin, "dead_lettered", 1.0).await;
+    wait_metric(admin, "delivered", 1.0).await;
+    wait_ready(admin).await;
+    assert_eq!(
+        consumer_series(admin, "idemgate_consumer_dead_letters_owed").await,
+        0.0
+    );
+    let dead = kafka.read(DEAD, 1).await;
+    assert!(
+        dead[0].header("idemgate-reason").contains("503"),
+        "{dead:?}"
+    );
+    // The offset moved past both: nothing frozen behind the dead letter.
     nothing_left(&kafka, gw).await;
 }

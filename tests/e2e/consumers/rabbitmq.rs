@@ -6,6 +6,9 @@
 //! the end of any test (with the gateway stopped, the queue holds nothing).
 
 use super::*;
+use lapin::types::{AMQPValue, LongString};
+
+use crate::support::amqp_raw::publish_raw;
 use crate::support::rabbitmq::RabbitMq;
 use crate::support::TempDir;
 
@@ -262,5 +265,110 @@ async fn the_broker_killed_and_restarted_under_the_gateway_is_read_again() {
     })
     .await;
     assert!(ready);
+    nothing_left(&rabbit, gw).await;
+}
+
+fn text(s: &str) -> AMQPValue {
+    AMQPValue::LongString(LongString::from(s))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_property_that_is_not_utf8_is_dead_lettered_by_the_delivery_limit_and_the_rest_applied() {
+    let rabbit = RabbitMq::start().await;
+    rabbit.declare(DEAD, true).await;
+    // What the README asks of a queue: a quorum queue whose delivery limit dead-letters a
+    // message the consumer cannot read (lapin fails its whole connection on it).
+    rabbit
+        .declare_with(
+            QUEUE,
+            &[
+                ("x-queue-type", text("quorum")),
+                ("x-delivery-limit", AMQPValue::LongInt(2)),
+                ("x-dead-letter-exchange", text("")),
+                ("x-dead-letter-routing-key", text(DEAD)),
+            ],
+        )
+        .await;
+    let dir = TempDir::new("rabbit-utf8");
+    let up = Upstream::counting().await;
+    let admin = free_addr();
+    let gw = GatewayProcess::start(&config(&rabbit, &dir, &up.url(), admin, ""));
+    wait_ready(admin).await;
+    let published = tokio::time::timeout(
+        Duration::from_secs(10),
+        publish_raw(
+            rabbit.port,
+            QUEUE,
+            b"\xff\xfeid",
+            b"\xffname",
+            br#"{"messageId": "bad"}"#,
+        ),
+    )
+    .await;
+    assert!(matches!(published, Ok(Ok(()))), "{published:?}");
+    rabbit
+        .publish(QUEUE, &[message("ok-1", ""), message("ok-2", "")])
+        .await;
+    wait_metric(admin, "delivered", 2.0).await;
+    let mut applied = applied(&up);
+    applied.sort();
+    assert_eq!(
+        applied,
+        vec!["ok-1", "ok-2"],
+        "each once, the bad one never"
+    );
+    let dead = eventually_within(Duration::from_secs(30), || async {
+        rabbit.ready(DEAD).await == 1
+    })
+    .await;
+    assert!(dead, "the broker dead-lettered the unreadable message");
+    gw.wait_log("cannot read");
+    wait_ready(admin).await;
+    nothing_left(&rabbit, gw).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_dead_letter_queue_makes_the_consumer_unready_and_the_message_waits_for_it() {
+    let rabbit = RabbitMq::start().await;
+    rabbit.declare(QUEUE, true).await;
+    rabbit
+        .declare_with(
+            DEAD,
+            &[
+                ("x-max-length", AMQPValue::LongInt(1)),
+                ("x-overflow", text("reject-publish")),
+            ],
+        )
+        .await;
+    rabbit
+        .publish(DEAD, &[("filler".to_string(), b"{}".to_vec())])
+        .await;
+    let dir = TempDir::new("rabbit-dead-full");
+    let up = Upstream::counting().await;
+    let admin = free_addr();
+    let gw = GatewayProcess::start(&config(&rabbit, &dir, &up.url(), admin, ""));
+    wait_ready(admin).await;
+    let keyless = ("amqp-none".to_string(), br#"{"no": "key"}"#.to_vec());
+    rabbit.publish(QUEUE, &[keyless]).await;
+    let unready = eventually_within(Duration::from_secs(30), || async {
+        let (status, body) = admin_get(admin, "/readyz").await;
+        status == 503 && body.contains("dead-letter")
+    })
+    .await;
+    assert!(unready, "{:?}", admin_get(admin, "/readyz").await);
+    // Given back, not holding a prefetch slot: the next messages are applied meanwhile.
+    rabbit.publish(QUEUE, &[message("ok-1", "")]).await;
+    wait_metric(admin, "delivered", 1.0).await;
+    assert_eq!(metric(admin, "dead_lettered").await, 0.0);
+    let (status, _) = admin_get(admin, "/readyz").await;
+    assert_eq!(status, 503, "still owed");
+    // Room in the dead-letter queue: the message goes there, and the consumer is ready.
+    let filler = rabbit.drain(DEAD).await;
+    assert_eq!(filler.len(), 1);
+    wait_metric(admin, "dead_lettered", 1.0).await;
+    wait_ready(admin).await;
+    let dead = rabbit.drain(DEAD).await;
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    assert!(header(&dead[0].1, "idemgate-reason").starts_with("missing-key"));
     nothing_left(&rabbit, gw).await;
 }

@@ -84,6 +84,12 @@ impl Kafka {
         Self::start_with(port, advertised, Some(ca)).await
     }
 
+    /// A broker on `port` that tells clients to connect to `advertised` (a relay in front of
+    /// it, which a test can stall).
+    pub async fn start_advertised(port: u16, advertised: u16) -> Kafka {
+        Self::start_with(port, advertised, None).await
+    }
+
     async fn start_with(port: u16, advertised: u16, tls_ca: Option<PathBuf>) -> Kafka {
         let listener = format!("tcp://127.0.0.1:{port}");
         let advertised_url = format!("tcp://127.0.0.1:{advertised}");

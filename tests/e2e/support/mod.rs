@@ -2,10 +2,12 @@
 //! real Redis servers ([`redis`]).
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+pub mod amqp_raw;
 pub mod certs;
 mod client;
 pub mod issuer;
 pub mod kafka;
+pub mod kafka_raw;
 pub mod nats;
 pub mod nginx;
 pub mod postgres;

@@ -24,6 +24,15 @@ impl GatewayProcess {
 
     /// The same, with extra command-line arguments (e.g. `--log-format json`).
     pub fn start_with_args(config: &str, args: &[&str]) -> GatewayProcess {
+        Self::start_full(config, args, &[])
+    }
+
+    /// The same, with environment variables (e.g. `FAILPOINTS`).
+    pub fn start_with_env(config: &str, env: &[(&str, &str)]) -> GatewayProcess {
+        Self::start_full(config, &[], env)
+    }
+
+    fn start_full(config: &str, args: &[&str], env: &[(&str, &str)]) -> GatewayProcess {
         let dir = TempDir::new("gw");
         let config_path = dir.path.join("proxy.toml");
         std::fs::write(&config_path, config).unwrap();
@@ -32,6 +41,7 @@ impl GatewayProcess {
             .args(["run", "--config"])
             .arg(&config_path)
             .env("RUST_LOG", "info")
+            .envs(env.iter().copied())
             .stderr(std::process::Stdio::piped())
             .spawn()
             .unwrap();

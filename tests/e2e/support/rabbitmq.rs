@@ -177,13 +177,24 @@ impl RabbitMq {
 
     /// Declares a durable queue: a quorum queue (which counts deliveries) or a classic one.
     pub async fn declare(&self, queue: &str, quorum: bool) {
+        let args: &[(&str, AMQPValue)] = if quorum {
+            &[(
+                "x-queue-type",
+                AMQPValue::LongString(LongString::from("quorum")),
+            )]
+        } else {
+            &[]
+        };
+        self.declare_with(queue, args).await;
+    }
+
+    /// Declares a durable queue with these arguments (`x-queue-type`, `x-delivery-limit`,
+    /// `x-overflow`, ...).
+    pub async fn declare_with(&self, queue: &str, arguments: &[(&str, AMQPValue)]) {
         let (_conn, channel) = self.channel().await;
         let mut args = FieldTable::default();
-        if quorum {
-            args.insert(
-                "x-queue-type".into(),
-                AMQPValue::LongString(LongString::from("quorum")),
-            );
+        for (name, value) in arguments {
+            args.insert((*name).into(), value.clone());
         }
         channel
             .queue_declare(queue.into(), QueueDeclareOptions::durable(), args)
