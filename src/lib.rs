@@ -40,7 +40,9 @@
 //! - [`consumer`] - the broker front on the same core: `[[consumers]]` read a Redis stream, a
 //!   NATS JetStream stream, a RabbitMQ queue or a Kafka topic and deliver each message to a
 //!   handler once, acknowledging it (Kafka: committing past it) only once its result is stored.
-//!   A new broker is one [`consumer::Source`].
+//!   A new broker is one [`consumer::Source`]. A consumer's task that stops is started
+//!   again; `/readyz` knows. Its `kafka_headers` module holds the crate's only `unsafe` code
+//!   (librdkafka's header names, read as bytes).
 //! - [`problem`] - every response the gateway makes itself (RFC 9457), in one place.
 //! - [`conn`] - one client connection under a deadline in every phase (slow and idle clients).
 //! - [`tls`] - TLS on the traffic listener, its certificate reloaded on SIGHUP and when its

@@ -140,7 +140,11 @@ pub(super) fn verdict(decision: Decision<HandlerCall>) -> Verdict {
     match decision {
         Decision::Owned { settled, .. } => match settled {
             Settled::Stored(_) => Verdict::Ack(ConsumerOutcome::Delivered),
-            Settled::NotStored(_) => Verdict::NotStored,
+            // Its record is someone else's now, or gone: another attempt could run it again.
+            Settled::NotStored { lost: true, .. } => Verdict::DeadLetter(
+                "outcome-unknown: the handler answered, and the key's record was no longer this delivery's (its lease ran out, or it was released): its answer is not stored".into(),
+            ),
+            Settled::NotStored { lost: false, .. } => Verdict::NotStored,
             Settled::Released(status) => Verdict::Retry {
                 reason: format!("the handler answered {status}"),
                 counted: true,
@@ -291,6 +295,18 @@ mod tests {
 
     #[test]
     fn an_answer_the_store_refused_is_not_acknowledged() {
-        assert_eq!(verdict(owned(Settled::NotStored(201))), Verdict::NotStored);
+        let down = Settled::NotStored {
+            output: 201,
+            lost: false,
+        };
+        assert_eq!(verdict(owned(down)), Verdict::NotStored);
+        let lost = Settled::NotStored {
+            output: 201,
+            lost: true,
+        };
+        assert!(
+            matches!(verdict(owned(lost)), Verdict::DeadLetter(r) if r.starts_with("outcome-unknown")),
+            "never tried again: the record is no longer this delivery's"
+        );
     }
 }

@@ -249,6 +249,9 @@ async fn run<S: Source>(
                             .catch_unwind()
                             .await;
                         if handled.is_err() {
+                            // Not ready from now: the run stops reading at once, and waits
+                            // for its other messages before it is started again.
+                            consumer.health.set_restarting(true);
                             tracing::error!(consumer = %consumer.config.name, id = %message.id, "handling the message panicked; the consumer starts again");
                             panicked.store(true, Ordering::Relaxed);
                             stop.cancel();

@@ -441,7 +441,9 @@ fn settled_answer(settled: Settled<Response<Body>>) -> Answer {
     match settled {
         // Not stored: the client still gets the real answer; its retries find the pending
         // record, then an unknown outcome.
-        Settled::Stored(r) | Settled::NotStored(r) => Answer::of(r, Outcome::Executed),
+        Settled::Stored(r) | Settled::NotStored { output: r, .. } => {
+            Answer::of(r, Outcome::Executed)
+        }
         Settled::Released(r) => Answer::of(r, Outcome::Released),
         Settled::NotSent(e) => Answer::problem(not_sent_problem(&*e)),
         Settled::Unknown { reason, retryable } => Answer::of(

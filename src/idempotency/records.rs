@@ -215,7 +215,10 @@ impl Records {
             // never a second execution.
             Err(e) => {
                 tracing::error!(key = key.short(), error = %e, "cannot store the response");
-                Settled::NotStored(output)
+                Settled::NotStored {
+                    output,
+                    lost: matches!(e, StoreError::NotOwner),
+                }
             }
         }
     }
