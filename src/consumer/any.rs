@@ -85,15 +85,6 @@ impl Source for AnySource {
         }
     }
 
-    fn gives_back(&self) -> bool {
-        match self {
-            AnySource::Redis(s) => s.gives_back(),
-            AnySource::Nats(s) => s.gives_back(),
-            AnySource::Rabbit(s) => s.gives_back(),
-            AnySource::Kafka(s) => s.gives_back(),
-        }
-    }
-
     async fn pending(&self) -> Result<u64, SourceError> {
         match self {
             AnySource::Redis(s) => s.pending().await,

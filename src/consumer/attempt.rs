@@ -9,6 +9,7 @@ use http::{HeaderName, HeaderValue, Method};
 use super::handler::HandlerCall;
 use super::message::Consumer;
 use super::{Message, Source};
+use crate::config::OnUnknown;
 use crate::fingerprint::{fingerprint, IgnoredFields, RequestParts};
 use crate::idempotency::{Decision, Refusal, Rules, Settled};
 use crate::key::{ClientScope, Sent, StoreKey};
@@ -102,15 +103,17 @@ impl<S: Source> Consumer<S> {
             fingerprint: fp,
             origin: Some(Origin::new(OriginKind::Consumer, &config.name, sent)),
         };
+        let mut rules = Rules::of(&config.policy, config.check_fingerprint);
+        if message.handler_answered {
+            // It ran: an abandoned record of it is never taken over to run it again.
+            rules.on_unknown = OnUnknown::Reject;
+        }
         let run = self.ctx.core.run(
             &self.ctx.store,
             &store_key,
             claim,
             // A message has no client to count records for.
-            (
-                Rules::of(&config.policy, config.check_fingerprint),
-                lookup.as_ref(),
-            ),
+            (rules, lookup.as_ref()),
             call,
         );
         // Claimed for as long as it runs, however long the handler takes. The claim is renewed

@@ -25,6 +25,7 @@
 //!   also how readiness knows the brokers answer while the topic is idle).
 
 use std::collections::{BTreeSet, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -58,6 +59,8 @@ pub struct KafkaTopic {
     producer: FutureProducer,
     offsets: Arc<Mutex<Offsets>>,
     held: Mutex<HashMap<String, Held>>,
+    /// Reads so far: what tells two reads of one offset apart.
+    reads: AtomicU64,
     /// When the brokers last answered (a message, or the topics' metadata).
     answered: Mutex<Option<Instant>>,
 }
@@ -118,6 +121,7 @@ impl KafkaTopic {
             producer,
             offsets,
             held: Mutex::new(HashMap::new()),
+            reads: AtomicU64::new(0),
             answered: Mutex::new(None),
         })
     }
@@ -166,7 +170,10 @@ impl KafkaTopic {
             .lock()
             .map(|mut o| o.read(partition, offset))
             .unwrap_or(0);
-        let id = format!("{}/{partition}@{offset}", self.source.topic);
+        // One id per read: a partition given back to this instance is read again while the
+        // old read's task may still hold the message, and each settles its own.
+        let read = self.reads.fetch_add(1, Ordering::Relaxed);
+        let id = format!("{}/{partition}@{offset}#{read}", self.source.topic);
         let (fields, raw, invalid) = fields_of(m);
         let message = Message {
             id: id.clone(),
@@ -176,6 +183,7 @@ impl KafkaTopic {
             fields,
             raw,
             invalid,
+            handler_answered: false,
         };
         if let Ok(mut held) = self.held.lock() {
             held.insert(
@@ -275,6 +283,14 @@ fn fields_of(m: &BorrowedMessage<'_>) -> (HeaderMap, Vec<(Bytes, Bytes)>, Option
     (fields, raw, invalid)
 }
 
+/// The dead letter is written and the original's offset could not be stored: read again, and
+/// dead-lettered again, after a restart or a rebalance (not written again now).
+fn written_not_acked(e: SourceError) -> SourceError {
+    SourceError::Gone(format!(
+        "its dead letter is written, its offset not stored: {e}"
+    ))
+}
+
 fn unreachable(e: impl std::fmt::Display) -> SourceError {
     SourceError::Unreachable(e.to_string())
 }
@@ -337,8 +353,8 @@ impl Source for KafkaTopic {
             h.get(&message.id)
                 .map(|h| (h.partition, h.offset, h.key.clone()))
         }) else {
-            return Err(SourceError::Unreachable(
-                "the message is no longer held; it is read again".into(),
+            return Err(SourceError::Gone(
+                "its partition was given away, or it was released; it is read again".into(),
             ));
         };
         let mut headers = OwnedHeaders::new_with_capacity(message.raw.len() + 5);
@@ -372,7 +388,7 @@ impl Source for KafkaTopic {
             record = record.key(key.as_slice());
         }
         match tokio::time::timeout(TIMEOUT * 2, self.producer.send(record, TIMEOUT)).await {
-            Ok(Ok(_)) => self.ack(message).await,
+            Ok(Ok(_)) => self.ack(message).await.map_err(written_not_acked),
             Ok(Err((e, _))) => Err(SourceError::Refused(format!(
                 "the dead-letter topic {:?} did not take the message: {e}",
                 self.source.dead_letter

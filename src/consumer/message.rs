@@ -9,7 +9,8 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::attempt::Verdict;
-use super::{backoff, jitter, BrokerHealth, Context, Message, Source};
+use super::health::Owed;
+use super::{backoff, jitter, BrokerHealth, Context, Message, Source, SourceError};
 use crate::config::ConsumerConfig;
 use crate::metrics::{ConsumerMetrics, ConsumerOutcome};
 
@@ -68,6 +69,7 @@ impl<S: Source> Consumer<S> {
                 Verdict::DeadLetter(reason) => return self.dead_letter(message, &reason).await,
                 Verdict::NotStored => {
                     self.metrics.count(ConsumerOutcome::NotStored);
+                    message.handler_answered = true;
                     tracing::warn!(consumer = %name, id = %message.id, "the store did not take the handler's answer; the message is not acknowledged, and its next attempt finds the key's record");
                     ("the store did not take the answer".to_string(), false)
                 }
@@ -116,39 +118,36 @@ impl<S: Source> Consumer<S> {
     }
 
     /// Moves `message` to the dead-letter target. While the target refuses, the message is
-    /// owed (`/readyz` fails) and tried again with backoff, kept claimed; a source that gives
-    /// messages back (RabbitMQ) gives it back after the first pause instead, since a held one
-    /// takes a prefetch slot; it comes back and is judged again.
+    /// owed (`/readyz` fails) and tried again with backoff, held and kept claimed: nothing
+    /// else takes it, and it is not lost. (Handing it back to the broker instead would not
+    /// free a RabbitMQ prefetch slot, the queue sending it straight back, and would count a
+    /// delivery against a quorum queue's `x-delivery-limit`, whose own dead-lettering would
+    /// drop it when the target refuses.)
     async fn dead_letter(&self, message: &Message, reason: &str) -> End {
         let name = &self.config.name;
-        let mut owed = false;
-        let end = loop {
+        let mut owed = None;
+        let mut refusals = 0u32;
+        loop {
             let refused = match self.source.dead_letter(message, reason).await {
                 Ok(()) => {
                     tracing::warn!(consumer = %name, id = %message.id, %reason, "message moved to the dead-letter target");
                     self.metrics.count(ConsumerOutcome::DeadLettered);
-                    self.health.dead_letter_taken();
-                    break End::Done;
+                    return End::Done;
+                }
+                Err(SourceError::Gone(why)) => {
+                    tracing::warn!(consumer = %name, id = %message.id, %why, "the message is no longer this consumer's; it is delivered again");
+                    return End::Left;
                 }
                 Err(e) => e,
             };
-            if !owed {
-                owed = true;
-                self.health.owe(true);
-                self.metrics.dead_letter_owed(true);
-            }
-            let refusals = self.health.dead_letter_refused();
+            owed.get_or_insert_with(|| Owed::new(&self.health, &self.metrics));
+            refusals = refusals.saturating_add(1);
             let pause = backoff(refusals, DEAD_LETTER_FIRST, DEAD_LETTER_MAX, jitter());
             tracing::error!(consumer = %name, id = %message.id, error = %refused, ?pause, "the dead-letter target did not take the message; trying again");
-            if !self.wait_claimed(message, pause).await || self.source.gives_back() {
-                break End::Left;
+            if !self.wait_claimed(message, pause).await {
+                return End::Left;
             }
-        };
-        if owed {
-            self.health.owe(false);
-            self.metrics.dead_letter_owed(false);
         }
-        end
     }
 
     /// Sleeps `delay` while keeping the message claimed; false if this run stops first.
@@ -171,5 +170,28 @@ impl<S: Source> Consumer<S> {
     /// How often a held message's claim is renewed: well within the broker's deadline.
     pub(super) fn keep_every(&self) -> Duration {
         (self.source.claim_after() / 3).max(Duration::from_millis(10))
+    }
+}
+
+impl<S: Source> Consumer<S> {
+    /// Handling `message` panicked (a bug): it is dead-lettered if the source still can, so
+    /// that it cannot stop the consumer again at its next read, and the run is to stop (its
+    /// state may be broken), not ready from now if it is still the running one.
+    pub(super) async fn panicked(&self, message: &Message, stop: &CancellationToken) {
+        let name = &self.config.name;
+        if !stop.is_cancelled() {
+            self.health.set_restarting(true);
+        }
+        tracing::error!(consumer = %name, id = %message.id, "handling the message panicked; the consumer starts again");
+        let reason = "invalid-message: handling it panicked (a bug in the gateway); the key's record, if any, says whether the handler ran";
+        match self.source.dead_letter(message, reason).await {
+            Ok(()) => {
+                tracing::warn!(consumer = %name, id = %message.id, %reason, "message moved to the dead-letter target");
+                self.metrics.count(ConsumerOutcome::DeadLettered);
+            }
+            Err(e) => {
+                tracing::error!(consumer = %name, id = %message.id, error = %e, "cannot dead-letter the message that panicked; it is read again");
+            }
+        }
     }
 }

@@ -125,24 +125,41 @@ pub async fn supervise<S: Source>(
         };
         health.set_restarting(false);
         let started = Instant::now();
-        // This run's own stop: whatever ends it, the retries its messages' tasks wait on end
-        // too, so that no two runs hold messages at once.
+        // This run's own stop and tasks: whatever ends it, the waits of its messages' tasks
+        // end too, and the next run starts only once they are all done, so that no two runs
+        // hold messages at once (nor two Kafka consumers of this instance sit in the group).
         let stop = shutdown.child_token();
+        let tasks = TaskTracker::new();
         let task = tokio::spawn(run(
             config.clone(),
             source,
             ctx.clone(),
-            metrics.clone(),
-            Arc::clone(&health),
+            (metrics.clone(), Arc::clone(&health)),
             stop.clone(),
-            grace,
+            tasks.clone(),
         ));
         let ended = task.await;
         stop.cancel();
+        tasks.close();
+        if !shutdown.is_cancelled() {
+            health.set_restarting(true);
+            // Each ends within its own deadlines (a handler call within upstream_timeout; the
+            // retries' waits end with `stop`).
+            tokio::select! {
+                () = tasks.wait() => {}
+                () = shutdown.cancelled() => {}
+            }
+        }
         if shutdown.is_cancelled() {
+            if tokio::time::timeout(grace, tasks.wait()).await.is_err() {
+                tracing::warn!(
+                    consumer = %name,
+                    running = tasks.len(),
+                    "grace period over with messages still being handled; they stay pending and are delivered again"
+                );
+            }
             return;
         }
-        health.set_restarting(true);
         metrics.restarted();
         stops = if started.elapsed() >= RAN_WELL {
             1
@@ -190,17 +207,15 @@ enum Stopped {
     MessagePanicked,
 }
 
-/// One run of a consumer, until `stop` (shutdown) or a message's panic: reads, hands each
-/// message to a task of its own (at most `concurrency`), and at the end waits up to `grace` for
-/// those tasks.
+/// One run of a consumer, until `stop` (shutdown) or a message's panic: reads, and hands each
+/// message to a task of its own on `tasks` (at most `concurrency` at once).
 async fn run<S: Source>(
     config: ConsumerConfig,
     source: S,
     ctx: Context,
-    metrics: ConsumerMetrics,
-    health: Arc<BrokerHealth>,
+    (metrics, health): (ConsumerMetrics, Arc<BrokerHealth>),
     stop: CancellationToken,
-    grace: Duration,
+    tasks: TaskTracker,
 ) -> Stopped {
     let panicked = Arc::new(AtomicBool::new(false));
     let consumer = Arc::new(Consumer {
@@ -212,7 +227,6 @@ async fn run<S: Source>(
         stop: stop.clone(),
     });
     let slots = Arc::new(Semaphore::new(consumer.config.concurrency));
-    let tasks = TaskTracker::new();
     let mut failures = 0u32;
     let mut pending_read = Instant::now();
     loop {
@@ -249,10 +263,7 @@ async fn run<S: Source>(
                             .catch_unwind()
                             .await;
                         if handled.is_err() {
-                            // Not ready from now: the run stops reading at once, and waits
-                            // for its other messages before it is started again.
-                            consumer.health.set_restarting(true);
-                            tracing::error!(consumer = %consumer.config.name, id = %message.id, "handling the message panicked; the consumer starts again");
+                            consumer.panicked(&message, &stop).await;
                             panicked.store(true, Ordering::Relaxed);
                             stop.cancel();
                         }
@@ -282,14 +293,6 @@ async fn run<S: Source>(
                 consumer.metrics.set_pending(n);
             }
         }
-    }
-    tasks.close();
-    if tokio::time::timeout(grace, tasks.wait()).await.is_err() {
-        tracing::warn!(
-            consumer = %consumer.config.name,
-            running = tasks.len(),
-            "grace period over with messages still being handled; they stay pending and are delivered again"
-        );
     }
     if panicked.load(Ordering::Relaxed) {
         Stopped::MessagePanicked

@@ -197,6 +197,7 @@ impl NatsStream {
             fields,
             raw,
             invalid: None,
+            handler_answered: false,
         })
     }
 }
@@ -310,7 +311,13 @@ impl Source for NatsStream {
         tokio::time::timeout(self.timeout, publish)
             .await
             .map_err(unreachable)??;
-        self.ack(message).await
+        // Written: not written again now, whatever becomes of the acknowledgement (a failed
+        // one has the server deliver the message again after ack_wait).
+        self.ack(message).await.map_err(|e| {
+            SourceError::Gone(format!(
+                "its dead letter is written, its acknowledgement failed: {e}"
+            ))
+        })
     }
 
     async fn release(&self, message: &Message) -> Result<(), SourceError> {

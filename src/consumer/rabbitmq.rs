@@ -24,8 +24,8 @@
 //!   queue's `x-delivery-limit` dead-letters it (by `x-dead-letter-exchange`); the consumer is
 //!   unready meanwhile. Declare the queue so.
 //! - A dead letter the dead-letter queue refuses (full, with `x-overflow = reject-publish`;
-//!   unconfirmed): the original is given back (`basic.nack`, requeued) after a pause, instead
-//!   of holding a prefetch slot, and comes back to be judged again.
+//!   unconfirmed) is tried again by the consumer, the original held (see
+//!   `consumer::message`).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -192,6 +192,7 @@ impl RabbitQueue {
             fields,
             raw,
             invalid: None,
+            handler_answered: false,
         };
         if let Ok(mut held) = self.held.lock() {
             held.insert(
@@ -376,8 +377,8 @@ impl Source for RabbitQueue {
             h.get(&message.id)
                 .map(|held| (Arc::clone(&held.connected), held.properties.clone()))
         }) else {
-            return Err(SourceError::Unreachable(
-                "the message's connection is gone; it is delivered again".into(),
+            return Err(SourceError::Gone(
+                "its connection is gone; the broker delivers it again".into(),
             ));
         };
         let (connected, properties) = held;
@@ -412,7 +413,12 @@ impl Source for RabbitQueue {
         })
         .await?;
         match confirm {
-            Confirmation::Ack(None) => self.ack(message).await,
+            // Written: not written again now, whatever becomes of the acknowledgement.
+            Confirmation::Ack(None) => self.ack(message).await.map_err(|e| {
+                SourceError::Gone(format!(
+                    "its dead letter is written, its acknowledgement failed: {e}"
+                ))
+            }),
             Confirmation::Ack(Some(_)) => Err(SourceError::Refused(format!(
                 "the dead-letter queue {:?} did not take the message (returned)",
                 self.source.dead_letter
@@ -427,17 +433,13 @@ impl Source for RabbitQueue {
         let Some(held) = self.take(&message.id) else {
             return Ok(());
         };
-        // Given back to the queue now rather than holding a prefetch slot for as long as the
-        // connection lives.
+        // Given back to the queue now rather than left unacknowledged, holding a prefetch slot
+        // for as long as the connection lives.
         let options = BasicNackOptions {
             multiple: false,
             requeue: true,
         };
         bounded(held.connected.consuming.basic_nack(held.tag, options)).await
-    }
-
-    fn gives_back(&self) -> bool {
-        true
     }
 
     async fn pending(&self) -> Result<u64, SourceError> {

@@ -269,6 +269,7 @@ impl RedisStream {
             fields,
             raw,
             invalid: None,
+            handler_answered: false,
         }
     }
 }

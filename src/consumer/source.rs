@@ -28,6 +28,10 @@ pub struct Message {
     /// Why the message cannot be handled as it came (a header name that is not UTF-8): it is
     /// dead-lettered as `invalid-message` without an attempt.
     pub invalid: Option<String>,
+    /// Set by the consumer when the handler answered and the store did not take the answer:
+    /// its later attempts never take the key over to call the handler again (whatever
+    /// `on_unknown` says), since it is known to have run.
+    pub handler_answered: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -36,6 +40,8 @@ pub enum SourceError {
     Unreachable(String),
     #[error("the broker refused: {0}")]
     Refused(String),
+    #[error("the message is no longer this consumer's: {0}")]
+    Gone(String),
 }
 
 /// A broker, as a consumer uses it. Every call is bounded by the source's own deadline.
@@ -79,19 +85,10 @@ pub trait Source: Send + Sync + 'static {
     ) -> impl Future<Output = Result<(), SourceError>> + Send;
 
     /// Done with `message` without acknowledging it (shutdown, a broker call that failed, a
-    /// dead letter not taken): forgets what is held for it. A source that
-    /// [gives messages back](Source::gives_back) tells the broker to deliver it again now; the
-    /// others leave it pending, delivered again once its claim runs out.
+    /// dead letter not written): forgets what is held for it. RabbitMQ is told to deliver it
+    /// again now (`basic.nack` with requeue); the others leave it pending, delivered again once
+    /// its claim runs out (Kafka: once its partition is read again from the committed offset).
     fn release(&self, message: &Message) -> impl Future<Output = Result<(), SourceError>> + Send;
-
-    /// Whether [`Source::release`] has the broker deliver the message again at once (RabbitMQ's
-    /// `basic.nack` with requeue): a message whose dead letter is refused is then given back
-    /// after a pause rather than held, since a held one takes one of the broker's prefetch
-    /// slots. Without it (a stream whose offset cannot move past it, a claim the broker would
-    /// only time out), the consumer holds the message and tries again.
-    fn gives_back(&self) -> bool {
-        false
-    }
 
     /// Entries read by the group but not acknowledged yet (every consumer's), for the metric.
     fn pending(&self) -> impl Future<Output = Result<u64, SourceError>> + Send;

@@ -491,6 +491,8 @@ struct Retries {
     max_backoff: Duration,
 }
 
+const MAX_BACKOFF: Duration = Duration::from_secs(24 * 3600);
+
 /// `(concurrency, max_attempts)` and `(backoff, max_backoff)` as written.
 fn retries(
     at: &dyn Fn(&str) -> String,
@@ -517,6 +519,15 @@ fn retries(
             at("max_backoff"),
             shown(max_backoff),
             "at least backoff",
+        ));
+    }
+    // A message waiting longer than a day holds its slot for nothing; and a deadline past what
+    // the clock can hold would panic.
+    if max_backoff > MAX_BACKOFF {
+        return Err(ConfigError::invalid(
+            at("max_backoff"),
+            shown(max_backoff),
+            "at most 24h",
         ));
     }
     Ok(Retries {

@@ -1,7 +1,7 @@
 //! What a consumer does when the gateway itself fails under it, on a real `redis-server`
 //! stream: an answer the store does not take (the message stays unacknowledged, and the handler
-//! never runs it twice), and a consumer task killed by an injected panic (started again, the
-//! message applied once). The panics need the `failpoints` feature, which scripts/test turns on.
+//! never runs it twice, even with `on_unknown = "retry"`), and a consumer task killed by an
+//! injected panic (started again; a message whose handling panicked is dead-lettered). The panics need the `failpoints` feature, which scripts/test turns on.
 
 use super::*;
 
@@ -28,7 +28,10 @@ async fn an_answer_the_store_refuses_is_not_acknowledged_and_never_run_twice() {
     let store = RedisServer::start();
     let (up, gate) = Upstream::gated().await;
     let admin = free_addr();
-    let cfg = config_apart(&stream, &store, &up.url(), admin, "lock_timeout = \"2s\"");
+    // on_unknown = "retry" would take an abandoned key over and call the handler again: not
+    // for one whose handler is known to have answered.
+    let extra = "lock_timeout = \"2s\"\non_unknown = \"retry\"";
+    let cfg = config_apart(&stream, &store, &up.url(), admin, extra);
     let _gw = GatewayProcess::start(&cfg);
     wait_ready(admin).await;
     stream.cli(&["XADD", STREAM, "*", "body", r#"{"messageId": "m-1"}"#]);
@@ -60,7 +63,8 @@ async fn a_consumer_task_killed_by_a_panic_is_started_again_and_applies_the_mess
     let redis = RedisServer::start();
     let up = Upstream::counting().await;
     let admin = free_addr();
-    // The first read panics (the task dies), then the first message's task (its run stops).
+    // The first read panics (the task dies), then the first message's task: that message is
+    // dead-lettered (it cannot stop the consumer again) and the run stops.
     let gw = GatewayProcess::start_with_env(
         &config(&redis, &up.url(), admin, ""),
         &[(
@@ -81,9 +85,17 @@ async fn a_consumer_task_killed_by_a_panic_is_started_again_and_applies_the_mess
         unready
     });
     publish(&redis, r#"{"messageId": "m-1"}"#);
+    wait_metric(admin, "dead_lettered", 1.0).await;
+    publish(&redis, r#"{"messageId": "m-2"}"#);
     wait_metric(admin, "delivered", 1.0).await;
-    wait_all_acked(&redis, 1).await;
-    assert_eq!(applied(&up), vec!["m-1"], "applied once");
+    wait_all_acked(&redis, 2).await;
+    assert_eq!(applied(&up), vec!["m-2"], "applied once");
+    let dead = dead_letters(&redis);
+    assert!(
+        dead[0]["idemgate-reason"].starts_with("invalid-message")
+            && dead[0]["body"].contains("m-1"),
+        "{dead:?}"
+    );
     assert_eq!(
         consumer_series(admin, "idemgate_consumer_restarts_total").await,
         2.0

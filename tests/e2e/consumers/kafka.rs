@@ -340,14 +340,27 @@ async fn a_header_name_that_is_not_utf8_is_dead_lettered_and_the_next_messages_a
         headers,
     };
     produce_raw(&kafka.brokers(), TOPIC, 0, &bad).await;
+    // Odd but readable: a binary key, an empty header name, a 64 KiB header value.
+    let big = vec![b'x'; 64 * 1024];
+    let odd_headers: &[(&[u8], &[u8])] = &[(b"", b"empty-name"), (b"big", &big)];
+    let odd = RawRecord {
+        key: Some(b"\x00\xff\xfe"),
+        value: br#"{"messageId": "odd"}"#,
+        headers: odd_headers,
+    };
+    produce_raw(&kafka.brokers(), TOPIC, 0, &odd).await;
     kafka
         .produce(TOPIC, &[message("ok-1", ""), message("ok-2", "")])
         .await;
     wait_metric(admin, "dead_lettered", 1.0).await;
-    wait_metric(admin, "delivered", 2.0).await;
+    wait_metric(admin, "delivered", 3.0).await;
     let mut applied = applied(&up);
     applied.sort();
-    assert_eq!(applied, vec!["ok-1", "ok-2"], "the bad one never ran");
+    assert_eq!(
+        applied,
+        vec!["odd", "ok-1", "ok-2"],
+        "the bad one never ran"
+    );
     let dead = kafka.read(DEAD, 1).await;
     let reason = dead[0].header("idemgate-reason");
     assert!(

@@ -356,7 +356,7 @@ async fn a_full_dead_letter_queue_makes_the_consumer_unready_and_the_message_wai
     })
     .await;
     assert!(unready, "{:?}", admin_get(admin, "/readyz").await);
-    // Given back, not holding a prefetch slot: the next messages are applied meanwhile.
+    // Held in one slot while it is owed; the others take the next messages meanwhile.
     rabbit.publish(QUEUE, &[message("ok-1", "")]).await;
     wait_metric(admin, "delivered", 1.0).await;
     assert_eq!(metric(admin, "dead_lettered").await, 0.0);
