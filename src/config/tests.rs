@@ -1084,6 +1084,10 @@ fn a_consumer_without_redis_or_with_bad_values_is_refused() {
             "consumers[0].max_backoff",
         ),
         (
+            format!("{ORDERS}max_backoff = \"25h\""),
+            "consumers[0].max_backoff",
+        ),
+        (
             ORDERS.replace(
                 r#"{ redis_stream = "orders" }"#,
                 r#"{ redis_stream = "orders", dead_letter = "orders" }"#,
