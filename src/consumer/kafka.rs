@@ -58,7 +58,8 @@ pub struct KafkaTopic {
     consumer: Arc<StreamConsumer<Rebalances>>,
     producer: FutureProducer,
     offsets: Arc<Mutex<Offsets>>,
-    held: Mutex<HashMap<String, Held>>,
+    /// By message id and read: two reads of one offset each settle their own.
+    held: Mutex<HashMap<(String, u64), Held>>,
     /// Reads so far: what tells two reads of one offset apart.
     reads: AtomicU64,
     /// When the brokers last answered (a message, or the topics' metadata).
@@ -170,13 +171,14 @@ impl KafkaTopic {
             .lock()
             .map(|mut o| o.read(partition, offset))
             .unwrap_or(0);
-        // One id per read: a partition given back to this instance is read again while the
-        // old read's task may still hold the message, and each settles its own.
+        // A partition given back to this instance is read again while the old read's task may
+        // still hold the message: each read settles its own.
         let read = self.reads.fetch_add(1, Ordering::Relaxed);
-        let id = format!("{}/{partition}@{offset}#{read}", self.source.topic);
+        let id = format!("{}/{partition}@{offset}", self.source.topic);
         let (fields, raw, invalid) = fields_of(m);
         let message = Message {
-            id: id.clone(),
+            id,
+            read,
             // Kafka counts no deliveries: retries are counted here, from 1 at each read.
             deliveries: 1,
             body: Some(Bytes::copy_from_slice(m.payload().unwrap_or_default())),
@@ -187,7 +189,7 @@ impl KafkaTopic {
         };
         if let Ok(mut held) = self.held.lock() {
             held.insert(
-                id,
+                (message.id.clone(), read),
                 Held {
                     partition,
                     offset,
@@ -321,7 +323,7 @@ impl Source for KafkaTopic {
             .held
             .lock()
             .ok()
-            .and_then(|mut h| h.remove(&message.id))
+            .and_then(|mut h| h.remove(&(message.id.clone(), message.read)))
         else {
             return Ok(());
         };
@@ -350,7 +352,7 @@ impl Source for KafkaTopic {
 
     async fn dead_letter(&self, message: &Message, reason: &str) -> Result<(), SourceError> {
         let Some((partition, offset, key)) = self.held.lock().ok().and_then(|h| {
-            h.get(&message.id)
+            h.get(&(message.id.clone(), message.read))
                 .map(|h| (h.partition, h.offset, h.key.clone()))
         }) else {
             return Err(SourceError::Gone(
@@ -404,7 +406,7 @@ impl Source for KafkaTopic {
         // Its offset stays unfinished, so the partition's committed offset stays before it: read
         // again by this group after a restart or a rebalance.
         if let Ok(mut held) = self.held.lock() {
-            held.remove(&message.id);
+            held.remove(&(message.id.clone(), message.read));
         }
         Ok(())
     }

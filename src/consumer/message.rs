@@ -174,16 +174,16 @@ impl<S: Source> Consumer<S> {
 }
 
 impl<S: Source> Consumer<S> {
-    /// Handling `message` panicked (a bug): it is dead-lettered if the source still can, so
-    /// that it cannot stop the consumer again at its next read, and the run is to stop (its
-    /// state may be broken), not ready from now if it is still the running one.
-    pub(super) async fn panicked(&self, message: &Message, stop: &CancellationToken) {
+    /// Handling `message` panicked (a bug), and its run stops (its state may be broken): the
+    /// message is dead-lettered if the source still can, so that it cannot stop the consumer
+    /// again at its next read; not ready from now if this was the `live` run.
+    pub(super) async fn panicked(&self, message: &Message, live: bool) {
         let name = &self.config.name;
-        if !stop.is_cancelled() {
+        if live {
             self.health.set_restarting(true);
         }
         tracing::error!(consumer = %name, id = %message.id, "handling the message panicked; the consumer starts again");
-        let reason = "invalid-message: handling it panicked (a bug in the gateway); the key's record, if any, says whether the handler ran";
+        let reason = "panicked: handling the message panicked (a bug in the gateway); the handler may have run: the key's record says";
         match self.source.dead_letter(message, reason).await {
             Ok(()) => {
                 tracing::warn!(consumer = %name, id = %message.id, %reason, "message moved to the dead-letter target");

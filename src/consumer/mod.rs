@@ -22,16 +22,17 @@
 //! record: a replay if the
 //! answer was stored, an unknown outcome (never run twice) if the crash came mid-call.
 //!
-//! A dead letter the target refuses is tried again with backoff, the message held (RabbitMQ:
-//! given back to the queue after each pause instead), while `/readyz` fails ([`health`]).
+//! A dead letter the target refuses is tried again with backoff, the message held, while
+//! `/readyz` fails ([`health`]).
 //!
 //! Back pressure: at most `concurrency` messages are held at once; no more are read until one
 //! is done. Shutdown stops reading, lets the messages being handled finish (within
 //! `server.shutdown_grace`) and leaves those waiting for a retry pending, for the next claim.
 //!
-//! A consumer's task that ends or panics (or one of whose messages panics) is started again
-//! with backoff ([`supervise`]), from a new source, so that it reads what the broker still
-//! holds; `/readyz` fails until its broker answers again.
+//! A consumer's task that ends or panics (or one of whose messages panics: that message is
+//! dead-lettered) is started again with backoff ([`supervise`]), once the old task's messages
+//! are done, from a new source, so that it reads what the broker still holds; `/readyz` fails
+//! until its broker answers again.
 
 mod any;
 mod attempt;
@@ -143,8 +144,9 @@ pub async fn supervise<S: Source>(
         tasks.close();
         if !shutdown.is_cancelled() {
             health.set_restarting(true);
-            // Each ends within its own deadlines (a handler call within upstream_timeout; the
-            // retries' waits end with `stop`).
+            // Each ends within its own deadlines: waits for a retry or a dead letter end with
+            // `stop`, a handler call within upstream_timeout, a wait on a duplicate within
+            // `wait`.
             tokio::select! {
                 () = tasks.wait() => {}
                 () = shutdown.cancelled() => {}
@@ -263,9 +265,11 @@ async fn run<S: Source>(
                             .catch_unwind()
                             .await;
                         if handled.is_err() {
-                            consumer.panicked(&message, &stop).await;
+                            // Stops reading at once; not ready if this is still the live run.
+                            let live = !stop.is_cancelled();
                             panicked.store(true, Ordering::Relaxed);
                             stop.cancel();
+                            consumer.panicked(&message, live).await;
                         }
                         drop(slot);
                     });
@@ -289,8 +293,13 @@ async fn run<S: Source>(
         }
         if pending_read.elapsed() >= PENDING_EVERY {
             pending_read = Instant::now();
-            if let Ok(n) = consumer.source.pending().await {
-                consumer.metrics.set_pending(n);
+            tokio::select! {
+                n = consumer.source.pending() => {
+                    if let Ok(n) = n {
+                        consumer.metrics.set_pending(n);
+                    }
+                }
+                () = stop.cancelled() => break,
             }
         }
     }

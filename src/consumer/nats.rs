@@ -193,6 +193,7 @@ impl NatsStream {
         Some(Message {
             id,
             deliveries,
+            read: 0,
             body,
             fields,
             raw,

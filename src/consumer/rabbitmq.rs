@@ -63,6 +63,15 @@ struct Connected {
     deliveries: AsyncMutex<Consumer>,
 }
 
+impl Connected {
+    /// Whether every part of it still works: the connection and both channels.
+    fn alive(&self) -> bool {
+        self.connection.status().connected()
+            && self.consuming.status().connected()
+            && self.publishing.status().connected()
+    }
+}
+
 /// What acknowledging or dead-lettering a message needs.
 struct Held {
     connected: Arc<Connected>,
@@ -97,12 +106,16 @@ impl RabbitQueue {
     /// The connection, made if there is none or the last one broke.
     async fn connected(&self) -> Result<Arc<Connected>, SourceError> {
         let mut slot = self.connected.lock().await;
-        if let Some(c) = slot.as_ref() {
-            if c.connection.status().connected() && c.consuming.status().connected() {
-                return Ok(Arc::clone(c));
+        if let Some(c) = slot.take() {
+            if c.alive() {
+                *slot = Some(Arc::clone(&c));
+                return Ok(c);
             }
+            // What is left of it (a channel that closed on a live connection) goes, so that the
+            // broker gives back what it holds.
+            let reason = ShortString::from("idemgate: reconnecting");
+            let _ = tokio::time::timeout(TIMEOUT, c.connection.close(320, reason)).await;
         }
-        *slot = None;
         let c = Arc::new(
             tokio::time::timeout(TIMEOUT, self.connect())
                 .await
@@ -178,6 +191,24 @@ impl RabbitQueue {
         *self.connected.lock().await = None;
     }
 
+    /// A connection a call on a message failed on (an ack or nack without an answer, a dead
+    /// channel): closed, so that the broker gives back every message it holds unacknowledged
+    /// rather than keeping them, and their prefetch slots, until `consumer_timeout`; the next
+    /// fetch connects anew.
+    async fn broken(&self, connected: &Connected) {
+        {
+            let mut slot = self.connected.lock().await;
+            if slot
+                .as_ref()
+                .is_some_and(|c| c.generation == connected.generation)
+            {
+                *slot = None;
+            }
+        }
+        let reason = ShortString::from("idemgate: a call on a message failed");
+        let _ = tokio::time::timeout(TIMEOUT, connected.connection.close(320, reason)).await;
+    }
+
     fn take(&self, id: &str) -> Option<Held> {
         self.held.lock().ok()?.remove(id)
     }
@@ -188,6 +219,7 @@ impl RabbitQueue {
         let message = Message {
             id: id.clone(),
             deliveries: deliveries(&d.properties, d.redelivered),
+            read: 0,
             body: Some(Bytes::from(d.data)),
             fields,
             raw,
@@ -359,7 +391,11 @@ impl Source for RabbitQueue {
             return Ok(());
         };
         let channel = &held.connected.consuming;
-        bounded(channel.basic_ack(held.tag, BasicAckOptions::default())).await
+        let acked = bounded(channel.basic_ack(held.tag, BasicAckOptions::default())).await;
+        if acked.is_err() {
+            self.broken(&held.connected).await;
+        }
+        acked
     }
 
     async fn keep(&self, _message: &Message, _redelivery: bool) -> Result<(), SourceError> {
@@ -382,6 +418,15 @@ impl Source for RabbitQueue {
             ));
         };
         let (connected, properties) = held;
+        if !connected.alive() {
+            // Never published on a dead channel for ever: the connection goes, and the broker
+            // gives its messages back.
+            self.take(&message.id);
+            self.broken(&connected).await;
+            return Err(SourceError::Gone(
+                "its connection or a channel of it closed; the broker delivers it again".into(),
+            ));
+        }
         let mut headers = properties.headers().clone().unwrap_or_default();
         for (name, value) in [
             ("idemgate-reason", reason.to_owned()),
@@ -439,7 +484,11 @@ impl Source for RabbitQueue {
             multiple: false,
             requeue: true,
         };
-        bounded(held.connected.consuming.basic_nack(held.tag, options)).await
+        let nacked = bounded(held.connected.consuming.basic_nack(held.tag, options)).await;
+        if nacked.is_err() {
+            self.broken(&held.connected).await;
+        }
+        nacked
     }
 
     async fn pending(&self) -> Result<u64, SourceError> {

@@ -265,6 +265,7 @@ impl RedisStream {
         Message {
             id,
             deliveries,
+            read: 0,
             body,
             fields,
             raw,

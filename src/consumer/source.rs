@@ -17,6 +17,10 @@ pub struct Message {
     pub id: String,
     /// How often the broker has delivered it, this delivery included (1 the first time).
     pub deliveries: u64,
+    /// Which read of the entry this is, for a source that can read one entry twice while the
+    /// first read is still being handled (Kafka, when a rebalance gives a partition back):
+    /// each read settles its own. 0 for the others.
+    pub read: u64,
     /// The handler's request body (a named field, or the payload); `None` when the entry has no
     /// such field (it is dead-lettered).
     pub body: Option<Bytes>,

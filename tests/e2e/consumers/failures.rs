@@ -92,8 +92,7 @@ async fn a_consumer_task_killed_by_a_panic_is_started_again_and_applies_the_mess
     assert_eq!(applied(&up), vec!["m-2"], "applied once");
     let dead = dead_letters(&redis);
     assert!(
-        dead[0]["idemgate-reason"].starts_with("invalid-message")
-            && dead[0]["body"].contains("m-1"),
+        dead[0]["idemgate-reason"].starts_with("panicked") && dead[0]["body"].contains("m-1"),
         "{dead:?}"
     );
     assert_eq!(
