@@ -8,6 +8,7 @@
 //! as bytes.
 
 use std::borrow::Cow;
+use std::cell::Cell;
 
 use http::{HeaderMap, Method};
 use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
@@ -63,6 +64,42 @@ impl IgnoredFields {
 
 /// Computes the fingerprint of a request whose body was read in full.
 pub fn fingerprint(parts: &RequestParts<'_>, ignore: &IgnoredFields) -> Fingerprint {
+    fingerprints(parts, ignore, false).0
+}
+
+/// The fingerprint of a request, and, when `earlier` is asked for and the previous version
+/// (before issue 44) computed another one for it, that one: a JSON body it canonicalised
+/// although it is ambiguous (repeated keys, keys equal but for case, an object a client wrote
+/// as serde_json's number marker), which is now hashed as its bytes. Records stored by the
+/// previous version hold the earlier one; for every other request the two are the same.
+pub fn fingerprints(
+    parts: &RequestParts<'_>,
+    ignore: &IgnoredFields,
+    earlier: bool,
+) -> (Fingerprint, Option<Fingerprint>) {
+    if !is_json(parts.headers) {
+        return (hashed(parts, Body::Bytes(parts.body)), None);
+    }
+    match canonical(parts.body, ignore, true) {
+        Canonical::Json(canonical) => (hashed(parts, Body::Json(&canonical)), None),
+        Canonical::NotJson => (hashed(parts, Body::Bytes(parts.body)), None),
+        Canonical::Ambiguous => {
+            let before = earlier
+                .then(|| canonical_json(parts.body, ignore))
+                .flatten()
+                .map(|c| hashed(parts, Body::Json(&c)));
+            (hashed(parts, Body::Bytes(parts.body)), before)
+        }
+    }
+}
+
+/// What the body part of a fingerprint is made of.
+enum Body<'a> {
+    Json(&'a [u8]),
+    Bytes(&'a [u8]),
+}
+
+fn hashed(parts: &RequestParts<'_>, body: Body<'_>) -> Fingerprint {
     let mut h = Sha256::new();
     h.update(b"idemgate/fingerprint/v1\x00");
     for field in [
@@ -77,17 +114,14 @@ pub fn fingerprint(parts: &RequestParts<'_>, ignore: &IgnoredFields) -> Fingerpr
     // `?` alone and no query at all are different requests to most servers.
     h.update([u8::from(parts.query.is_some())]);
 
-    match is_json(parts.headers)
-        .then(|| canonical_json(parts.body, ignore))
-        .flatten()
-    {
-        Some(canonical) => {
+    match body {
+        Body::Json(canonical) => {
             h.update(b"json\x00");
-            h.update(&canonical);
+            h.update(canonical);
         }
-        None => {
+        Body::Bytes(bytes) => {
             h.update(b"bytes\x00");
-            h.update(parts.body);
+            h.update(bytes);
         }
     }
     Fingerprint(h.finalize().into())
@@ -118,19 +152,47 @@ fn is_json(headers: &HeaderMap) -> bool {
 /// `null`, so that ignoring `/items/0` does not make `/items/1` look like it. Nesting depth is
 /// bounded by the parser (128); an object whose members arrive unsorted is rewritten once, so the
 /// work is at most that depth times the body's size.
+///
+/// This is the previous version's form, kept for the fingerprints of records it stored:
+/// [`fingerprints`] uses the strict one, which refuses ambiguous bodies.
 pub fn canonical_json(body: &[u8], ignore: &IgnoredFields) -> Option<Vec<u8>> {
+    match canonical(body, ignore, false) {
+        Canonical::Json(out) => Some(out),
+        Canonical::NotJson | Canonical::Ambiguous => None,
+    }
+}
+
+/// A body's canonical JSON form, or why it has none.
+enum Canonical {
+    Json(Vec<u8>),
+    /// Not JSON, or not JSON `serde_json` reads.
+    NotJson,
+    /// (`strict` only) JSON that upstreams read differently: an object with a repeated key or
+    /// keys equal but for case (Go's `encoding/json`, ASP.NET Core and case-insensitive Jackson
+    /// match keys so; some keep the first of repeated keys, some the last, some refuse), or an
+    /// object a client wrote with serde_json's private number key.
+    Ambiguous,
+}
+
+fn canonical(body: &[u8], ignore: &IgnoredFields, strict: bool) -> Canonical {
     let all: Vec<usize> = (0..ignore.0.len()).collect();
     let mut out = Vec::with_capacity(body.len() + 8);
     let mut de = serde_json::Deserializer::from_slice(body);
+    let ambiguous = Cell::new(false);
     let seed = Canon {
         out: &mut out,
         pointers: &ignore.0,
         active: &all,
         depth: 0,
+        strict: strict.then_some((&ambiguous, body)),
     };
-    seed.deserialize(&mut de).ok()?;
-    de.end().ok()?;
-    Some(out)
+    if seed.deserialize(&mut de).is_err() || de.end().is_err() {
+        return Canonical::NotJson;
+    }
+    if ambiguous.get() {
+        return Canonical::Ambiguous;
+    }
+    Canonical::Json(out)
 }
 
 /// Which ignore pointers a member or element at `depth` matches: those still active whose token
@@ -174,6 +236,9 @@ struct Canon<'a> {
     /// Pointers whose tokens so far name this value's path.
     active: &'a [usize],
     depth: usize,
+    /// When strict: where to say the body is ambiguous, and the body (a key borrowed from it
+    /// was written by the client).
+    strict: Option<(&'a Cell<bool>, &'a [u8])>,
 }
 
 impl Canon<'_> {
@@ -184,7 +249,64 @@ impl Canon<'_> {
             pointers: self.pointers,
             active,
             depth: self.depth + 1,
+            strict: self.strict,
         }
+    }
+
+    /// Whether `first`, an object's first key equal to serde_json's number marker, is that
+    /// marker (a number too large for an integer) rather than a key the client wrote: the
+    /// parser hands its own marker from static memory, never from the body, and never with an
+    /// escape in it. Not strict: any such key, as the previous version read it.
+    // The Cow itself is asked: an owned key had an escape in it, so the client wrote it.
+    #[allow(clippy::ptr_arg)]
+    fn is_number(&self, first: &Cow<'_, str>) -> bool {
+        let Some((ambiguous, body)) = self.strict else {
+            return true;
+        };
+        let genuine = match first {
+            Cow::Borrowed(k) => !body.as_ptr_range().contains(&k.as_ptr()),
+            Cow::Owned(_) => false,
+        };
+        if !genuine {
+            ambiguous.set(true);
+        }
+        genuine
+    }
+
+    /// Strict: marks the body ambiguous if two of an object's keys are equal, or equal but for
+    /// case.
+    fn check_keys(&self, members: &[(Cow<'_, str>, usize, usize)]) {
+        let Some((ambiguous, _)) = self.strict else {
+            return;
+        };
+        if members.len() < 2 || ambiguous.get() {
+            return;
+        }
+        let mut keys: Vec<Cow<'_, str>> = members.iter().map(|(k, _, _)| folded(k)).collect();
+        keys.sort_unstable();
+        if keys.windows(2).any(|w| w[0] == w[1]) {
+            ambiguous.set(true);
+        }
+    }
+}
+
+/// A key as case-insensitive readers match it: ASCII lower case, and for other text each
+/// character's lower case of its upper case (so `ſ` meets `s` and the Kelvin sign `k`, as Go's
+/// `strings.EqualFold` has it).
+fn folded<'k>(key: &'k str) -> Cow<'k, str> {
+    if key.is_ascii() {
+        if key.bytes().any(|b| b.is_ascii_uppercase()) {
+            Cow::Owned(key.to_ascii_lowercase())
+        } else {
+            Cow::Borrowed(key)
+        }
+    } else {
+        Cow::Owned(
+            key.chars()
+                .flat_map(char::to_uppercase)
+                .flat_map(char::to_lowercase)
+                .collect(),
+        )
     }
 }
 
@@ -278,7 +400,7 @@ impl<'de> Visitor<'de> for Canon<'_> {
         // A number that does not fit an integer, as `serde_json` hands it over with
         // `arbitrary_precision`: a map of one private key to the number's text. `Value` reads
         // it the same way (an object whose first key is this one is taken for a number too).
-        if first == NUMBER_TOKEN {
+        if first == NUMBER_TOKEN && self.is_number(&first) {
             let raw = map.next_value_seed(KeySeed)?;
             let n: serde_json::Number = raw.parse().map_err(de::Error::custom)?;
             write_number(n.as_str(), self.out);
@@ -312,6 +434,7 @@ impl<'de> Visitor<'de> for Canon<'_> {
             members.push((k, at, self.out.len()));
         }
         self.out.push(b'}');
+        self.check_keys(&members);
         if members.windows(2).all(|w| w[0].0 < w[1].0) {
             return Ok(());
         }
@@ -566,6 +689,99 @@ mod tests {
     }
 
     const JSON: Option<&str> = Some("application/json");
+
+    /// Both fingerprints of a JSON body: this version's, and the previous version's when it
+    /// differs.
+    fn both(body: &str) -> (Fingerprint, Option<Fingerprint>) {
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            http::header::CONTENT_TYPE,
+            "application/json".parse().unwrap(),
+        );
+        let parts = RequestParts {
+            method: &Method::POST,
+            route: "/payments",
+            path: "/payments",
+            query: None,
+            headers: &headers,
+            body: body.as_bytes(),
+        };
+        fingerprints(&parts, &IgnoredFields::default(), true)
+    }
+
+    /// The previous version's fingerprint of a JSON body, computed as it did: canonicalised
+    /// whatever keys it has, or hashed as bytes when it does not parse.
+    fn previous(body: &str) -> Fingerprint {
+        let headers = HeaderMap::new();
+        let parts = RequestParts {
+            method: &Method::POST,
+            route: "/payments",
+            path: "/payments",
+            query: None,
+            headers: &headers,
+            body: body.as_bytes(),
+        };
+        match canonical_json(body.as_bytes(), &IgnoredFields::default()) {
+            Some(c) => hashed(&parts, Body::Json(&c)),
+            None => hashed(&parts, Body::Bytes(body.as_bytes())),
+        }
+    }
+
+    #[test]
+    fn keys_equal_but_for_case_or_repeated_are_never_taken_for_one_request() {
+        // What Go's encoding/json, ASP.NET Core and case-insensitive Jackson read as 1000 and 1.
+        let pairs = [
+            (
+                r#"{"amount":1,"Amount":1000}"#,
+                r#"{"Amount":1000,"amount":1}"#,
+            ),
+            (r#"{"amount":1,"amount":1000}"#, r#"{"amount":1000}"#),
+            (
+                r#"{"amount":1000,"amount":1}"#,
+                r#"{"amount":1,"amount":1000}"#,
+            ),
+            (r#"{"k":1,"\u212a":2}"#, r#"{"\u212a":2,"k":1}"#),
+            (r#"{"s":1,"\u017f":2}"#, r#"{"\u017f":2,"s":1}"#),
+            (r#"{"x":{"ID":1,"id":2}}"#, r#"{"x":{"id":2,"ID":1}}"#),
+        ];
+        for (a, b) in pairs {
+            assert_ne!(both(a).0, both(b).0, "{a} vs {b}");
+            assert_eq!(both(a).0, fp(None, a, &[]), "{a}: hashed as its bytes");
+            assert_eq!(
+                both(a).1,
+                Some(previous(a)),
+                "{a}: the previous version's, kept"
+            );
+            assert_eq!(both(a), both(a), "the same bytes again: the same request");
+        }
+    }
+
+    #[test]
+    fn the_number_marker_never_comes_from_a_client() {
+        let marker = r#"{"$serde_json::private::Number":"1e3"}"#;
+        assert_ne!(both(marker).0, both("1000").0);
+        assert_ne!(both(marker).0, both("1e3").0);
+        let escaped = r#"{"$serde_json::private::Numb\u0065r":"1e3"}"#;
+        assert_ne!(both(escaped).0, both("1000").0);
+        // A number too large for an integer still goes through the parser's own marker.
+        let big = "12345678901234567890123";
+        assert_eq!(both(big), (fp(JSON, big, &[]), None));
+        assert_eq!(both(&format!("{big}.0")).0, both(big).0);
+    }
+
+    #[test]
+    fn an_unambiguous_body_keeps_the_previous_versions_fingerprint() {
+        for body in [
+            r#"{"b":1,"a":{"d":[1,2],"c":null}}"#,
+            r#"{"Amount":1,"currency":"EUR"}"#,
+            "[1,2,3]",
+            "not json",
+        ] {
+            let (now, earlier) = both(body);
+            assert_eq!(earlier, None, "{body}");
+            assert_eq!(now, previous(body), "{body}");
+        }
+    }
 
     #[test]
     fn key_order_and_whitespace_do_not_matter() {
@@ -864,6 +1080,20 @@ mod tests {
     }
 
     proptest! {
+        /// Any JSON text: the fingerprint is the previous version's unless the body is
+        /// ambiguous, and then it is the bytes' and the previous version's is kept beside it.
+        #[test]
+        fn fingerprints_change_only_for_ambiguous_bodies(text in json_text()) {
+            let (now, earlier) = both(&text);
+            match earlier {
+                None => prop_assert_eq!(now, previous(&text)),
+                Some(e) => {
+                    prop_assert_eq!(e, previous(&text));
+                    prop_assert_eq!(now, fp(None, &text, &[]));
+                }
+            }
+        }
+
         #[test]
         fn same_value_any_layout_same_fingerprint(v in json_value(), spaces in prop::collection::vec(any::<bool>(), 64)) {
             let compact = serde_json::to_string(&v).unwrap();

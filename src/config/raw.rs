@@ -258,6 +258,7 @@ pub(super) struct RawRouteOwn {
     pub(super) fingerprint_ignore: Vec<String>,
     pub(super) key: Option<RawKey>,
     pub(super) check_fingerprint: Option<bool>,
+    pub(super) unchecked_header_key: Option<bool>,
     pub(super) signature: Option<RawSignature>,
 }
 
@@ -311,6 +312,7 @@ pub(super) const ROUTE_OWN_KEYS: &[&str] = &[
     "fingerprint_ignore",
     "key",
     "check_fingerprint",
+    "unchecked_header_key",
     "signature",
 ];
 

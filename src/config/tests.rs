@@ -694,6 +694,25 @@ fn key_sources() {
         .unwrap()
         .routes[0];
     assert_eq!(r.key.headers.len(), 2);
+    // A key the client picks, unchecked: refused unless accepted in so many words.
+    let refused = with("check_fingerprint = false");
+    let why = refused
+        .as_ref()
+        .map(|_| String::new())
+        .unwrap_or_else(|e| e.to_string());
+    assert!(why.contains("unchecked_header_key"), "{why}");
+    assert_eq!(invalid_field(refused).0, "routes[0].check_fingerprint");
+    assert_eq!(
+        invalid_field(with(
+            "key = { header = \"webhook-id\" }\ncheck_fingerprint = false"
+        ))
+        .0,
+        "routes[0].check_fingerprint"
+    );
+    let r = &with("check_fingerprint = false\nunchecked_header_key = true")
+        .unwrap()
+        .routes[0];
+    assert!(!r.check_fingerprint);
     assert_eq!(
         invalid_field(with("key = { json = \"id\" }")).0,
         "routes[0].key.json"

@@ -9,11 +9,10 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::{
-    decide, not_executed, store_refusal, Attempt, Refusal, Resolved, Rules, Settled, Shared,
+    decide, not_executed, store_refusal, Attempt, Refusal, Resolved, Rules, Settled, Shared, Sought,
 };
 use crate::config::OnUnknown;
 use crate::duplicates::Seen;
-use crate::fingerprint::Fingerprint;
 use crate::key::StoreKey;
 use crate::store::{
     now_ms, Claim, OwnerToken, Record, Reservation, Store, StoreError, StoreOp, StoredResponse,
@@ -85,7 +84,7 @@ impl Records {
     pub(super) async fn resolve(
         &self,
         key: &StoreKey,
-        fingerprint: Fingerprint,
+        fingerprint: Sought,
         rules: Rules,
         record: Record,
         wait_until: Instant,

@@ -17,6 +17,7 @@ mod consumers;
 mod disk_restarts;
 mod disk_store;
 mod failures;
+mod fingerprint;
 mod gateway;
 mod grpc;
 mod hostile;

@@ -82,6 +82,17 @@ pub(super) fn validate_route(
             ));
         }
     }
+    let check_fingerprint = own.check_fingerprint.unwrap_or(true);
+    // A key a client picks, unchecked: any other request that reuses it gets the stored answer.
+    if !check_fingerprint && key.pointers.is_empty() && own.unchecked_header_key != Some(true) {
+        return Err(ConfigError::invalid(
+            at("check_fingerprint"),
+            "false",
+            "true on a route keyed by headers alone (a key the client picks: any other request \
+             that reused one would get its stored answer); for business keys, key the route by \
+             body fields (key = { json = [...] }), or set unchecked_header_key = true to accept it",
+        ));
+    }
     Ok(RouteConfig {
         name,
         named,
@@ -90,7 +101,7 @@ pub(super) fn validate_route(
         upstream,
         fingerprint_ignore: IgnoredFields::new(&own.fingerprint_ignore),
         key,
-        check_fingerprint: own.check_fingerprint.unwrap_or(true),
+        check_fingerprint,
         signature,
         policy,
     })
