@@ -282,6 +282,12 @@ impl Canon<'_> {
         if members.len() < 2 || ambiguous.get() {
             return;
         }
+        // The common case, without allocating: keys that arrived in strictly increasing order
+        // (so none repeats) and that no folding changes (ASCII without capitals).
+        let plain = |k: &str| k.bytes().all(|b| b.is_ascii() && !b.is_ascii_uppercase());
+        if members.windows(2).all(|w| w[0].0 < w[1].0) && members.iter().all(|m| plain(&m.0)) {
+            return;
+        }
         let mut keys: Vec<Cow<'_, str>> = members.iter().map(|(k, _, _)| folded(k)).collect();
         keys.sort_unstable();
         if keys.windows(2).any(|w| w[0] == w[1]) {
