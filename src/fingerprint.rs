@@ -1,11 +1,11 @@
 //! The request fingerprint: what "the same logical request" means when a key is reused.
 //!
-//! SHA-256 over method, route, path, query and body. A JSON body (`application/json` or
-//! `*/*+json`) is canonicalised first: object keys sorted at every depth, insignificant whitespace
-//! dropped, escapes normalised, numbers written in one exact form (`1`, `1.0` and `1e0` are the
+//! SHA-256 over method, route, path, query, the media type (unless plain `application/json`)
+//! and body. A JSON body (`application/json` or `*/*+json`) is canonicalised first: object keys
+//! sorted at every depth, insignificant whitespace dropped, escapes normalised, numbers written in one exact form (`1`, `1.0` and `1e0` are the
 //! same number; no float rounding, so large amounts never collide) and the route's
-//! `fingerprint_ignore` pointers removed. Any other body, or JSON that does not parse, is hashed
-//! as bytes.
+//! `fingerprint_ignore` pointers removed. Any other body, JSON that does not parse, and
+//! ambiguous JSON (repeated keys, keys equal but for case) are hashed as bytes.
 
 use std::borrow::Cow;
 use std::cell::Cell;
@@ -68,29 +68,86 @@ pub fn fingerprint(parts: &RequestParts<'_>, ignore: &IgnoredFields) -> Fingerpr
 }
 
 /// The fingerprint of a request, and, when `earlier` is asked for and the previous version
-/// (before issue 44) computed another one for it, that one: a JSON body it canonicalised
-/// although it is ambiguous (repeated keys, keys equal but for case, an object a client wrote
-/// as serde_json's number marker), which is now hashed as its bytes. Records stored by the
-/// previous version hold the earlier one; for every other request the two are the same.
+/// (before issue 44) computed another one for it, that one. They differ for a JSON body it
+/// canonicalised although it is ambiguous (repeated keys, keys equal but for case, an object a
+/// client wrote as serde_json's number marker), now hashed as its bytes, and for a
+/// `Content-Type` other than plain `application/json`, now part of the fingerprint. Records
+/// stored by the previous version hold the earlier one; for every other request (plain JSON,
+/// or no `Content-Type`) the two are the same.
 pub fn fingerprints(
     parts: &RequestParts<'_>,
     ignore: &IgnoredFields,
     earlier: bool,
 ) -> (Fingerprint, Option<Fingerprint>) {
-    if !is_json(parts.headers) {
-        return (hashed(parts, Body::Bytes(parts.body)), None);
-    }
-    match canonical(parts.body, ignore, true) {
-        Canonical::Json(canonical) => (hashed(parts, Body::Json(&canonical)), None),
-        Canonical::NotJson => (hashed(parts, Body::Bytes(parts.body)), None),
-        Canonical::Ambiguous => {
-            let before = earlier
-                .then(|| canonical_json(parts.body, ignore))
-                .flatten()
-                .map(|c| hashed(parts, Body::Json(&c)));
-            (hashed(parts, Body::Bytes(parts.body)), before)
+    let json = is_json(parts.headers);
+    let media = media_part(parts.headers, json);
+    let canonical = if json {
+        canonical(parts.body, ignore, true)
+    } else {
+        Canonical::NotJson
+    };
+    let body = match &canonical {
+        Canonical::Json(c) => Body::Json(c),
+        Canonical::NotJson | Canonical::Ambiguous => Body::Bytes(parts.body),
+    };
+    let now = hashed(parts, body, media.as_deref());
+    let changed = media.is_some() || matches!(canonical, Canonical::Ambiguous);
+    let before = (earlier && changed).then(|| {
+        let previous = json.then(|| canonical_json(parts.body, ignore)).flatten();
+        match &previous {
+            Some(c) => hashed(parts, Body::Json(c), None),
+            None => hashed(parts, Body::Bytes(parts.body), None),
         }
+    });
+    (now, before)
+}
+
+/// What of `Content-Type` changes how an upstream reads the body, for every such header in
+/// order: the media type's essence (lower case) and, for a body that is not JSON, its
+/// `charset`; not the other parameters (a multipart `boundary` is new in every request). `None`
+/// when there is no `Content-Type` or it is plain `application/json`: those fingerprints stay
+/// as the previous version made them.
+fn media_part(headers: &HeaderMap, json: bool) -> Option<Vec<u8>> {
+    let mut values = headers
+        .get_all(http::header::CONTENT_TYPE)
+        .iter()
+        .peekable();
+    let first = values.peek()?;
+    let plain_json = |v: &http::HeaderValue| {
+        let essence = v
+            .as_bytes()
+            .split(|&b| b == b';')
+            .next()
+            .unwrap_or_default();
+        essence
+            .trim_ascii()
+            .eq_ignore_ascii_case(b"application/json")
+    };
+    if headers.get_all(http::header::CONTENT_TYPE).iter().count() == 1 && plain_json(first) {
+        return None;
     }
+    let count = headers.get_all(http::header::CONTENT_TYPE).iter().count();
+    let mut out = (count as u64).to_be_bytes().to_vec();
+    for value in values {
+        let mut params = value.as_bytes().split(|&b| b == b';');
+        let essence = params.next().unwrap_or_default().trim_ascii();
+        out.extend_from_slice(&(essence.len() as u64).to_be_bytes());
+        out.extend(essence.iter().map(u8::to_ascii_lowercase));
+        let charset = params
+            .filter(|_| !json)
+            .filter_map(|p| {
+                let (name, value) = p
+                    .trim_ascii()
+                    .split_at(p.trim_ascii().iter().position(|&b| b == b'=')?);
+                name.eq_ignore_ascii_case(b"charset")
+                    .then_some(value[1..].trim_ascii())
+            })
+            .next()
+            .unwrap_or_default();
+        out.extend_from_slice(&(charset.len() as u64).to_be_bytes());
+        out.extend(charset.iter().map(u8::to_ascii_lowercase));
+    }
+    Some(out)
 }
 
 /// What the body part of a fingerprint is made of.
@@ -99,7 +156,7 @@ enum Body<'a> {
     Bytes(&'a [u8]),
 }
 
-fn hashed(parts: &RequestParts<'_>, body: Body<'_>) -> Fingerprint {
+fn hashed(parts: &RequestParts<'_>, body: Body<'_>, media: Option<&[u8]>) -> Fingerprint {
     let mut h = Sha256::new();
     h.update(b"idemgate/fingerprint/v1\x00");
     for field in [
@@ -113,7 +170,13 @@ fn hashed(parts: &RequestParts<'_>, body: Body<'_>) -> Fingerprint {
     }
     // `?` alone and no query at all are different requests to most servers.
     h.update([u8::from(parts.query.is_some())]);
-
+    // Only when there is one: every fingerprint without it stays as the previous version made
+    // it. Its tag starts with a byte no body tag does, and its parts are counted and
+    // length-prefixed, so it cannot be mistaken for the start of a body.
+    if let Some(media) = media {
+        h.update(b"\x00content-type\x00");
+        h.update(media);
+    }
     match body {
         Body::Json(canonical) => {
             h.update(b"json\x00");
@@ -728,8 +791,8 @@ mod tests {
             body: body.as_bytes(),
         };
         match canonical_json(body.as_bytes(), &IgnoredFields::default()) {
-            Some(c) => hashed(&parts, Body::Json(&c)),
-            None => hashed(&parts, Body::Bytes(body.as_bytes())),
+            Some(c) => hashed(&parts, Body::Json(&c), None),
+            None => hashed(&parts, Body::Bytes(body.as_bytes()), None),
         }
     }
 
@@ -760,6 +823,51 @@ mod tests {
             );
             assert_eq!(both(a), both(a), "the same bytes again: the same request");
         }
+    }
+
+    /// Both fingerprints of `body` sent with `content_type`.
+    fn typed(content_type: &str, body: &str) -> (Fingerprint, Option<Fingerprint>) {
+        let mut headers = HeaderMap::new();
+        headers.insert(http::header::CONTENT_TYPE, content_type.parse().unwrap());
+        let parts = RequestParts {
+            method: &Method::POST,
+            route: "/payments",
+            path: "/payments",
+            query: None,
+            headers: &headers,
+            body: body.as_bytes(),
+        };
+        fingerprints(&parts, &IgnoredFields::default(), true)
+    }
+
+    #[test]
+    fn the_media_type_is_part_of_the_request() {
+        let body = r#"{"amount":1}"#;
+        let json = typed("application/json", body);
+        assert_eq!(json, (previous(body), None), "plain JSON: as before");
+        assert_eq!(typed("Application/JSON; charset=utf-8", body), json);
+        let patch = typed("application/merge-patch+json", body);
+        assert_ne!(patch.0, json.0);
+        assert_eq!(patch.1, Some(previous(body)), "the previous version's kept");
+        assert_ne!(
+            typed("application/x-www-form-urlencoded", "a=1").0,
+            typed("text/plain", "a=1").0
+        );
+        assert_ne!(
+            typed("text/plain; charset=utf-8", "caf\u{e9}").0,
+            typed("text/plain; charset=latin1", "caf\u{e9}").0,
+            "a charset changes what the bytes say"
+        );
+        assert_eq!(
+            typed("multipart/form-data; boundary=a", "x").0,
+            typed("multipart/form-data; boundary=b", "x").0,
+            "a boundary is new in every request"
+        );
+        assert_eq!(
+            typed("application/merge-patch+json; charset=utf-8", body).0,
+            patch.0,
+            "JSON has no charset but UTF-8"
+        );
     }
 
     #[test]

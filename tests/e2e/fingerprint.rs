@@ -44,3 +44,113 @@ async fn json_an_upstream_reads_differently_is_never_replayed_for_it() {
         "each first request once, nothing else"
     );
 }
+
+#[tokio::test]
+async fn the_same_body_as_another_media_type_is_another_request() {
+    let up = Upstream::counting().await;
+    let gw = binary(&up);
+    let http = Http::new(gw.addr);
+    let send = |key: &str, content_type: &str, body: &str| {
+        http.request("POST", "/payments")
+            .header("idempotency-key", key)
+            .header("content-type", content_type)
+            .body(body.to_string())
+            .send()
+    };
+    let pairs = [
+        (
+            "application/json",
+            "application/merge-patch+json",
+            r#"{"amount":1}"#,
+        ),
+        (
+            "application/x-www-form-urlencoded",
+            "text/plain",
+            "amount=1",
+        ),
+    ];
+    for (i, (first, second, body)) in pairs.iter().enumerate() {
+        let key = format!("m{i}");
+        assert_eq!(send(&key, first, body).await.status, 201);
+        let again = send(&key, &first.to_uppercase(), body).await;
+        assert!(
+            again.is_replay(),
+            "the same media type in capitals: the same request"
+        );
+        let other = send(&key, second, body).await;
+        assert_eq!(other.status, 409, "{first} then {second}: {other:?}");
+    }
+    assert_eq!(up.executions(), pairs.len());
+}
+
+/// A key stored by the previous version (its record holding the fingerprint that version gave
+/// the request) still replays the same request after the upgrade: the record is written by
+/// this version, then its fingerprint set to the previous version's, as that one would have
+/// stored it, and a new process reads it.
+#[tokio::test]
+async fn a_key_stored_by_the_previous_version_still_replays_after_the_upgrade() {
+    use idemgate::fingerprint::{fingerprints, IgnoredFields, RequestParts};
+    let redis = crate::support::redis::RedisServer::start();
+    let up = Upstream::counting().await;
+    let config = format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\n[upstream]\nurl = \"{}\"\n[store]\nbackend = \"redis\"\nurl = \"{}\"\n[defaults]\nclient_header = \"\"\n[[routes]]\npath = \"/payments\"\n",
+        up.url(),
+        redis.url()
+    );
+    let (content_type, body) = ("application/x-www-form-urlencoded", "amount=1000");
+    let send = |http: Http| async move {
+        http.request("POST", "/payments")
+            .header("idempotency-key", "k-upgrade")
+            .header("content-type", content_type)
+            .body(body)
+            .send()
+            .await
+    };
+    let before = GatewayProcess::start(&config);
+    assert_eq!(send(Http::new(before.addr)).await.status, 201);
+    assert!(before.signal_and_wait("-TERM").success());
+
+    let mut headers = http::HeaderMap::new();
+    headers.insert(http::header::CONTENT_TYPE, content_type.parse().unwrap());
+    let parts = RequestParts {
+        method: &http::Method::POST,
+        route: "/payments",
+        path: "/payments",
+        query: None,
+        headers: &headers,
+        body: body.as_bytes(),
+    };
+    let (now, previous) = fingerprints(&parts, &IgnoredFields::default(), true);
+    let previous = previous.expect("a media type the previous version left out");
+    let client = ::redis::Client::open(redis.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let keys: Vec<Vec<u8>> = ::redis::cmd("KEYS")
+        .arg("*")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let mut record = None;
+    for key in keys {
+        let value: Vec<u8> = ::redis::cmd("GET")
+            .arg(&key)
+            .query_async(&mut conn)
+            .await
+            .unwrap_or_default();
+        if value.get(2..34) == Some(&now.0[..]) {
+            record = Some(key);
+        }
+    }
+    let record = record.expect("the record holds this version's fingerprint");
+    let _: () = ::redis::cmd("SETRANGE")
+        .arg(&record)
+        .arg(2)
+        .arg(&previous.0[..])
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+
+    let after = GatewayProcess::start(&config);
+    let again = send(Http::new(after.addr)).await;
+    assert!(again.is_replay(), "{again:?}");
+    assert_eq!(up.executions(), 1);
+}
