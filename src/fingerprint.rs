@@ -37,6 +37,8 @@ pub struct RequestParts<'a> {
     pub path: &'a str,
     pub query: Option<&'a str>,
     pub headers: &'a HeaderMap,
+    /// Headers whose values are part of the request (`fingerprint_headers`), in order.
+    pub identity: &'a [http::HeaderName],
     pub body: &'a [u8],
 }
 
@@ -91,12 +93,17 @@ pub fn fingerprints(
         Canonical::NotJson | Canonical::Ambiguous => Body::Bytes(parts.body),
     };
     let now = hashed(parts, body, media.as_deref());
-    let changed = media.is_some() || matches!(canonical, Canonical::Ambiguous);
+    let changed =
+        media.is_some() || !parts.identity.is_empty() || matches!(canonical, Canonical::Ambiguous);
+    let previous_parts = RequestParts {
+        identity: &[],
+        ..*parts
+    };
     let before = (earlier && changed).then(|| {
         let previous = json.then(|| canonical_json(parts.body, ignore)).flatten();
         match &previous {
-            Some(c) => hashed(parts, Body::Json(c), None),
-            None => hashed(parts, Body::Bytes(parts.body), None),
+            Some(c) => hashed(&previous_parts, Body::Json(c), None),
+            None => hashed(&previous_parts, Body::Bytes(parts.body), None),
         }
     });
     (now, before)
@@ -176,6 +183,20 @@ fn hashed(parts: &RequestParts<'_>, body: Body<'_>, media: Option<&[u8]>) -> Fin
     if let Some(media) = media {
         h.update(b"\x00content-type\x00");
         h.update(media);
+    }
+    if !parts.identity.is_empty() {
+        h.update(b"\x00headers\x00");
+        h.update((parts.identity.len() as u64).to_be_bytes());
+        for name in parts.identity {
+            h.update((name.as_str().len() as u64).to_be_bytes());
+            h.update(name.as_str().as_bytes());
+            let values = parts.headers.get_all(name);
+            h.update((values.iter().count() as u64).to_be_bytes());
+            for v in values {
+                h.update((v.len() as u64).to_be_bytes());
+                h.update(v.as_bytes());
+            }
+        }
     }
     match body {
         Body::Json(canonical) => {
@@ -751,6 +772,7 @@ mod tests {
                 path: "/payments",
                 query: None,
                 headers: &headers,
+                identity: &[],
                 body: body.as_bytes(),
             },
             &IgnoredFields::new(&ignore),
@@ -773,6 +795,7 @@ mod tests {
             path: "/payments",
             query: None,
             headers: &headers,
+            identity: &[],
             body: body.as_bytes(),
         };
         fingerprints(&parts, &IgnoredFields::default(), true)
@@ -788,6 +811,7 @@ mod tests {
             path: "/payments",
             query: None,
             headers: &headers,
+            identity: &[],
             body: body.as_bytes(),
         };
         match canonical_json(body.as_bytes(), &IgnoredFields::default()) {
@@ -835,6 +859,7 @@ mod tests {
             path: "/payments",
             query: None,
             headers: &headers,
+            identity: &[],
             body: body.as_bytes(),
         };
         fingerprints(&parts, &IgnoredFields::default(), true)
@@ -867,6 +892,40 @@ mod tests {
             typed("application/merge-patch+json; charset=utf-8", body).0,
             patch.0,
             "JSON has no charset but UTF-8"
+        );
+    }
+
+    #[test]
+    fn named_headers_are_part_of_the_request() {
+        let tenant = [http::HeaderName::from_static("x-tenant")];
+        let with = |values: &[&str]| {
+            let mut headers = HeaderMap::new();
+            headers.insert(
+                http::header::CONTENT_TYPE,
+                "application/json".parse().unwrap(),
+            );
+            for v in values {
+                headers.append("x-tenant", v.parse().unwrap());
+            }
+            let parts = RequestParts {
+                method: &Method::POST,
+                route: "/payments",
+                path: "/payments",
+                query: None,
+                headers: &headers,
+                identity: &tenant,
+                body: b"{}",
+            };
+            fingerprints(&parts, &IgnoredFields::default(), true)
+        };
+        assert_eq!(with(&["t1"]), with(&["t1"]));
+        assert_ne!(with(&["t1"]).0, with(&["t2"]).0);
+        assert_ne!(with(&[]).0, with(&[""]).0, "absent is not empty");
+        assert_ne!(with(&["t1", "t2"]).0, with(&["t2", "t1"]).0, "in order");
+        assert_eq!(
+            with(&["t1"]).1,
+            Some(previous("{}")),
+            "the previous version's kept"
         );
     }
 
@@ -1038,6 +1097,7 @@ mod tests {
             path: "/r",
             query: None,
             headers: &headers,
+            identity: &[],
             body: b"",
         };
         let f = |p: &RequestParts<'_>| fingerprint(p, &IgnoredFields::default());
@@ -1257,7 +1317,7 @@ mod tests {
         #[test]
         fn any_bytes_fingerprint_without_panic(body in prop::collection::vec(any::<u8>(), 0..200)) {
             let headers = HeaderMap::new();
-            let _ = fingerprint(&RequestParts { method: &Method::POST, route: "/", path: "/", query: None, headers: &headers, body: &body }, &IgnoredFields::default());
+            let _ = fingerprint(&RequestParts { method: &Method::POST, route: "/", path: "/", query: None, headers: &headers, identity: &[], body: &body }, &IgnoredFields::default());
         }
     }
 }

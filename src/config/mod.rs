@@ -475,6 +475,9 @@ pub struct UpstreamTls {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Policy {
     pub key_header: HeaderName,
+    /// Headers whose values are part of a request's fingerprint (a tenant header, `Host` for a
+    /// multi-tenant upstream): the same key with other values is another request.
+    pub fingerprint_headers: Vec<HeaderName>,
     pub require_key: bool,
     pub ttl: Duration,
     pub lock_timeout: Duration,
@@ -529,6 +532,7 @@ impl Policy {
     pub fn builtin() -> Self {
         Policy {
             key_header: HeaderName::from_static("idempotency-key"),
+            fingerprint_headers: Vec::new(),
             require_key: true,
             ttl: Duration::from_secs(24 * 3600),
             lock_timeout: Duration::from_secs(30),

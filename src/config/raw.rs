@@ -195,6 +195,7 @@ pub(super) struct RawReconcile {
 #[serde(deny_unknown_fields)]
 pub(super) struct RawPolicy {
     pub(super) key_header: Option<String>,
+    pub(super) fingerprint_headers: Option<Vec<String>>,
     pub(super) require_key: Option<bool>,
     #[serde(default, deserialize_with = "duration")]
     pub(super) ttl: Option<Duration>,

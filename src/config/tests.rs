@@ -694,6 +694,17 @@ fn key_sources() {
         .unwrap()
         .routes[0];
     assert_eq!(r.key.headers.len(), 2);
+    let r = &with("fingerprint_headers = [\"X-Tenant\", \"host\"]")
+        .unwrap()
+        .routes[0];
+    assert_eq!(
+        r.policy.fingerprint_headers,
+        vec![HeaderName::from_static("x-tenant"), http::header::HOST]
+    );
+    assert_eq!(
+        invalid_field(with("fingerprint_headers = [\"bad name\"]")).0,
+        "routes[0].fingerprint_headers"
+    );
     // A key the client picks, unchecked: refused unless accepted in so many words.
     let refused = with("check_fingerprint = false");
     let why = refused

@@ -85,6 +85,8 @@ impl<S: Source> Consumer<S> {
                 path: &config.handler.prefix,
                 query: None,
                 headers: &headers,
+                // A message's fields are not part of its fingerprint.
+                identity: &[],
                 body,
             },
             &IgnoredFields::default(),

@@ -247,6 +247,7 @@ impl Gateway {
                 path: parts.uri.path(),
                 query: parts.uri.query(),
                 headers: &parts.headers,
+                identity: &config.policy.fingerprint_headers,
                 body: &body,
             },
             &config.fingerprint_ignore,

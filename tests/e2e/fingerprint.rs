@@ -118,6 +118,7 @@ async fn a_key_stored_by_the_previous_version_still_replays_after_the_upgrade() 
         path: "/payments",
         query: None,
         headers: &headers,
+        identity: &[],
         body: body.as_bytes(),
     };
     let (now, previous) = fingerprints(&parts, &IgnoredFields::default(), true);
@@ -152,5 +153,27 @@ async fn a_key_stored_by_the_previous_version_still_replays_after_the_upgrade() 
     let after = GatewayProcess::start(&config);
     let again = send(Http::new(after.addr)).await;
     assert!(again.is_replay(), "{again:?}");
+    assert_eq!(up.executions(), 1);
+}
+
+#[tokio::test]
+async fn a_header_named_in_fingerprint_headers_tells_requests_apart() {
+    let up = Upstream::counting().await;
+    let gw = GatewayProcess::start(&format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\n[upstream]\nurl = \"{}\"\n[store]\nbackend = \"memory\"\n[defaults]\nfingerprint_headers = [\"x-tenant\"]\n[[routes]]\npath = \"/payments\"\n",
+        up.url()
+    ));
+    let http = Http::new(gw.addr);
+    let send = |tenant: &str| {
+        http.request("POST", "/payments")
+            .header("idempotency-key", "k-tenant")
+            .header("x-tenant", tenant)
+            .json(r#"{"amount":1}"#)
+            .send()
+    };
+    assert_eq!(send("t1").await.status, 201);
+    assert!(send("t1").await.is_replay());
+    let other = send("t2").await;
+    assert_eq!(other.status, 409, "{other:?}");
     assert_eq!(up.executions(), 1);
 }

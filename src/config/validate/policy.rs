@@ -41,6 +41,12 @@ fn apply_identity(
     if let Some(h) = &raw.key_header {
         p.key_header = parse_header_name(&f("key_header"), h)?;
     }
+    if let Some(names) = &raw.fingerprint_headers {
+        p.fingerprint_headers = names
+            .iter()
+            .map(|h| parse_header_name(&f("fingerprint_headers"), h))
+            .collect::<Result<_, _>>()?;
+    }
     if let Some(b) = raw.require_key {
         p.require_key = b;
     }
