@@ -39,6 +39,9 @@ pub struct RequestParts<'a> {
     pub headers: &'a HeaderMap,
     /// Headers whose values are part of the request (`fingerprint_headers`), in order.
     pub identity: &'a [http::HeaderName],
+    /// The request's authority (HTTP/2's `:authority`), standing for a `Host` header it lacks:
+    /// the `Host` the upstream gets.
+    pub authority: Option<&'a str>,
     pub body: &'a [u8],
 }
 
@@ -65,22 +68,14 @@ impl IgnoredFields {
 }
 
 /// Computes the fingerprint of a request whose body was read in full.
+///
+/// Plain JSON and bodies without a `Content-Type` keep the fingerprint versions before issue 44
+/// gave them. Ambiguous JSON (hashed as bytes now), other media types and `fingerprint_headers`
+/// change it: a key stored before the upgrade for such a request gets `409` on a retry after
+/// it, for at most one `ttl` (the safe direction: nothing tells a record of the previous
+/// version from one of this version, so an older form accepted too could replay one request's
+/// answer for another).
 pub fn fingerprint(parts: &RequestParts<'_>, ignore: &IgnoredFields) -> Fingerprint {
-    fingerprints(parts, ignore, false).0
-}
-
-/// The fingerprint of a request, and, when `earlier` is asked for and the previous version
-/// (before issue 44) computed another one for it, that one. They differ for a JSON body it
-/// canonicalised although it is ambiguous (repeated keys, keys equal but for case, an object a
-/// client wrote as serde_json's number marker), now hashed as its bytes, and for a
-/// `Content-Type` other than plain `application/json`, now part of the fingerprint. Records
-/// stored by the previous version hold the earlier one; for every other request (plain JSON,
-/// or no `Content-Type`) the two are the same.
-pub fn fingerprints(
-    parts: &RequestParts<'_>,
-    ignore: &IgnoredFields,
-    earlier: bool,
-) -> (Fingerprint, Option<Fingerprint>) {
     let json = is_json(parts.headers);
     let media = media_part(parts.headers, json);
     let canonical = if json {
@@ -92,21 +87,7 @@ pub fn fingerprints(
         Canonical::Json(c) => Body::Json(c),
         Canonical::NotJson | Canonical::Ambiguous => Body::Bytes(parts.body),
     };
-    let now = hashed(parts, body, media.as_deref());
-    let changed =
-        media.is_some() || !parts.identity.is_empty() || matches!(canonical, Canonical::Ambiguous);
-    let previous_parts = RequestParts {
-        identity: &[],
-        ..*parts
-    };
-    let before = (earlier && changed).then(|| {
-        let previous = json.then(|| canonical_json(parts.body, ignore)).flatten();
-        match &previous {
-            Some(c) => hashed(&previous_parts, Body::Json(c), None),
-            None => hashed(&previous_parts, Body::Bytes(parts.body), None),
-        }
-    });
-    (now, before)
+    hashed(parts, body, media.as_deref())
 }
 
 /// What of `Content-Type` changes how an upstream reads the body, for every such header in
@@ -191,10 +172,18 @@ fn hashed(parts: &RequestParts<'_>, body: Body<'_>, media: Option<&[u8]>) -> Fin
             h.update((name.as_str().len() as u64).to_be_bytes());
             h.update(name.as_str().as_bytes());
             let values = parts.headers.get_all(name);
-            h.update((values.iter().count() as u64).to_be_bytes());
-            for v in values {
+            let authority = (name == http::header::HOST && values.iter().next().is_none())
+                .then_some(parts.authority)
+                .flatten();
+            let count = values.iter().count() + usize::from(authority.is_some());
+            h.update((count as u64).to_be_bytes());
+            for v in values
+                .iter()
+                .map(|v| v.as_bytes())
+                .chain(authority.map(str::as_bytes))
+            {
                 h.update((v.len() as u64).to_be_bytes());
-                h.update(v.as_bytes());
+                h.update(v);
             }
         }
     }
@@ -237,8 +226,8 @@ fn is_json(headers: &HeaderMap) -> bool {
 /// bounded by the parser (128); an object whose members arrive unsorted is rewritten once, so the
 /// work is at most that depth times the body's size.
 ///
-/// This is the previous version's form, kept for the fingerprints of records it stored:
-/// [`fingerprints`] uses the strict one, which refuses ambiguous bodies.
+/// The form before issue 44, which [`fingerprint`] still gives every unambiguous body: it
+/// uses the strict one, which refuses ambiguous bodies.
 pub fn canonical_json(body: &[u8], ignore: &IgnoredFields) -> Option<Vec<u8>> {
     match canonical(body, ignore, false) {
         Canonical::Json(out) => Some(out),
@@ -247,6 +236,7 @@ pub fn canonical_json(body: &[u8], ignore: &IgnoredFields) -> Option<Vec<u8>> {
 }
 
 /// A body's canonical JSON form, or why it has none.
+#[derive(Debug)]
 enum Canonical {
     Json(Vec<u8>),
     /// Not JSON, or not JSON `serde_json` reads.
@@ -256,6 +246,13 @@ enum Canonical {
     /// match keys so; some keep the first of repeated keys, some the last, some refuse), or an
     /// object a client wrote with serde_json's private number key.
     Ambiguous,
+}
+
+impl Canonical {
+    #[cfg(test)]
+    fn is_ambiguous(&self) -> bool {
+        matches!(self, Canonical::Ambiguous)
+    }
 }
 
 fn canonical(body: &[u8], ignore: &IgnoredFields, strict: bool) -> Canonical {
@@ -366,10 +363,24 @@ impl Canon<'_> {
         if members.len() < 2 || ambiguous.get() {
             return;
         }
-        // The common case, without allocating: keys that arrived in strictly increasing order
-        // (so none repeats) and that no folding changes (ASCII without capitals).
-        let plain = |k: &str| k.bytes().all(|b| b.is_ascii() && !b.is_ascii_uppercase());
-        if members.windows(2).all(|w| w[0].0 < w[1].0) && members.iter().all(|m| plain(&m.0)) {
+        // ASCII keys (the common case), without allocating a string: in strictly increasing
+        // order case-insensitively, none repeats; else sorted by reference and compared.
+        if members.iter().all(|m| m.0.is_ascii()) {
+            let folded_cmp = |a: &str, b: &str| {
+                (a.bytes().map(|c| c.to_ascii_lowercase()))
+                    .cmp(b.bytes().map(|c| c.to_ascii_lowercase()))
+            };
+            if members
+                .windows(2)
+                .all(|w| folded_cmp(&w[0].0, &w[1].0).is_lt())
+            {
+                return;
+            }
+            let mut keys: Vec<&str> = members.iter().map(|m| m.0.as_ref()).collect();
+            keys.sort_unstable_by(|a, b| folded_cmp(a, b));
+            if keys.windows(2).any(|w| w[0].eq_ignore_ascii_case(w[1])) {
+                ambiguous.set(true);
+            }
             return;
         }
         let mut keys: Vec<Cow<'_, str>> = members.iter().map(|(k, _, _)| folded(k)).collect();
@@ -381,8 +392,8 @@ impl Canon<'_> {
 }
 
 /// A key as case-insensitive readers match it: ASCII lower case, and for other text each
-/// character's lower case of its upper case (so `ſ` meets `s` and the Kelvin sign `k`, as Go's
-/// `strings.EqualFold` has it).
+/// character lowered, raised and lowered again (so `ſ` meets `s`, the Kelvin sign `k`, and `ẞ`
+/// and `ß` meet `ss`, as Go's `strings.EqualFold` and Java's case-insensitive readers have it).
 fn folded<'k>(key: &'k str) -> Cow<'k, str> {
     if key.is_ascii() {
         if key.bytes().any(|b| b.is_ascii_uppercase()) {
@@ -393,6 +404,7 @@ fn folded<'k>(key: &'k str) -> Cow<'k, str> {
     } else {
         Cow::Owned(
             key.chars()
+                .flat_map(char::to_lowercase)
                 .flat_map(char::to_uppercase)
                 .flat_map(char::to_lowercase)
                 .collect(),
@@ -773,6 +785,7 @@ mod tests {
                 query: None,
                 headers: &headers,
                 identity: &[],
+                authority: None,
                 body: body.as_bytes(),
             },
             &IgnoredFields::new(&ignore),
@@ -781,9 +794,8 @@ mod tests {
 
     const JSON: Option<&str> = Some("application/json");
 
-    /// Both fingerprints of a JSON body: this version's, and the previous version's when it
-    /// differs.
-    fn both(body: &str) -> (Fingerprint, Option<Fingerprint>) {
+    /// The fingerprint of a JSON body.
+    fn both(body: &str) -> Fingerprint {
         let mut headers = HeaderMap::new();
         headers.insert(
             http::header::CONTENT_TYPE,
@@ -796,9 +808,10 @@ mod tests {
             query: None,
             headers: &headers,
             identity: &[],
+            authority: None,
             body: body.as_bytes(),
         };
-        fingerprints(&parts, &IgnoredFields::default(), true)
+        fingerprint(&parts, &IgnoredFields::default())
     }
 
     /// The previous version's fingerprint of a JSON body, computed as it did: canonicalised
@@ -812,6 +825,7 @@ mod tests {
             query: None,
             headers: &headers,
             identity: &[],
+            authority: None,
             body: body.as_bytes(),
         };
         match canonical_json(body.as_bytes(), &IgnoredFields::default()) {
@@ -836,21 +850,18 @@ mod tests {
             (r#"{"k":1,"\u212a":2}"#, r#"{"\u212a":2,"k":1}"#),
             (r#"{"s":1,"\u017f":2}"#, r#"{"\u017f":2,"s":1}"#),
             (r#"{"x":{"ID":1,"id":2}}"#, r#"{"x":{"id":2,"ID":1}}"#),
+            (r#"{"\u00df":1,"\u1e9e":2}"#, r#"{"\u1e9e":2,"\u00df":1}"#),
+            (r#"{"aB":1,"Ab":2}"#, r#"{"Ab":2,"aB":1}"#),
         ];
         for (a, b) in pairs {
-            assert_ne!(both(a).0, both(b).0, "{a} vs {b}");
-            assert_eq!(both(a).0, fp(None, a, &[]), "{a}: hashed as its bytes");
-            assert_eq!(
-                both(a).1,
-                Some(previous(a)),
-                "{a}: the previous version's, kept"
-            );
+            assert_ne!(both(a), both(b), "{a} vs {b}");
+            assert_eq!(both(a), fp(None, a, &[]), "{a}: hashed as its bytes");
             assert_eq!(both(a), both(a), "the same bytes again: the same request");
         }
     }
 
-    /// Both fingerprints of `body` sent with `content_type`.
-    fn typed(content_type: &str, body: &str) -> (Fingerprint, Option<Fingerprint>) {
+    /// The fingerprint of `body` sent with `content_type`.
+    fn typed(content_type: &str, body: &str) -> Fingerprint {
         let mut headers = HeaderMap::new();
         headers.insert(http::header::CONTENT_TYPE, content_type.parse().unwrap());
         let parts = RequestParts {
@@ -860,37 +871,37 @@ mod tests {
             query: None,
             headers: &headers,
             identity: &[],
+            authority: None,
             body: body.as_bytes(),
         };
-        fingerprints(&parts, &IgnoredFields::default(), true)
+        fingerprint(&parts, &IgnoredFields::default())
     }
 
     #[test]
     fn the_media_type_is_part_of_the_request() {
         let body = r#"{"amount":1}"#;
         let json = typed("application/json", body);
-        assert_eq!(json, (previous(body), None), "plain JSON: as before");
+        assert_eq!(json, previous(body), "plain JSON: as before");
         assert_eq!(typed("Application/JSON; charset=utf-8", body), json);
         let patch = typed("application/merge-patch+json", body);
-        assert_ne!(patch.0, json.0);
-        assert_eq!(patch.1, Some(previous(body)), "the previous version's kept");
+        assert_ne!(patch, json);
         assert_ne!(
-            typed("application/x-www-form-urlencoded", "a=1").0,
-            typed("text/plain", "a=1").0
+            typed("application/x-www-form-urlencoded", "a=1"),
+            typed("text/plain", "a=1")
         );
         assert_ne!(
-            typed("text/plain; charset=utf-8", "caf\u{e9}").0,
-            typed("text/plain; charset=latin1", "caf\u{e9}").0,
+            typed("text/plain; charset=utf-8", "caf\u{e9}"),
+            typed("text/plain; charset=latin1", "caf\u{e9}"),
             "a charset changes what the bytes say"
         );
         assert_eq!(
-            typed("multipart/form-data; boundary=a", "x").0,
-            typed("multipart/form-data; boundary=b", "x").0,
+            typed("multipart/form-data; boundary=a", "x"),
+            typed("multipart/form-data; boundary=b", "x"),
             "a boundary is new in every request"
         );
         assert_eq!(
-            typed("application/merge-patch+json; charset=utf-8", body).0,
-            patch.0,
+            typed("application/merge-patch+json; charset=utf-8", body),
+            patch,
             "JSON has no charset but UTF-8"
         );
     }
@@ -914,32 +925,60 @@ mod tests {
                 query: None,
                 headers: &headers,
                 identity: &tenant,
+                authority: None,
                 body: b"{}",
             };
-            fingerprints(&parts, &IgnoredFields::default(), true)
+            fingerprint(&parts, &IgnoredFields::default())
         };
         assert_eq!(with(&["t1"]), with(&["t1"]));
-        assert_ne!(with(&["t1"]).0, with(&["t2"]).0);
-        assert_ne!(with(&[]).0, with(&[""]).0, "absent is not empty");
-        assert_ne!(with(&["t1", "t2"]).0, with(&["t2", "t1"]).0, "in order");
+        assert_ne!(with(&["t1"]), with(&["t2"]));
+        assert_ne!(with(&[]), with(&[""]), "absent is not empty");
+        assert_ne!(with(&["t1", "t2"]), with(&["t2", "t1"]), "in order");
+    }
+
+    #[test]
+    fn host_is_the_authority_over_http2() {
+        let host = [http::header::HOST];
+        let with = |header: Option<&str>, authority: Option<&str>| {
+            let mut headers = HeaderMap::new();
+            if let Some(h) = header {
+                headers.insert(http::header::HOST, h.parse().unwrap());
+            }
+            let parts = RequestParts {
+                method: &Method::POST,
+                route: "/payments",
+                path: "/payments",
+                query: None,
+                headers: &headers,
+                identity: &host,
+                authority,
+                body: b"{}",
+            };
+            fingerprint(&parts, &IgnoredFields::default())
+        };
+        assert_ne!(with(None, Some("shop1")), with(None, Some("shop2")));
         assert_eq!(
-            with(&["t1"]).1,
-            Some(previous("{}")),
-            "the previous version's kept"
+            with(Some("shop1"), None),
+            with(None, Some("shop1")),
+            "HTTP/1.1's Host and HTTP/2's :authority alike"
+        );
+        assert_eq!(
+            with(Some("shop1"), Some("other")),
+            with(Some("shop1"), None)
         );
     }
 
     #[test]
     fn the_number_marker_never_comes_from_a_client() {
         let marker = r#"{"$serde_json::private::Number":"1e3"}"#;
-        assert_ne!(both(marker).0, both("1000").0);
-        assert_ne!(both(marker).0, both("1e3").0);
+        assert_ne!(both(marker), both("1000"));
+        assert_ne!(both(marker), both("1e3"));
         let escaped = r#"{"$serde_json::private::Numb\u0065r":"1e3"}"#;
-        assert_ne!(both(escaped).0, both("1000").0);
+        assert_ne!(both(escaped), both("1000"));
         // A number too large for an integer still goes through the parser's own marker.
         let big = "12345678901234567890123";
-        assert_eq!(both(big), (fp(JSON, big, &[]), None));
-        assert_eq!(both(&format!("{big}.0")).0, both(big).0);
+        assert_eq!(both(big), previous(big));
+        assert_eq!(both(&format!("{big}.0")), both(big));
     }
 
     #[test]
@@ -950,9 +989,7 @@ mod tests {
             "[1,2,3]",
             "not json",
         ] {
-            let (now, earlier) = both(body);
-            assert_eq!(earlier, None, "{body}");
-            assert_eq!(now, previous(body), "{body}");
+            assert_eq!(both(body), previous(body), "{body}");
         }
     }
 
@@ -1098,6 +1135,7 @@ mod tests {
             query: None,
             headers: &headers,
             identity: &[],
+            authority: None,
             body: b"",
         };
         let f = |p: &RequestParts<'_>| fingerprint(p, &IgnoredFields::default());
@@ -1258,13 +1296,11 @@ mod tests {
         /// ambiguous, and then it is the bytes' and the previous version's is kept beside it.
         #[test]
         fn fingerprints_change_only_for_ambiguous_bodies(text in json_text()) {
-            let (now, earlier) = both(&text);
-            match earlier {
-                None => prop_assert_eq!(now, previous(&text)),
-                Some(e) => {
-                    prop_assert_eq!(e, previous(&text));
-                    prop_assert_eq!(now, fp(None, &text, &[]));
-                }
+            let now = both(&text);
+            if now != previous(&text) {
+                // Only an ambiguous body changes, and then to its bytes.
+                prop_assert_eq!(now, fp(None, &text, &[]));
+                prop_assert!(canonical(text.as_bytes(), &IgnoredFields::default(), true).is_ambiguous());
             }
         }
 
@@ -1317,7 +1353,7 @@ mod tests {
         #[test]
         fn any_bytes_fingerprint_without_panic(body in prop::collection::vec(any::<u8>(), 0..200)) {
             let headers = HeaderMap::new();
-            let _ = fingerprint(&RequestParts { method: &Method::POST, route: "/", path: "/", query: None, headers: &headers, identity: &[], body: &body }, &IgnoredFields::default());
+            let _ = fingerprint(&RequestParts { method: &Method::POST, route: "/", path: "/", query: None, headers: &headers, identity: &[], authority: None, body: &body }, &IgnoredFields::default());
         }
     }
 }

@@ -253,7 +253,6 @@ where
     // The origin stays with the record, so that it is still listed if `then` fails midway.
     let claim = store::Claim {
         fingerprint: record.fingerprint,
-        earlier: None,
         origin: record.origin.clone(),
     };
     match store

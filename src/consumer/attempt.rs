@@ -10,7 +10,7 @@ use super::handler::HandlerCall;
 use super::message::Consumer;
 use super::{Message, Source};
 use crate::config::OnUnknown;
-use crate::fingerprint::{fingerprints, IgnoredFields, RequestParts};
+use crate::fingerprint::{fingerprint, IgnoredFields, RequestParts};
 use crate::idempotency::{Decision, Refusal, Rules, Settled};
 use crate::key::{ClientScope, Sent, StoreKey};
 use crate::metrics::ConsumerOutcome;
@@ -78,7 +78,7 @@ impl<S: Source> Consumer<S> {
         let lookup = crate::reconcile::Lookup::of(&config.policy, &sent);
         let mut headers = message.fields.clone();
         headers.insert(http::header::CONTENT_TYPE, config.content_type.clone());
-        let (fp, earlier) = fingerprints(
+        let fp = fingerprint(
             &RequestParts {
                 method: &Method::POST,
                 route: &config.name,
@@ -87,10 +87,10 @@ impl<S: Source> Consumer<S> {
                 headers: &headers,
                 // A message's fields are not part of its fingerprint.
                 identity: &[],
+                authority: None,
                 body,
             },
             &IgnoredFields::default(),
-            true,
         );
         headers.insert(IDEMPOTENCY_KEY.clone(), header_value(&key));
         headers.insert(MESSAGE_ID.clone(), header_value(&message.id));
@@ -104,7 +104,6 @@ impl<S: Source> Consumer<S> {
         };
         let claim = Claim {
             fingerprint: fp,
-            earlier,
             origin: Some(Origin::new(OriginKind::Consumer, &config.name, sent)),
         };
         let mut rules = Rules::of(&config.policy, config.check_fingerprint);

@@ -12,7 +12,7 @@ use super::{ClientConn, Gateway, Route};
 use crate::body::{self, Body, Budget, Lease, OverBudget, ReadError};
 use crate::config::{Policy, RouteConfig};
 use crate::conn::{BodyTimeout, ClientBody};
-use crate::fingerprint::{fingerprints, RequestParts};
+use crate::fingerprint::{fingerprint, RequestParts};
 use crate::idempotency::{Decision, Refusal, Rules, Settled};
 use crate::jwt::{Rejected, Verifier};
 use crate::key::{ClientScope, Identified, Sent, StoreKey};
@@ -240,7 +240,7 @@ impl Gateway {
         (allowance, lookup, origin): (Allowance, Option<Box<Lookup>>, Arc<Origin>),
     ) -> Answer {
         let config = &route.config;
-        let (fp, earlier) = fingerprints(
+        let fp = fingerprint(
             &RequestParts {
                 method: &parts.method,
                 route: &config.name,
@@ -248,10 +248,10 @@ impl Gateway {
                 query: parts.uri.query(),
                 headers: &parts.headers,
                 identity: &config.policy.fingerprint_headers,
+                authority: parts.uri.authority().map(|a| a.as_str()),
                 body: &body,
             },
             &config.fingerprint_ignore,
-            true,
         );
         let rules = rules(config, allowance);
         let forward = Forward {
@@ -270,7 +270,6 @@ impl Gateway {
             key,
             Claim {
                 fingerprint: fp,
-                earlier,
                 origin: Some(origin),
             },
             (rules, lookup.as_deref()),

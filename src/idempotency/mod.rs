@@ -232,9 +232,6 @@ struct Shared {
     rooms: Rooms,
     /// Records stored per client scope, against the routes' quotas.
     quotas: Quotas,
-    /// When this process started: only a record created before can hold a fingerprint of the
-    /// previous version ([`Sought`]).
-    started_ms: u64,
 }
 
 impl Core {
@@ -245,17 +242,8 @@ impl Core {
                 quotas: Quotas::new(),
                 metrics,
                 reconciler,
-                started_ms: crate::store::now_ms(),
             }),
             tasks: TaskTracker::new(),
-        }
-    }
-
-    fn sought(&self, claim: &Claim) -> Sought {
-        Sought {
-            fingerprint: claim.fingerprint,
-            earlier: claim.earlier,
-            started_ms: self.shared.started_ms,
         }
     }
 
@@ -337,7 +325,7 @@ impl Core {
                 Reservation::Existing(record) => record,
             };
             let old = match records
-                .resolve(key, self.sought(&claim), rules, record, wait_until)
+                .resolve(key, claim.fingerprint, rules, record, wait_until)
                 .await
             {
                 Ok(Some(Resolved::Replay(response))) => {
@@ -453,41 +441,13 @@ impl Core {
     }
 }
 
-/// What a record must hold to be the same request's: its fingerprint, or the previous
-/// version's fingerprint of it (issue 44) in a record created before this process started (one
-/// this version stored never holds that one, so an ambiguous body cannot meet the record of
-/// the unambiguous body it was once taken for).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Sought {
-    pub fingerprint: Fingerprint,
-    pub earlier: Option<Fingerprint>,
-    pub started_ms: u64,
-}
-
-impl Sought {
-    fn matches(&self, record: &Record) -> bool {
-        record.fingerprint == self.fingerprint
-            || (self.earlier == Some(record.fingerprint) && record.created_ms < self.started_ms)
-    }
-}
-
-impl From<Fingerprint> for Sought {
-    fn from(fingerprint: Fingerprint) -> Sought {
-        Sought {
-            fingerprint,
-            earlier: None,
-            started_ms: 0,
-        }
-    }
-}
-
 /// What an existing record means: `Ok(None)` while it is pending with a live lease (wait).
 pub fn decide(
     rules: Rules,
-    sought: impl Into<Sought>,
+    fingerprint: Fingerprint,
     record: &Record,
 ) -> Result<Option<Resolved>, Refusal> {
-    if rules.check_fingerprint && !sought.into().matches(record) {
+    if rules.check_fingerprint && record.fingerprint != fingerprint {
         return Err(Refusal::KeyReused);
     }
     match &record.state {

@@ -9,10 +9,11 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::{
-    decide, not_executed, store_refusal, Attempt, Refusal, Resolved, Rules, Settled, Shared, Sought,
+    decide, not_executed, store_refusal, Attempt, Refusal, Resolved, Rules, Settled, Shared,
 };
 use crate::config::OnUnknown;
 use crate::duplicates::Seen;
+use crate::fingerprint::Fingerprint;
 use crate::key::StoreKey;
 use crate::store::{
     now_ms, Claim, OwnerToken, Record, Reservation, Store, StoreError, StoreOp, StoredResponse,
@@ -84,7 +85,7 @@ impl Records {
     pub(super) async fn resolve(
         &self,
         key: &StoreKey,
-        fingerprint: Sought,
+        fingerprint: Fingerprint,
         rules: Rules,
         record: Record,
         wait_until: Instant,

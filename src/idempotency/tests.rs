@@ -139,31 +139,3 @@ fn statuses_that_release_the_key() {
     assert!(!not_executed(499, false));
     assert!(!not_executed(600, false));
 }
-
-#[test]
-fn the_previous_versions_fingerprint_matches_only_records_it_can_have_stored() {
-    // A record of FP created at 1 ms: before a process that started at 10 ms, after one that
-    // started at 0.
-    let sought = |started_ms| Sought {
-        fingerprint: OTHER,
-        earlier: Some(FP),
-        started_ms,
-    };
-    assert!(matches!(
-        decide(rules(), sought(10), &completed()),
-        Ok(Some(Resolved::Replay(_)))
-    ));
-    assert_eq!(
-        decide(rules(), sought(0), &completed()),
-        Err(Refusal::KeyReused),
-        "stored by this version: the earlier fingerprint is not this request's"
-    );
-    let without = Sought {
-        earlier: None,
-        ..sought(10)
-    };
-    assert_eq!(
-        decide(rules(), without, &completed()),
-        Err(Refusal::KeyReused)
-    );
-}

@@ -52,9 +52,6 @@ impl Origin {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Claim {
     pub fingerprint: Fingerprint,
-    /// The fingerprint the previous version computed for this request, when it differs (an
-    /// ambiguous JSON body, issue 44): a record it stored holds that one. Never stored.
-    pub earlier: Option<Fingerprint>,
     pub origin: Option<Arc<Origin>>,
 }
 
@@ -62,7 +59,6 @@ impl From<Fingerprint> for Claim {
     fn from(fingerprint: Fingerprint) -> Claim {
         Claim {
             fingerprint,
-            earlier: None,
             origin: None,
         }
     }

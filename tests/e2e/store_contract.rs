@@ -479,7 +479,6 @@ async fn unknown_outcomes_are_listed_with_their_origin(store: Arc<dyn Store>) {
     let route = format!("listing-{}", rand::random::<u32>());
     let claim = |key: &str| Claim {
         fingerprint: FP,
-        earlier: None,
         origin: Some(Origin::new(OriginKind::Route, &route, key.to_owned())),
     };
     let reserve = |name: &'static str, lease: Duration| {
