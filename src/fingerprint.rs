@@ -771,6 +771,20 @@ mod tests {
         }
     }
 
+    /// A request to the `/payments` route with `headers` and `body`, nothing else named.
+    fn on_payments<'a>(headers: &'a HeaderMap, body: &'a [u8]) -> RequestParts<'a> {
+        RequestParts {
+            method: &Method::POST,
+            route: "/payments",
+            path: "/payments",
+            query: None,
+            headers,
+            identity: &[],
+            authority: None,
+            body,
+        }
+    }
+
     fn fp(ct: Option<&str>, body: &str, ignore: &[&str]) -> Fingerprint {
         let mut headers = HeaderMap::new();
         if let Some(ct) = ct {
@@ -778,16 +792,7 @@ mod tests {
         }
         let ignore: Vec<String> = ignore.iter().map(|s| s.to_string()).collect();
         fingerprint(
-            &RequestParts {
-                method: &Method::POST,
-                route: "/payments",
-                path: "/payments",
-                query: None,
-                headers: &headers,
-                identity: &[],
-                authority: None,
-                body: body.as_bytes(),
-            },
+            &on_payments(&headers, body.as_bytes()),
             &IgnoredFields::new(&ignore),
         )
     }
@@ -796,38 +801,14 @@ mod tests {
 
     /// The fingerprint of a JSON body.
     fn both(body: &str) -> Fingerprint {
-        let mut headers = HeaderMap::new();
-        headers.insert(
-            http::header::CONTENT_TYPE,
-            "application/json".parse().unwrap(),
-        );
-        let parts = RequestParts {
-            method: &Method::POST,
-            route: "/payments",
-            path: "/payments",
-            query: None,
-            headers: &headers,
-            identity: &[],
-            authority: None,
-            body: body.as_bytes(),
-        };
-        fingerprint(&parts, &IgnoredFields::default())
+        fp(JSON, body, &[])
     }
 
     /// The previous version's fingerprint of a JSON body, computed as it did: canonicalised
     /// whatever keys it has, or hashed as bytes when it does not parse.
     fn previous(body: &str) -> Fingerprint {
         let headers = HeaderMap::new();
-        let parts = RequestParts {
-            method: &Method::POST,
-            route: "/payments",
-            path: "/payments",
-            query: None,
-            headers: &headers,
-            identity: &[],
-            authority: None,
-            body: body.as_bytes(),
-        };
+        let parts = on_payments(&headers, body.as_bytes());
         match canonical_json(body.as_bytes(), &IgnoredFields::default()) {
             Some(c) => hashed(&parts, Body::Json(&c), None),
             None => hashed(&parts, Body::Bytes(body.as_bytes()), None),
@@ -862,19 +843,7 @@ mod tests {
 
     /// The fingerprint of `body` sent with `content_type`.
     fn typed(content_type: &str, body: &str) -> Fingerprint {
-        let mut headers = HeaderMap::new();
-        headers.insert(http::header::CONTENT_TYPE, content_type.parse().unwrap());
-        let parts = RequestParts {
-            method: &Method::POST,
-            route: "/payments",
-            path: "/payments",
-            query: None,
-            headers: &headers,
-            identity: &[],
-            authority: None,
-            body: body.as_bytes(),
-        };
-        fingerprint(&parts, &IgnoredFields::default())
+        fp(Some(content_type), body, &[])
     }
 
     #[test]
@@ -919,14 +888,8 @@ mod tests {
                 headers.append("x-tenant", v.parse().unwrap());
             }
             let parts = RequestParts {
-                method: &Method::POST,
-                route: "/payments",
-                path: "/payments",
-                query: None,
-                headers: &headers,
                 identity: &tenant,
-                authority: None,
-                body: b"{}",
+                ..on_payments(&headers, b"{}")
             };
             fingerprint(&parts, &IgnoredFields::default())
         };
@@ -945,14 +908,9 @@ mod tests {
                 headers.insert(http::header::HOST, h.parse().unwrap());
             }
             let parts = RequestParts {
-                method: &Method::POST,
-                route: "/payments",
-                path: "/payments",
-                query: None,
-                headers: &headers,
                 identity: &host,
                 authority,
-                body: b"{}",
+                ..on_payments(&headers, b"{}")
             };
             fingerprint(&parts, &IgnoredFields::default())
         };
