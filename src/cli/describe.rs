@@ -147,7 +147,29 @@ fn route(out: &mut String, r: &RouteConfig) {
         p.on_store_error,
         p.on_unknown,
     );
+    fingerprint(out, r);
     signature(out, r);
+}
+
+/// What besides method, path, query and body tells this route's requests apart, and whether
+/// a reused key is checked at all.
+fn fingerprint(out: &mut String, r: &RouteConfig) {
+    let p = &r.policy;
+    if !p.fingerprint_headers.is_empty() {
+        let names: Vec<&str> = p.fingerprint_headers.iter().map(HeaderName::as_str).collect();
+        let _ = writeln!(out, "  fingerprint_headers {}", names.join(", "));
+    }
+    if !r.check_fingerprint {
+        let _ = writeln!(
+            out,
+            "  check_fingerprint false: a reused key gets the stored answer whatever the request{}",
+            if r.key.pointers.is_empty() {
+                " (a key the client picks: unchecked_header_key)"
+            } else {
+                ""
+            }
+        );
+    }
 }
 
 /// The scheme and how many secrets, never a secret; and the key's headers a captured delivery
