@@ -156,7 +156,11 @@ fn route(out: &mut String, r: &RouteConfig) {
 fn fingerprint(out: &mut String, r: &RouteConfig) {
     let p = &r.policy;
     if !p.fingerprint_headers.is_empty() {
-        let names: Vec<&str> = p.fingerprint_headers.iter().map(HeaderName::as_str).collect();
+        let names: Vec<&str> = p
+            .fingerprint_headers
+            .iter()
+            .map(HeaderName::as_str)
+            .collect();
         let _ = writeln!(out, "  fingerprint_headers {}", names.join(", "));
     }
     if !r.check_fingerprint {
