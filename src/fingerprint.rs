@@ -96,11 +96,9 @@ pub fn fingerprint(parts: &RequestParts<'_>, ignore: &IgnoredFields) -> Fingerpr
 /// when there is no `Content-Type` or it is plain `application/json`: those fingerprints stay
 /// as the previous version made them.
 fn media_part(headers: &HeaderMap, json: bool) -> Option<Vec<u8>> {
-    let mut values = headers
-        .get_all(http::header::CONTENT_TYPE)
-        .iter()
-        .peekable();
-    let first = values.peek()?;
+    let values = headers.get_all(http::header::CONTENT_TYPE);
+    let count = values.iter().count();
+    let first = values.iter().next()?;
     let plain_json = |v: &http::HeaderValue| {
         let essence = v
             .as_bytes()
@@ -111,10 +109,9 @@ fn media_part(headers: &HeaderMap, json: bool) -> Option<Vec<u8>> {
             .trim_ascii()
             .eq_ignore_ascii_case(b"application/json")
     };
-    if headers.get_all(http::header::CONTENT_TYPE).iter().count() == 1 && plain_json(first) {
+    if count == 1 && plain_json(first) {
         return None;
     }
-    let count = headers.get_all(http::header::CONTENT_TYPE).iter().count();
     let mut out = (count as u64).to_be_bytes().to_vec();
     for value in values {
         let mut params = value.as_bytes().split(|&b| b == b';');

@@ -58,8 +58,8 @@ pub struct KafkaTopic {
     consumer: Arc<StreamConsumer<Rebalances>>,
     producer: FutureProducer,
     offsets: Arc<Mutex<Offsets>>,
-    /// By message id and read: two reads of one offset each settle their own.
-    held: Mutex<HashMap<(String, u64), Held>>,
+    /// By read (unique per source): two reads of one offset each settle their own.
+    held: Mutex<HashMap<u64, Held>>,
     /// Reads so far: what tells two reads of one offset apart.
     reads: AtomicU64,
     /// When the brokers last answered (a message, or the topics' metadata).
@@ -189,7 +189,7 @@ impl KafkaTopic {
         };
         if let Ok(mut held) = self.held.lock() {
             held.insert(
-                (message.id.clone(), read),
+                read,
                 Held {
                     partition,
                     offset,
@@ -323,7 +323,7 @@ impl Source for KafkaTopic {
             .held
             .lock()
             .ok()
-            .and_then(|mut h| h.remove(&(message.id.clone(), message.read)))
+            .and_then(|mut h| h.remove(&message.read))
         else {
             return Ok(());
         };
@@ -352,7 +352,7 @@ impl Source for KafkaTopic {
 
     async fn dead_letter(&self, message: &Message, reason: &str) -> Result<(), SourceError> {
         let Some((partition, offset, key)) = self.held.lock().ok().and_then(|h| {
-            h.get(&(message.id.clone(), message.read))
+            h.get(&message.read)
                 .map(|h| (h.partition, h.offset, h.key.clone()))
         }) else {
             return Err(SourceError::Gone(
@@ -406,7 +406,7 @@ impl Source for KafkaTopic {
         // Its offset stays unfinished, so the partition's committed offset stays before it: read
         // again by this group after a restart or a rebalance.
         if let Ok(mut held) = self.held.lock() {
-            held.remove(&(message.id.clone(), message.read));
+            held.remove(&message.read);
         }
         Ok(())
     }

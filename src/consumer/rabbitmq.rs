@@ -70,6 +70,13 @@ impl Connected {
             && self.consuming.status().connected()
             && self.publishing.status().connected()
     }
+
+    /// Closes the connection (within [`TIMEOUT`]; one already closed is left as it is): the
+    /// broker gives back every message it held unacknowledged.
+    async fn close(&self, why: &str) {
+        let reason = ShortString::from(why);
+        let _ = tokio::time::timeout(TIMEOUT, self.connection.close(320, reason)).await;
+    }
 }
 
 /// What acknowledging or dead-lettering a message needs.
@@ -113,8 +120,7 @@ impl RabbitQueue {
             }
             // What is left of it (a channel that closed on a live connection) goes, so that the
             // broker gives back what it holds.
-            let reason = ShortString::from("idemgate: reconnecting");
-            let _ = tokio::time::timeout(TIMEOUT, c.connection.close(320, reason)).await;
+            c.close("idemgate: reconnecting").await;
         }
         let c = Arc::new(
             tokio::time::timeout(TIMEOUT, self.connect())
@@ -205,8 +211,9 @@ impl RabbitQueue {
                 *slot = None;
             }
         }
-        let reason = ShortString::from("idemgate: a call on a message failed");
-        let _ = tokio::time::timeout(TIMEOUT, connected.connection.close(320, reason)).await;
+        connected
+            .close("idemgate: a call on a message failed")
+            .await;
     }
 
     fn take(&self, id: &str) -> Option<Held> {
