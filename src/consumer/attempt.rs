@@ -4,13 +4,13 @@
 
 use std::convert::Infallible;
 
-use http::{HeaderName, HeaderValue, Method};
+use http::{HeaderName, HeaderValue};
 
 use super::handler::HandlerCall;
 use super::message::Consumer;
 use super::{Message, Source};
 use crate::config::OnUnknown;
-use crate::fingerprint::{fingerprint, IgnoredFields, RequestParts};
+use crate::fingerprint::{fingerprint, IgnoredFields};
 use crate::idempotency::{Decision, Refusal, Rules, Settled};
 use crate::key::{ClientScope, Sent, StoreKey};
 use crate::metrics::ConsumerOutcome;
@@ -78,30 +78,18 @@ impl<S: Source> Consumer<S> {
         let lookup = crate::reconcile::Lookup::of(&config.policy, &sent);
         let mut headers = message.fields.clone();
         headers.insert(http::header::CONTENT_TYPE, config.content_type.clone());
-        let fp = fingerprint(
-            &RequestParts {
-                method: &Method::POST,
-                route: &config.name,
-                path: &config.handler.prefix,
-                query: None,
-                headers: &headers,
-                // A message's fields are not part of its fingerprint.
-                identity: &[],
-                authority: None,
-                body,
-            },
-            &IgnoredFields::default(),
-        );
         headers.insert(IDEMPOTENCY_KEY.clone(), header_value(&key));
         headers.insert(MESSAGE_ID.clone(), header_value(&message.id));
         headers.insert(DELIVERIES.clone(), HeaderValue::from(message.deliveries));
         let call = HandlerCall {
+            consumer: config.name.clone(),
             pool: self.ctx.pool.clone(),
             handler: config.handler.clone(),
             policy: config.policy.clone(),
             headers,
             body: body.clone(),
         };
+        let fp = fingerprint(&call.fingerprinted(), &IgnoredFields::default());
         let claim = Claim {
             fingerprint: fp,
             origin: Some(Origin::new(OriginKind::Consumer, &config.name, sent)),

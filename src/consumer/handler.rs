@@ -6,12 +6,15 @@ use http::{header, HeaderMap, HeaderValue, Method, Request, Uri};
 
 use crate::body::{self, Captured};
 use crate::config::{Policy, UpstreamUrl};
+use crate::fingerprint::{earlier_fingerprint, Fingerprint, IgnoredFields, RequestParts};
 use crate::idempotency::{Attempt, Execute};
 use crate::store::{StoredResponse, UnknownReason};
 use crate::upstream::{whole, CloseDelimited, UpstreamError, UpstreamPool};
 
 /// One message's call to the handler.
 pub struct HandlerCall {
+    /// The consumer's name, part of the message's fingerprint as a route's name is.
+    pub consumer: String,
     pub pool: UpstreamPool,
     pub handler: UpstreamUrl,
     pub policy: Policy,
@@ -20,6 +23,21 @@ pub struct HandlerCall {
 }
 
 impl HandlerCall {
+    /// What the message's fingerprint is computed over: a POST of its body to the handler's
+    /// path, with the consumer's `content_type`; a message's fields are not part of it.
+    pub fn fingerprinted(&self) -> RequestParts<'_> {
+        RequestParts {
+            method: &Method::POST,
+            route: &self.consumer,
+            path: &self.handler.prefix,
+            query: None,
+            headers: &self.headers,
+            identity: &[],
+            authority: None,
+            body: &self.body,
+        }
+    }
+
     fn request(&self) -> Result<Request<body::Body>, http::Error> {
         let scheme = if self.handler.tls { "https" } else { "http" };
         let path = if self.handler.prefix.is_empty() {
@@ -47,6 +65,10 @@ impl HandlerCall {
 impl Execute for HandlerCall {
     /// The handler's status.
     type Output = u16;
+
+    fn earlier_fingerprint(&self) -> Option<Fingerprint> {
+        earlier_fingerprint(&self.fingerprinted(), &IgnoredFields::default())
+    }
 
     async fn execute(self) -> Attempt<u16> {
         let req = match self.request() {

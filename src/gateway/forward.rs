@@ -11,6 +11,7 @@ use tokio::time::Instant;
 use super::{ClientConn, Route};
 use crate::body::{self, Body, Captured, Lease};
 use crate::config::{Policy, UpstreamProtocol};
+use crate::fingerprint::{earlier_fingerprint, Fingerprint, RequestParts};
 use crate::grpc;
 use crate::idempotency::{Attempt, Execute};
 use crate::key::StoreKey;
@@ -44,8 +45,29 @@ pub(super) struct Forward {
     pub(super) _lease: Lease,
 }
 
+impl Forward {
+    /// What the request's fingerprint is computed over.
+    pub(super) fn fingerprinted(&self) -> RequestParts<'_> {
+        let config = &self.route.config;
+        RequestParts {
+            method: &self.parts.method,
+            route: &config.name,
+            path: self.parts.uri.path(),
+            query: self.parts.uri.query(),
+            headers: &self.parts.headers,
+            identity: &config.policy.fingerprint_headers,
+            authority: self.parts.uri.authority().map(|a| a.as_str()),
+            body: &self.body,
+        }
+    }
+}
+
 impl Execute for Forward {
     type Output = Response<Body>;
+
+    fn earlier_fingerprint(&self) -> Option<Fingerprint> {
+        earlier_fingerprint(&self.fingerprinted(), &self.route.config.fingerprint_ignore)
+    }
 
     async fn execute(self) -> Attempt<Response<Body>> {
         let Forward {

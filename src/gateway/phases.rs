@@ -12,7 +12,7 @@ use super::{ClientConn, Gateway, Route};
 use crate::body::{self, Body, Budget, Lease, OverBudget, ReadError};
 use crate::config::{Policy, RouteConfig};
 use crate::conn::{BodyTimeout, ClientBody};
-use crate::fingerprint::{fingerprint, RequestParts};
+use crate::fingerprint::fingerprint;
 use crate::idempotency::{Decision, Refusal, Rules, Settled};
 use crate::jwt::{Rejected, Verifier};
 use crate::key::{ClientScope, Identified, Sent, StoreKey};
@@ -240,19 +240,6 @@ impl Gateway {
         (allowance, lookup, origin): (Allowance, Option<Box<Lookup>>, Arc<Origin>),
     ) -> Answer {
         let config = &route.config;
-        let fp = fingerprint(
-            &RequestParts {
-                method: &parts.method,
-                route: &config.name,
-                path: parts.uri.path(),
-                query: parts.uri.query(),
-                headers: &parts.headers,
-                identity: &config.policy.fingerprint_headers,
-                authority: parts.uri.authority().map(|a| a.as_str()),
-                body: &body,
-            },
-            &config.fingerprint_ignore,
-        );
         let rules = rules(config, allowance);
         let forward = Forward {
             route: Arc::clone(route),
@@ -263,6 +250,7 @@ impl Gateway {
             key: *key,
             _lease: lease,
         };
+        let fp = fingerprint(&forward.fingerprinted(), &config.fingerprint_ignore);
         // Boxed: inline, the core's future (several KB) is copied into this one and this one
         // into its caller's at every call.
         let decision = Box::pin(self.core.run(

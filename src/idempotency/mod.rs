@@ -94,12 +94,17 @@ impl Rules {
 }
 
 /// How a front runs its operation once this call owns the key.
-pub trait Execute: Send + 'static {
+pub trait Execute: Send + Sync + 'static {
     /// What the front's caller gets (an HTTP response).
     type Output: Send + 'static;
 
     /// Runs the operation, once, within the front's own deadline.
     fn execute(self) -> impl Future<Output = Attempt<Self::Output>> + Send;
+
+    /// The fingerprint the version before issue 44 gave this request
+    /// ([`crate::fingerprint::earlier_fingerprint`]): asked only when an existing record's
+    /// fingerprint is not the claim's, to find a record that version stored.
+    fn earlier_fingerprint(&self) -> Option<Fingerprint>;
 }
 
 /// What became of an execution.
@@ -286,6 +291,8 @@ impl Core {
             shared: Arc::clone(&self.shared),
         };
         let wait_until = Instant::now() + rules.wait;
+        let earlier = || exec.earlier_fingerprint();
+        let sought = Sought::new(claim.fingerprint, &earlier);
         for _ in 0..MAX_RESERVE_ROUNDS {
             let reserved = match self.over_quota(&rules, store) {
                 // A scope at its quota may still get its replays, but not a new key.
@@ -325,7 +332,7 @@ impl Core {
                 Reservation::Existing(record) => record,
             };
             let old = match records
-                .resolve(key, claim.fingerprint, rules, record, wait_until)
+                .resolve(key, &sought, rules, record, wait_until)
                 .await
             {
                 Ok(Some(Resolved::Replay(response))) => {
@@ -441,13 +448,40 @@ impl Core {
     }
 }
 
+/// What a record must hold to be this request's: the claim's fingerprint, or the one the version
+/// before issue 44 gave the same request. That one is computed only when the first does not
+/// match (again for each record read: only a pending record of the previous version is read
+/// twice), and can only match a record that version stored: this version's
+/// fingerprints are of another form ([`crate::fingerprint::fingerprint`]). Those records are
+/// gone one `ttl` after the upgrade.
+pub struct Sought<'a> {
+    fingerprint: Fingerprint,
+    earlier: &'a (dyn Fn() -> Option<Fingerprint> + Sync),
+}
+
+impl<'a> Sought<'a> {
+    pub fn new(
+        fingerprint: Fingerprint,
+        earlier: &'a (dyn Fn() -> Option<Fingerprint> + Sync),
+    ) -> Self {
+        Sought {
+            fingerprint,
+            earlier,
+        }
+    }
+
+    fn matches(&self, record: &Record) -> bool {
+        record.fingerprint == self.fingerprint || (self.earlier)() == Some(record.fingerprint)
+    }
+}
+
 /// What an existing record means: `Ok(None)` while it is pending with a live lease (wait).
 pub fn decide(
     rules: Rules,
-    fingerprint: Fingerprint,
+    sought: &Sought<'_>,
     record: &Record,
 ) -> Result<Option<Resolved>, Refusal> {
-    if rules.check_fingerprint && record.fingerprint != fingerprint {
+    if rules.check_fingerprint && !sought.matches(record) {
         return Err(Refusal::KeyReused);
     }
     match &record.state {

@@ -9,11 +9,10 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::{
-    decide, not_executed, store_refusal, Attempt, Refusal, Resolved, Rules, Settled, Shared,
+    decide, not_executed, store_refusal, Attempt, Refusal, Resolved, Rules, Settled, Shared, Sought,
 };
 use crate::config::OnUnknown;
 use crate::duplicates::Seen;
-use crate::fingerprint::Fingerprint;
 use crate::key::StoreKey;
 use crate::store::{
     now_ms, Claim, OwnerToken, Record, Reservation, Store, StoreError, StoreOp, StoredResponse,
@@ -85,12 +84,12 @@ impl Records {
     pub(super) async fn resolve(
         &self,
         key: &StoreKey,
-        fingerprint: Fingerprint,
+        sought: &Sought<'_>,
         rules: Rules,
         record: Record,
         wait_until: Instant,
     ) -> Result<Option<Resolved>, Waited> {
-        if let Some(done) = decide(rules, fingerprint, &record).map_err(Waited::Refused)? {
+        if let Some(done) = decide(rules, sought, &record).map_err(Waited::Refused)? {
             return Ok(Some(done));
         }
         if Instant::now() >= wait_until {
@@ -119,7 +118,7 @@ impl Records {
                 Seen::Record(None) => return Ok(None),
                 Seen::Record(Some(record)) => record,
             };
-            match decide(rules, fingerprint, &record).map_err(Waited::Refused)? {
+            match decide(rules, sought, &record).map_err(Waited::Refused)? {
                 Some(Resolved::Replay(response)) => return Err(Waited::Replay(response)),
                 Some(take_over) => return Ok(Some(take_over)),
                 None => {}

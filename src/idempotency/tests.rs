@@ -22,6 +22,15 @@ fn rules() -> Rules {
     }
 }
 
+fn no_earlier() -> Option<Fingerprint> {
+    None
+}
+
+/// A request without an earlier fingerprint.
+fn only(fingerprint: Fingerprint) -> Sought<'static> {
+    Sought::new(fingerprint, &no_earlier)
+}
+
 fn retrying() -> Rules {
     Rules {
         on_unknown: OnUnknown::Retry,
@@ -72,7 +81,7 @@ fn unknown() -> Record {
 
 #[test]
 fn a_completed_record_is_replayed() {
-    let Ok(Some(Resolved::Replay(r))) = decide(rules(), FP, &completed()) else {
+    let Ok(Some(Resolved::Replay(r))) = decide(rules(), &only(FP), &completed()) else {
         panic!("expected a replay");
     };
     assert_eq!(r.status, http::StatusCode::CREATED);
@@ -81,32 +90,32 @@ fn a_completed_record_is_replayed() {
 #[test]
 fn another_fingerprint_is_refused_before_anything_else_unless_unchecked() {
     for r in [completed(), pending(), abandoned(), unknown()] {
-        assert_eq!(decide(rules(), OTHER, &r), Err(Refusal::KeyReused));
+        assert_eq!(decide(rules(), &only(OTHER), &r), Err(Refusal::KeyReused));
     }
     let unchecked = Rules {
         check_fingerprint: false,
         ..rules()
     };
     assert!(matches!(
-        decide(unchecked, OTHER, &completed()),
+        decide(unchecked, &only(OTHER), &completed()),
         Ok(Some(Resolved::Replay(_)))
     ));
 }
 
 #[test]
 fn a_pending_record_is_waited_on() {
-    assert_eq!(decide(rules(), FP, &pending()), Ok(None));
-    assert_eq!(decide(retrying(), FP, &pending()), Ok(None));
+    assert_eq!(decide(rules(), &only(FP), &pending()), Ok(None));
+    assert_eq!(decide(retrying(), &only(FP), &pending()), Ok(None));
 }
 
 #[test]
 fn unknown_and_abandoned_are_never_run_again_by_default() {
     assert_eq!(
-        decide(rules(), FP, &unknown()),
+        decide(rules(), &only(FP), &unknown()),
         Err(Refusal::OutcomeUnknown(UnknownReason::Timeout))
     );
     assert_eq!(
-        decide(rules(), FP, &abandoned()),
+        decide(rules(), &only(FP), &abandoned()),
         Err(Refusal::OutcomeUnknown(UnknownReason::Abandoned))
     );
 }
@@ -115,7 +124,7 @@ fn unknown_and_abandoned_are_never_run_again_by_default() {
 fn unknown_and_abandoned_are_taken_over_when_the_route_allows_it() {
     for r in [unknown(), abandoned()] {
         assert_eq!(
-            decide(retrying(), FP, &r),
+            decide(retrying(), &only(FP), &r),
             Ok(Some(Resolved::TakeOver(r.clone())))
         );
     }
@@ -138,4 +147,18 @@ fn statuses_that_release_the_key() {
     assert!(!not_executed(409, false));
     assert!(!not_executed(499, false));
     assert!(!not_executed(600, false));
+}
+
+#[test]
+fn the_earlier_fingerprint_finds_a_record_of_the_previous_version() {
+    let earlier = || Some(FP);
+    assert!(matches!(
+        decide(rules(), &Sought::new(OTHER, &earlier), &completed()),
+        Ok(Some(Resolved::Replay(_)))
+    ));
+    let another = || Some(Fingerprint([3; 32]));
+    assert_eq!(
+        decide(rules(), &Sought::new(OTHER, &another), &completed()),
+        Err(Refusal::KeyReused)
+    );
 }

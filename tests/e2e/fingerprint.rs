@@ -129,6 +129,82 @@ async fn across_a_restart_the_same_request_replays_and_its_variants_are_refused(
     assert_eq!(up.executions(), 1);
 }
 
+/// Records the previous version (b339059, before issue 44) stored on Redis, byte for byte as
+/// its binary wrote them: (Redis key, `Idempotency-Key` of an anonymous client on `/payments`,
+/// the request's `Content-Type` and body, the record), answered `201` with `{"id":"pay_1","amount":1000}`.
+const STORED_BY_PREVIOUS: [(&str, &str, &str, &str, &str); 2] = [
+    (
+        "idemgate:{194a91de8c5d546383a3e90d015f2ea0dd264b6f473581ed289cb987bf526260}",
+        "k-upgrade",
+        "application/json",
+        r#"{"amount":1000,"currency":"EUR"}"#,
+        "010291715198b05cd565f9844d32ad29715d312df17378c3293da1da6c0151c28bc9000001a24a240e7900c9000001a24a240e7d01000400067365727665720000001a42617365485454502f302e3620507974686f6e2f332e31312e370004646174650000001d53756e2c2030362044656320323032362030363a35363a343620474d54000c636f6e74656e742d74797065000000106170706c69636174696f6e2f6a736f6e000e636f6e74656e742d6c656e6774680000000232387b226964223a227061795f31222c22616d6f756e74223a313030307d",
+    ),
+    (
+        "idemgate:{884da9084e5aa91c01538b743618de73270c709db1c3076976526c5ee0fa338d}",
+        "k-upgrade-form",
+        "application/x-www-form-urlencoded",
+        "amount=1000&currency=EUR",
+        "01028371a4a46a1f39822cd4daca7160b1e59465507cce5b97bb6e8da0259ad399f6000001a24a25b03900c9000001a24a25b03c01000400067365727665720000001a42617365485454502f302e3620507974686f6e2f332e31312e370004646174650000001d53756e2c2030362044656320323032362030363a35383a333320474d54000c636f6e74656e742d74797065000000106170706c69636174696f6e2f6a736f6e000e636f6e74656e742d6c656e6774680000000232387b226964223a227061795f31222c22616d6f756e74223a313030307d",
+    ),
+];
+/// After the upgrade, a key the previous version stored still replays for the same request
+/// (its fingerprint of the earlier form), and another request with it is still refused.
+#[tokio::test]
+async fn a_key_the_previous_version_stored_replays_after_the_upgrade() {
+    let redis = crate::support::redis::RedisServer::start();
+    let mut conn = ::redis::Client::open(redis.url())
+        .unwrap()
+        .get_connection()
+        .unwrap();
+    for (key, _, _, _, value) in STORED_BY_PREVIOUS {
+        let () = ::redis::cmd("SET")
+            .arg(key)
+            .arg(hex::decode(value).unwrap())
+            .arg("PX")
+            .arg(3_600_000)
+            .query(&mut conn)
+            .unwrap();
+    }
+    let up = Upstream::counting().await;
+    let gw = GatewayProcess::start(&format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\n[upstream]\nurl = \"{}\"\n[store]\nbackend = \"redis\"\nurl = \"{}\"\n[[routes]]\npath = \"/payments\"\n",
+        up.url(),
+        redis.url()
+    ));
+    let http = Http::new(gw.addr);
+    let send = |key: &'static str, content_type: &'static str, body: &'static str| {
+        http.request("POST", "/payments")
+            .header("idempotency-key", key)
+            .header("content-type", content_type)
+            .body(body)
+            .send()
+    };
+    for (_, key, content_type, body, _) in STORED_BY_PREVIOUS {
+        let retry = send(key, content_type, body).await;
+        assert!(retry.is_replay(), "{key}: {retry:?}");
+        assert_eq!(retry.status, 201);
+        assert_eq!(retry.text(), r#"{"id":"pay_1","amount":1000}"#);
+    }
+    let json = |body| send("k-upgrade", "application/json", body);
+    let relaid = json(r#"{ "currency": "EUR", "amount": 1e3 }"#).await;
+    assert!(
+        relaid.is_replay(),
+        "the same JSON laid out otherwise: {relaid:?}"
+    );
+    let other = json(r#"{"amount":2000,"currency":"EUR"}"#).await;
+    assert_eq!(other.status, 409, "{other:?}");
+    assert_eq!(other.problem_type(), "key-reused");
+    let form = send(
+        "k-upgrade-form",
+        "application/x-www-form-urlencoded",
+        "amount=2000&currency=EUR",
+    )
+    .await;
+    assert_eq!(form.status, 409, "{form:?}");
+    assert_eq!(up.executions(), 0, "nothing ran again");
+}
+
 #[tokio::test]
 async fn a_header_named_in_fingerprint_headers_tells_requests_apart() {
     let up = Upstream::counting().await;
