@@ -193,6 +193,12 @@ impl Lease {
         Ok(())
     }
 
+    /// Takes `n` more bytes for something else the request holds (its decoded body), if they
+    /// fit.
+    pub fn take(&mut self, n: usize) -> Result<(), OverBudget> {
+        self.grow(n)
+    }
+
     /// Counts `n` bytes already taken (an allocator that gave more than asked), fit or not.
     fn grow_past(&mut self, n: usize) {
         let n = i64::try_from(n).unwrap_or(i64::MAX);

@@ -46,8 +46,19 @@ pub enum Problem {
     InFlight {
         retry_after: Duration,
     },
+    /// The body passes `max_body`: as sent, or once its `Content-Encoding` is undone.
     BodyTooLarge {
         limit: usize,
+        decoded: bool,
+    },
+    /// A `Content-Encoding` the gateway cannot undo, so it cannot tell what the body says (its
+    /// name, when short and a token).
+    UnsupportedEncoding {
+        coding: Option<String>,
+    },
+    /// The body is not what its `Content-Encoding` says.
+    UndecodableBody {
+        what: &'static str,
     },
     /// The client's request body could not be read (connection dropped mid-body).
     BadRequestBody,
@@ -117,6 +128,8 @@ impl Problem {
             Problem::KeyReused { .. } => "key-reused",
             Problem::InFlight { .. } => "in-flight",
             Problem::BodyTooLarge { .. } => "body-too-large",
+            Problem::UnsupportedEncoding { .. } => "unsupported-content-encoding",
+            Problem::UndecodableBody { .. } => "undecodable-body",
             Problem::BadRequestBody => "bad-request-body",
             Problem::BodyTimeout => "body-timeout",
             Problem::MethodNotAllowed => "method-not-allowed",
@@ -139,9 +152,11 @@ impl Problem {
 
     pub fn status(&self) -> StatusCode {
         match self {
-            Problem::MissingKey { .. } | Problem::InvalidKey { .. } | Problem::BadRequestBody => {
-                StatusCode::BAD_REQUEST
-            }
+            Problem::MissingKey { .. }
+            | Problem::InvalidKey { .. }
+            | Problem::BadRequestBody
+            | Problem::UndecodableBody { .. } => StatusCode::BAD_REQUEST,
+            Problem::UnsupportedEncoding { .. } => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             Problem::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
             Problem::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             Problem::UpgradeRefused => StatusCode::BAD_REQUEST,
@@ -173,6 +188,8 @@ impl Problem {
             Problem::MissingKey { .. }
             | Problem::InvalidKey { .. }
             | Problem::BadRequestBody
+            | Problem::UnsupportedEncoding { .. }
+            | Problem::UndecodableBody { .. }
             | Problem::MethodNotAllowed
             | Problem::UpgradeRefused => Code::InvalidArgument,
             Problem::BodyTimeout => Code::DeadlineExceeded,
@@ -203,6 +220,8 @@ impl Problem {
             Problem::InFlight { .. } => "Request with this idempotency key is still in progress",
             Problem::BodyTooLarge { .. } => "Request body too large",
             Problem::BadRequestBody => "Request body could not be read",
+            Problem::UnsupportedEncoding { .. } => "Request body's Content-Encoding not supported",
+            Problem::UndecodableBody { .. } => "Request body could not be decoded",
             Problem::BodyTimeout => "Request body stopped arriving",
             Problem::MethodNotAllowed => "Method not allowed",
             Problem::UpgradeRefused => "Protocol upgrade not allowed here",
@@ -235,8 +254,19 @@ impl Problem {
                 "The original request with this idempotency key has not finished yet. Retry with the same key after {} seconds to get its result.",
                 retry_after.as_millis().div_ceil(1000).max(1)
             ),
-            Problem::BodyTooLarge { limit } => format!(
+            Problem::BodyTooLarge { limit, decoded: false } => format!(
                 "The request body exceeds the {limit} bytes this endpoint accepts. It was not forwarded."
+            ),
+            Problem::BodyTooLarge { limit, decoded: true } => format!(
+                "The request body, once its Content-Encoding is undone, exceeds the {limit} bytes this endpoint accepts. It was not forwarded."
+            ),
+            Problem::UnsupportedEncoding { coding } => format!(
+                "This endpoint compares request bodies by what they say, and cannot decode {}. It was not forwarded: send the body as {} or without a Content-Encoding, with the same key.",
+                coding.as_deref().map_or("this Content-Encoding".to_string(), |c| format!("the coding {c:?}")),
+                crate::gateway::DECODED_CODINGS,
+            ),
+            Problem::UndecodableBody { what } => format!(
+                "The request body is not what its Content-Encoding says ({what} do not decode). It was not forwarded."
             ),
             Problem::BadRequestBody => "The request body ended before it was complete. It was not forwarded; retry with the same key.".into(),
             Problem::BodyTimeout => "No part of the request body arrived for too long. It was not forwarded; retry with the same key.".into(),
@@ -324,6 +354,13 @@ impl Problem {
                 header::RETRY_AFTER,
                 // Rounded up: a client that waits exactly this long must find the way clear.
                 HeaderValue::from(after.as_millis().div_ceil(1000).max(1) as u64),
+            );
+        }
+        if let Problem::UnsupportedEncoding { .. } = self {
+            // RFC 9110, 12.5.3: what a 415 for a content coding lists.
+            h.insert(
+                header::ACCEPT_ENCODING,
+                HeaderValue::from_static(crate::gateway::DECODED_CODINGS),
             );
         }
         if let Problem::ClientUnverified { .. } = self {

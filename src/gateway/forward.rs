@@ -35,6 +35,8 @@ pub(super) struct Forward {
     pub(super) route: Arc<Route>,
     pub(super) parts: request::Parts,
     pub(super) body: Bytes,
+    /// The body's content when a `Content-Encoding` was undone: what its fingerprint is of.
+    pub(super) decoded: Option<Bytes>,
     pub(super) conn: Arc<ClientConn>,
     /// Upstream time is counted here, inside the execution, so it is counted too when the
     /// execution finishes on its own after its client left.
@@ -57,7 +59,7 @@ impl Forward {
             headers: &self.parts.headers,
             identity: &config.policy.fingerprint_headers,
             authority: self.parts.uri.authority().map(|a| a.as_str()),
-            body: &self.body,
+            body: self.decoded.as_ref().unwrap_or(&self.body),
         }
     }
 }
@@ -74,11 +76,14 @@ impl Execute for Forward {
             route,
             mut parts,
             body,
+            decoded,
             conn,
             metrics,
             key,
             _lease,
         } = self;
+        // Fingerprinted already: only the bytes as sent go on.
+        drop(decoded);
         let policy = &route.config.policy;
         if let Err(e) = prepare_request(&mut parts, &route.config.upstream, &conn.addr) {
             tracing::error!(key = key.short(), error = %e, "cannot build upstream request");

@@ -21,9 +21,13 @@
 //! [`tunnel`]; [`legacy`] says how long keys of the client scope derivation before issue 42 are
 //! looked up too. Every response the gateway makes itself comes from [`Problem`].
 
+mod coding;
+
+pub use coding::DECODED as DECODED_CODINGS;
 mod forward;
 mod legacy;
 mod phases;
+mod received;
 mod tunnel;
 
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -4,14 +4,14 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
 use http::{request, HeaderMap, HeaderName, HeaderValue, Request, Response};
 
 use super::forward::{not_sent_problem, replay, Forward, UpstreamTime};
+use super::received::{Received, ReqBody};
 use super::{ClientConn, Gateway, Route};
-use crate::body::{self, Body, Budget, Lease, OverBudget, ReadError};
+use crate::body::{self, Body};
 use crate::config::{Policy, RouteConfig};
-use crate::conn::{BodyTimeout, ClientBody};
+use crate::conn::ClientBody;
 use crate::fingerprint::fingerprint;
 use crate::idempotency::{Decision, Refusal, Rules, Settled};
 use crate::jwt::{Rejected, Verifier};
@@ -57,7 +57,7 @@ enum Admitted {
     /// A key, the whole body, and what the client may store: for the core.
     Keyed {
         key: StoreKey,
-        body: (Bytes, Lease),
+        body: Received,
         allowance: Allowance,
         /// How to ask the upstream about this key's unknown outcome (`reconcile`); boxed, as
         /// few routes have one.
@@ -127,11 +127,14 @@ impl Gateway {
         let caller = identify(route, &self.metrics, &parts.headers)?;
         let mut body = ReqBody::Unread(incoming);
         if config.key.needs_body() || config.signature.is_some() {
-            let (b, lease) = body.read(policy.max_body, &self.budget).await?;
-            body = ReqBody::Read(b, lease);
+            let read = body
+                .read(&parts.headers, policy.max_body, &self.budget)
+                .await?;
+            body = ReqBody::Read(read);
         }
-        self.verify(route, &parts.headers, body.bytes())?;
-        let Some(sent) = extract_key(config, &parts.headers, body.bytes())? else {
+        // The signature is over the bytes sent; the key is in the content.
+        self.verify(route, &parts.headers, body.raw())?;
+        let Some(sent) = extract_key(config, &parts.headers, body.content())? else {
             return Ok(Admitted::Unkeyed(body.into_body()));
         };
         let (identified, allowance) = match caller {
@@ -150,7 +153,9 @@ impl Gateway {
         let lookup = Lookup::of(policy, &sent.sent).map(Box::new);
         // Kept with the record while its outcome is open, for operators to find it by.
         let origin = Origin::new(OriginKind::Route, &config.name, sent.sent);
-        let body = body.read(policy.max_body, &self.budget).await?;
+        let body = body
+            .read(&parts.headers, policy.max_body, &self.budget)
+            .await?;
         Ok(Admitted::Keyed {
             key,
             legacy,
@@ -234,7 +239,7 @@ impl Gateway {
         &self,
         route: &Arc<Route>,
         parts: request::Parts,
-        (body, lease): (Bytes, Lease),
+        body: Received,
         conn: &Arc<ClientConn>,
         key: &StoreKey,
         (allowance, lookup, origin): (Allowance, Option<Box<Lookup>>, Arc<Origin>),
@@ -244,11 +249,12 @@ impl Gateway {
         let forward = Forward {
             route: Arc::clone(route),
             parts,
-            body,
+            body: body.raw,
+            decoded: body.decoded,
             conn: Arc::clone(conn),
             metrics: Arc::clone(&self.metrics),
             key: *key,
-            _lease: lease,
+            _lease: body.lease,
         };
         let fp = fingerprint(&forward.fingerprinted(), &config.fingerprint_ignore);
         // Boxed: inline, the core's future (several KB) is copied into this one and this one
@@ -445,51 +451,6 @@ fn settled_answer(settled: Settled<Response<Body>>) -> Answer {
     }
 }
 
-/// A request body on an idempotent route: still on the wire, or buffered (phase `read_body`)
-/// with its share of the memory budget.
-enum ReqBody {
-    Unread(ClientBody),
-    Read(Bytes, Lease),
-}
-
-impl ReqBody {
-    /// What was buffered so far (nothing while unread).
-    fn bytes(&self) -> &[u8] {
-        match self {
-            ReqBody::Unread(_) => &[],
-            ReqBody::Read(b, _) => b,
-        }
-    }
-
-    /// The whole body, reading it (up to `limit`, within `budget`) unless already read.
-    async fn read(self, limit: usize, budget: &Arc<Budget>) -> Result<(Bytes, Lease), Problem> {
-        match self {
-            ReqBody::Read(b, lease) => Ok((b, lease)),
-            ReqBody::Unread(incoming) => {
-                let mut lease = budget.lease();
-                let read = body::read_within(incoming, limit, &mut lease).await;
-                let bytes = read.map_err(|e| match e {
-                    ReadError::TooLarge(limit) => Problem::BodyTooLarge { limit },
-                    ReadError::Failed(e) if e.is::<BodyTimeout>() => Problem::BodyTimeout,
-                    ReadError::Failed(e) if e.is::<OverBudget>() => Problem::Overloaded {
-                        what: "memory for request bodies",
-                    },
-                    ReadError::Failed(_) => Problem::BadRequestBody,
-                })?;
-                Ok((bytes, lease))
-            }
-        }
-    }
-
-    /// For forwarding as is: streaming if unread.
-    fn into_body(self) -> Body {
-        match self {
-            ReqBody::Unread(incoming) => body::boxed(incoming),
-            ReqBody::Read(b, _) => body::full(b),
-        }
-    }
-}
-
 /// The problem a refusal is answered with.
 fn refusal_problem(policy: &Policy, refusal: Refusal) -> Problem {
     match refusal {
@@ -518,6 +479,8 @@ pub(super) fn outcome_of(p: &Problem) -> Outcome {
         Problem::InFlight { .. } => Outcome::InFlightRejected,
         Problem::BodyTooLarge { .. } => Outcome::TooLarge,
         Problem::BadRequestBody
+        | Problem::UnsupportedEncoding { .. }
+        | Problem::UndecodableBody { .. }
         | Problem::BodyTimeout
         | Problem::MethodNotAllowed
         | Problem::ClientRequired { .. }

@@ -16,6 +16,7 @@ mod client_scope;
 mod consumers;
 mod disk_restarts;
 mod disk_store;
+mod encoded_bodies;
 mod failures;
 mod fingerprint;
 mod gateway;

@@ -1,0 +1,279 @@
+//! Phase `decode`: a request body's `Content-Encoding` undone for its key and fingerprint, so
+//! that the same content compressed twice (gzip writes the time into its header) is the same
+//! request. The body is forwarded as it came; only the gateway reads the decoded bytes.
+//!
+//! Bounded: the decoded bytes count against `max_body` (a decompression bomb is refused with
+//! `413` once its output passes it, before more is decoded) and the memory budget; decoding is
+//! synchronous, so no more bodies are being decoded at once than there are worker threads, each
+//! decoder's window bounded by its format (gzip and deflate 32 KiB, br 16 MiB) or by the
+//! gateway (zstd 8 MiB, what RFC 9659 asks of HTTP decoders).
+
+use std::io::Read;
+
+use bytes::Bytes;
+use http::HeaderMap;
+
+use crate::body::{Lease, OverBudget};
+
+/// The codings the gateway decodes, as `Accept-Encoding` lists them.
+pub const DECODED: &str = "gzip, deflate, br, zstd";
+
+/// Why a body could not be decoded.
+#[derive(Debug, PartialEq, Eq)]
+pub enum DecodeError {
+    /// A coding the gateway cannot decode (its name, when it is a short token).
+    Unsupported(Option<String>),
+    /// The bytes are not what the coding says.
+    Corrupt(&'static str),
+    /// The decoded body passes `max_body`.
+    TooLarge,
+    /// The decoded body does not fit in the memory budget.
+    OverBudget,
+}
+
+/// The body's content: `Ok(None)` when it has no coding but `identity` (the body is its own
+/// content), else the decoded bytes, counted in `lease`.
+pub fn decode(
+    headers: &HeaderMap,
+    body: &[u8],
+    limit: usize,
+    lease: &mut Lease,
+) -> Result<Option<Bytes>, DecodeError> {
+    let mut codings = Vec::new();
+    for value in headers.get_all(http::header::CONTENT_ENCODING) {
+        let Ok(value) = value.to_str() else {
+            return Err(DecodeError::Unsupported(None));
+        };
+        for coding in value.split(',').map(str::trim).filter(|c| !c.is_empty()) {
+            let coding = Coding::of(coding)?;
+            if coding != Coding::Identity {
+                codings.push(coding);
+            }
+        }
+    }
+    if codings.is_empty() {
+        return Ok(None);
+    }
+    // Listed in the order they were applied: the last one is undone first.
+    let mut reader: Box<dyn Read + '_> = Box::new(body);
+    for coding in codings.iter().rev() {
+        reader = coding.decoder(reader)?;
+    }
+    read_within(reader, limit, lease).map(|decoded| Some(Bytes::from(decoded)))
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Coding {
+    Identity,
+    Gzip,
+    Deflate,
+    Brotli,
+    Zstd,
+}
+
+/// zstd's largest window: 8 MiB (RFC 9659, section 3).
+const ZSTD_WINDOW_LOG_MAX: u32 = 23;
+
+impl Coding {
+    fn of(name: &str) -> Result<Coding, DecodeError> {
+        Ok(match name.to_ascii_lowercase().as_str() {
+            "identity" => Coding::Identity,
+            "gzip" | "x-gzip" => Coding::Gzip,
+            "deflate" => Coding::Deflate,
+            "br" => Coding::Brotli,
+            "zstd" => Coding::Zstd,
+            _ => {
+                let shown = (name.len() <= 32
+                    && name
+                        .bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || b"-_.+".contains(&b)))
+                .then(|| name.to_string());
+                return Err(DecodeError::Unsupported(shown));
+            }
+        })
+    }
+
+    fn decoder<'a>(self, inner: Box<dyn Read + 'a>) -> Result<Box<dyn Read + 'a>, DecodeError> {
+        Ok(match self {
+            Coding::Identity => inner,
+            // Several members are one body (RFC 1952, 2.2).
+            Coding::Gzip => Box::new(flate2::read::MultiGzDecoder::new(inner)),
+            // HTTP's deflate is the zlib format (RFC 9110, 8.4.1.2).
+            Coding::Deflate => Box::new(flate2::read::ZlibDecoder::new(inner)),
+            Coding::Brotli => Box::new(brotli_decompressor::Decompressor::new(inner, 4096)),
+            Coding::Zstd => {
+                let mut decoder = zstd::stream::read::Decoder::new(inner)
+                    .map_err(|_| DecodeError::Corrupt("zstd"))?;
+                decoder
+                    .window_log_max(ZSTD_WINDOW_LOG_MAX)
+                    .map_err(|_| DecodeError::Corrupt("zstd"))?;
+                Box::new(decoder)
+            }
+        })
+    }
+}
+
+/// Reads `reader` to its end, refusing the body as soon as it passes `limit` bytes, and counting
+/// what it holds in `lease`.
+fn read_within(
+    mut reader: Box<dyn Read + '_>,
+    limit: usize,
+    lease: &mut Lease,
+) -> Result<Vec<u8>, DecodeError> {
+    let mut out = Vec::new();
+    let mut chunk = [0u8; 16 * 1024];
+    loop {
+        let n = match reader.read(&mut chunk) {
+            Ok(0) => return Ok(out),
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(_) => return Err(DecodeError::Corrupt("the coded bytes")),
+        };
+        if out.len() + n > limit {
+            return Err(DecodeError::TooLarge);
+        }
+        let before = out.capacity();
+        out.extend_from_slice(&chunk[..n]);
+        lease
+            .take(out.capacity() - before)
+            .map_err(|OverBudget| DecodeError::OverBudget)?;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+
+    use super::*;
+    use crate::body::Budget;
+    use prometheus_client::metrics::gauge::Gauge;
+
+    fn lease() -> Lease {
+        Budget::new(1 << 30, Gauge::default()).lease()
+    }
+
+    fn headers(coding: &str) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        h.insert(http::header::CONTENT_ENCODING, coding.parse().unwrap());
+        h
+    }
+
+    fn gzip(data: &[u8]) -> Vec<u8> {
+        let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+        e.write_all(data).unwrap();
+        e.finish().unwrap()
+    }
+
+    fn zlib(data: &[u8]) -> Vec<u8> {
+        let mut e = flate2::write::ZlibEncoder::new(Vec::new(), flate2::Compression::default());
+        e.write_all(data).unwrap();
+        e.finish().unwrap()
+    }
+
+    fn brotli(data: &[u8]) -> Vec<u8> {
+        let mut out = Vec::new();
+        let mut w = ::brotli::CompressorWriter::new(&mut out, 4096, 5, 22);
+        w.write_all(data).unwrap();
+        drop(w);
+        out
+    }
+
+    fn zstd(data: &[u8]) -> Vec<u8> {
+        zstd::stream::encode_all(data, 3).unwrap()
+    }
+
+    fn decoded(coding: &str, body: &[u8], limit: usize) -> Result<Option<Bytes>, DecodeError> {
+        decode(&headers(coding), body, limit, &mut lease())
+    }
+
+    #[test]
+    fn each_coding_gives_the_content_back() {
+        let content = br#"{"amount":1000}"#;
+        for (coding, body) in [
+            ("gzip", gzip(content)),
+            ("x-gzip", gzip(content)),
+            ("GZIP", gzip(content)),
+            ("deflate", zlib(content)),
+            ("br", brotli(content)),
+            ("zstd", zstd(content)),
+            ("gzip, br", brotli(&gzip(content))),
+            ("identity, zstd", zstd(content)),
+        ] {
+            let got = decoded(coding, &body, 1 << 20).unwrap().unwrap();
+            assert_eq!(&got[..], content, "{coding}");
+        }
+        assert_eq!(decoded("identity", content, 1 << 20), Ok(None));
+        assert_eq!(
+            decode(&HeaderMap::new(), content, 1, &mut lease()),
+            Ok(None)
+        );
+    }
+
+    #[test]
+    fn a_bomb_stops_at_the_limit() {
+        let bomb = gzip(&vec![0u8; 8 << 20]);
+        assert!(bomb.len() < 16 * 1024, "{}", bomb.len());
+        assert_eq!(decoded("gzip", &bomb, 1 << 20), Err(DecodeError::TooLarge));
+        let nested = gzip(&bomb);
+        assert_eq!(
+            decoded("gzip, gzip", &nested, 1 << 20),
+            Err(DecodeError::TooLarge)
+        );
+        assert_eq!(
+            decoded("gzip", &bomb, 8 << 20).unwrap().unwrap().len(),
+            8 << 20
+        );
+    }
+
+    #[test]
+    fn unknown_codings_and_broken_bytes_are_refused() {
+        assert_eq!(
+            decoded("compress", b"x", 100),
+            Err(DecodeError::Unsupported(Some("compress".into())))
+        );
+        assert_eq!(
+            decoded(&"x".repeat(40), b"x", 100),
+            Err(DecodeError::Unsupported(None))
+        );
+        for coding in ["gzip", "deflate", "br", "zstd"] {
+            assert!(
+                matches!(
+                    decoded(coding, b"not compressed at all", 100),
+                    Err(DecodeError::Corrupt(_))
+                ),
+                "{coding}"
+            );
+        }
+        let mut cut = gzip(b"hello world");
+        cut.truncate(cut.len() - 4);
+        assert!(matches!(
+            decoded("gzip", &cut, 100),
+            Err(DecodeError::Corrupt(_))
+        ));
+    }
+
+    #[test]
+    fn a_zstd_window_past_8_mib_is_refused() {
+        let mut e = zstd::stream::Encoder::new(Vec::new(), 3).unwrap();
+        e.window_log(27).unwrap();
+        e.long_distance_matching(true).unwrap();
+        let big: Vec<u8> = (0..(20u32 << 20)).map(|i| (i % 251) as u8).collect();
+        e.write_all(&big).unwrap();
+        let body = e.finish().unwrap();
+        assert!(matches!(
+            decoded("zstd", &body, 64 << 20),
+            Err(DecodeError::Corrupt(_))
+        ));
+    }
+
+    #[test]
+    fn the_decoded_bytes_are_counted_in_the_budget() {
+        let budget = Budget::new(1000, Gauge::default());
+        let body = gzip(&[7u8; 5000]);
+        assert_eq!(
+            decode(&headers("gzip"), &body, 1 << 20, &mut budget.lease()),
+            Err(DecodeError::OverBudget)
+        );
+        assert_eq!(budget.used(), 0, "given back");
+    }
+}
