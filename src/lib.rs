@@ -17,7 +17,8 @@
 //! - [`key`] - the `Idempotency-Key` header, client scoping, the hashed store key.
 //! - [`jwt`] - client identity from a verified JWT (`client_jwt`): the key set, fetched and
 //!   kept fresh, and a cache of verified tokens.
-//! - [`fingerprint`] - "same request?": SHA-256 over method, path, query and canonical body.
+//! - [`fingerprint`] - "same request?": SHA-256 over method, path, query, media type and
+//!   canonical body.
 //! - [`store`] - the store contract and records; backends [`store::disk`] (durable, embedded),
 //!   [`store::memory`] (volatile), [`store::redis`] (connections, Lua scripts, pub/sub
 //!   subscriber) and [`store::postgres`] (statements, pool, LISTEN/NOTIFY, purge, schema);

@@ -56,6 +56,9 @@ pub enum Problem {
     UnsupportedEncoding {
         coding: Option<String>,
     },
+    /// A POST's `server.method_override_header` names no method the upstream would surely
+    /// take (two values, an unknown method), on an idempotent route.
+    InvalidMethodOverride,
     /// The body is not what its `Content-Encoding` says.
     UndecodableBody {
         what: &'static str,
@@ -130,6 +133,7 @@ impl Problem {
             Problem::BodyTooLarge { .. } => "body-too-large",
             Problem::UnsupportedEncoding { .. } => "unsupported-content-encoding",
             Problem::UndecodableBody { .. } => "undecodable-body",
+            Problem::InvalidMethodOverride => "invalid-method-override",
             Problem::BadRequestBody => "bad-request-body",
             Problem::BodyTimeout => "body-timeout",
             Problem::MethodNotAllowed => "method-not-allowed",
@@ -155,7 +159,8 @@ impl Problem {
             Problem::MissingKey { .. }
             | Problem::InvalidKey { .. }
             | Problem::BadRequestBody
-            | Problem::UndecodableBody { .. } => StatusCode::BAD_REQUEST,
+            | Problem::UndecodableBody { .. }
+            | Problem::InvalidMethodOverride => StatusCode::BAD_REQUEST,
             Problem::UnsupportedEncoding { .. } => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             Problem::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
             Problem::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
@@ -190,6 +195,7 @@ impl Problem {
             | Problem::BadRequestBody
             | Problem::UnsupportedEncoding { .. }
             | Problem::UndecodableBody { .. }
+            | Problem::InvalidMethodOverride
             | Problem::MethodNotAllowed
             | Problem::UpgradeRefused => Code::InvalidArgument,
             Problem::BodyTimeout => Code::DeadlineExceeded,
@@ -222,6 +228,7 @@ impl Problem {
             Problem::BadRequestBody => "Request body could not be read",
             Problem::UnsupportedEncoding { .. } => "Request body's Content-Encoding not supported",
             Problem::UndecodableBody { .. } => "Request body could not be decoded",
+            Problem::InvalidMethodOverride => "Method override not understood",
             Problem::BodyTimeout => "Request body stopped arriving",
             Problem::MethodNotAllowed => "Method not allowed",
             Problem::UpgradeRefused => "Protocol upgrade not allowed here",
@@ -265,6 +272,7 @@ impl Problem {
                 coding.as_deref().map_or("this Content-Encoding".to_string(), |c| format!("the coding {c:?}")),
                 crate::gateway::DECODED_CODINGS,
             ),
+            Problem::InvalidMethodOverride => "This endpoint is made idempotent, and this POST's method override header holds several values or a method other than GET, HEAD, PUT, PATCH, DELETE or OPTIONS, so which operation the upstream would run cannot be told. It was not forwarded.".into(),
             Problem::UndecodableBody { what } => format!(
                 "The request body is not what its Content-Encoding says ({what} do not decode). It was not forwarded."
             ),

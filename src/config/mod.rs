@@ -236,6 +236,9 @@ pub struct ServerConfig {
     /// Route literals compare case-sensitively (for upstreams whose routing does); by default
     /// `/PAYMENTS` is the `/payments` route too.
     pub case_sensitive_routes: bool,
+    /// `server.method_override_header`: the header the upstream takes a POST's method from
+    /// (`X-HTTP-Method-Override`); such a POST is routed and fingerprinted as that method.
+    pub method_override_header: Option<http::HeaderName>,
 }
 
 impl ServerConfig {

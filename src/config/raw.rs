@@ -131,6 +131,7 @@ pub(super) struct RawServer {
     pub(super) tls_recheck: Option<Duration>,
     pub(super) trusted_proxies: Option<Vec<String>>,
     pub(super) case_sensitive_routes: Option<bool>,
+    pub(super) method_override_header: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]

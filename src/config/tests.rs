@@ -1508,3 +1508,32 @@ fn sentinels_name_the_primary_they_watch() {
         }
     );
 }
+
+#[test]
+fn method_override_header_is_a_header_of_its_own() {
+    let with = |name: &str| {
+        Config::parse(&format!(
+            "[server]\nlisten = \"127.0.0.1:8080\"\nmethod_override_header = \"{name}\"\n[upstream]\nurl = \"http://127.0.0.1:3000\"\n"
+        ))
+    };
+    let c = with("X-HTTP-Method-Override").unwrap();
+    assert_eq!(
+        c.server.method_override_header.unwrap().as_str(),
+        "x-http-method-override"
+    );
+    for bad in [
+        "Content-Type",
+        "host",
+        "Connection",
+        "Idempotency-Key",
+        "not a name",
+    ] {
+        let e = with(bad).unwrap_err().to_string();
+        assert!(e.contains("server.method_override_header"), "{bad}: {e}");
+    }
+    let unset = Config::parse(
+        "[server]\nlisten = \"127.0.0.1:8080\"\n[upstream]\nurl = \"http://127.0.0.1:3000\"\n",
+    )
+    .unwrap();
+    assert_eq!(unset.server.method_override_header, None);
+}

@@ -8,6 +8,7 @@ use bytes::Bytes;
 use http::{header, request, HeaderValue, Request, Response};
 use tokio::time::Instant;
 
+use super::method_override::Overridden;
 use super::{ClientConn, Route};
 use crate::body::{self, Body, Captured, Lease};
 use crate::config::{Policy, UpstreamProtocol};
@@ -52,7 +53,8 @@ impl Forward {
     pub(super) fn fingerprinted(&self) -> RequestParts<'_> {
         let config = &self.route.config;
         RequestParts {
-            method: &self.parts.method,
+            method: (self.parts.extensions.get::<Overridden>())
+                .map_or(&self.parts.method, |o| &o.0),
             route: &config.name,
             path: self.parts.uri.path(),
             query: self.parts.uri.query(),

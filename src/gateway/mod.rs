@@ -2,30 +2,31 @@
 //! core ([`crate::idempotency`]).
 //!
 //! ```text
-//! classify ─ no route ───────────────────────────────────────────────▶ pass_through (streams)
-//!    │ idempotent route
+//! classify ─ no route (routed as a POST's method override) ──────────▶ pass_through (streams)
+//!    │ idempotent route   (override unreadable ▶ 400 problem)
 //! identify ──── no client header + require_client ─▶ 401 problem
 //! verify ────── signed route, signature fails ──────▶ 401 problem (body read first, nothing stored)
 //! extract_key ─ missing/invalid ─▶ 400 problem   (missing + require_key=false ▶ pass_through)
 //! verify_token  client_jwt, token does not verify ▶ 401 problem (keys not loaded ▶ 503)
 //! read_body ─── over max_body ───▶ 413 problem   (counted while reading, upstream not called)
 //!               over max_buffered ▶ 503 problem
+//! decode ────── Content-Encoding: over max_body decoded ▶ 413, unknown ▶ 415, broken ▶ 400
 //! fingerprint
 //! core ─────── Owned ──▶ the upstream's answer (stored), or its problem (unreachable, unknown)
 //!    │         Replay ─▶ the stored response, byte for byte, marked
 //!    │         Refused ▶ problem (mismatch, in flight, outcome unknown, store down/full)
 //!    └──────── Bypass ─▶ pass_through (on_store_error = "pass")
 //! ```
-//! The phases are in [`phases`]; the core executes through [`forward`] (send upstream and
+//! The phases are in [`phases`] ([`method_override`] for classify, [`received`] and [`coding`]
+//! for read_body and decode); the core executes through [`forward`] (send upstream and
 //! capture the answer within `upstream_timeout`); WebSockets outside the routes are relayed by
 //! [`tunnel`]; [`legacy`] says how long keys of the client scope derivation before issue 42 are
 //! looked up too. Every response the gateway makes itself comes from [`Problem`].
 
 mod coding;
-
-pub use coding::DECODED as DECODED_CODINGS;
 mod forward;
 mod legacy;
+mod method_override;
 mod phases;
 mod received;
 mod tunnel;
@@ -35,13 +36,15 @@ use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
-use http::{request, Method, Request, Response};
+use http::{request, HeaderName, Method, Request, Response};
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 
 use crate::body::{self, Body, Budget};
 use crate::config::identity::KeyIdentity;
-use crate::config::{Policy, RouteConfig, UpstreamUrl, CLIENT_SUBJECT_HEADER, CLIENT_URI_HEADER};
+use crate::config::{
+    Policy, RouteConfig, ServerConfig, UpstreamUrl, CLIENT_SUBJECT_HEADER, CLIENT_URI_HEADER,
+};
 use crate::conn::{ClientBody, ConnectionSlot};
 use crate::grpc;
 use crate::idempotency::Core;
@@ -56,7 +59,9 @@ use crate::tls::CertificateIds;
 use crate::upstream::{
     prepare_request, ClientAddr, ConnectionLimits, PoolTimeouts, UpstreamPool, UpstreamTlsConnector,
 };
+pub use coding::DECODED as DECODED_CODINGS;
 use forward::{upstream_problem, UpstreamTime};
+use method_override::{Overridden, Override};
 use tunnel::wants_upgrade;
 
 /// A route as the gateway runs it: its config, and its live metric series beside it.
@@ -85,6 +90,8 @@ pub struct Routing {
     default_upstream: UpstreamUrl,
     /// `[defaults] upstream_timeout`, for pass-through traffic outside any route.
     default_timeout: Duration,
+    /// `server.method_override_header`.
+    method_override: Option<HeaderName>,
 }
 
 impl Routing {
@@ -95,7 +102,7 @@ impl Routing {
         routes: Vec<RouteConfig>,
         default_upstream: UpstreamUrl,
         defaults: &Policy,
-        case_sensitive: bool,
+        server: &ServerConfig,
         verifiers: &Verifiers,
     ) -> Self {
         Routing {
@@ -106,10 +113,11 @@ impl Routing {
                     jwt_noticed: AtomicBool::new(false),
                     config,
                 }),
-                case_sensitive,
+                server.case_sensitive_routes,
             ),
             default_upstream,
             default_timeout: defaults.upstream_timeout,
+            method_override: server.method_override_header.clone(),
         }
     }
 }
@@ -352,7 +360,11 @@ impl Gateway {
     }
 
     /// Phase `classify`: which path a request takes.
-    async fn classify(&self, req: Request<ClientBody>, conn: &Arc<ClientConn>) -> Response<Body> {
+    async fn classify(
+        &self,
+        mut req: Request<ClientBody>,
+        conn: &Arc<ClientConn>,
+    ) -> Response<Body> {
         let _in_flight = self.metrics.in_flight();
         // Boxed, as the upgrade below: rare paths that would otherwise make every request's
         // future larger, and costlier to move.
@@ -361,7 +373,16 @@ impl Gateway {
         }
         let routing = self.routing.load_full();
         let upgrade = wants_upgrade(&req);
-        let Some(route) = routing.router.find(req.method(), req.uri().path()).cloned() else {
+        let over = method_override::of(
+            req.method(),
+            req.headers(),
+            routing.method_override.as_ref(),
+        );
+        let method = match &over {
+            Override::To(method) => method,
+            Override::None | Override::Unreadable => req.method(),
+        };
+        let Some(route) = routing.router.find(method, req.uri().path()).cloned() else {
             if upgrade {
                 let resp = Box::pin(self.tunnel(
                     req,
@@ -391,6 +412,16 @@ impl Gateway {
         if upgrade {
             self.metrics.request(&route.metrics, Outcome::BadRequest);
             return Problem::UpgradeRefused.into_response();
+        }
+        match over {
+            Override::None => {}
+            Override::To(method) => {
+                req.extensions_mut().insert(Overridden(method));
+            }
+            Override::Unreadable => {
+                self.metrics.request(&route.metrics, Outcome::BadRequest);
+                return Problem::InvalidMethodOverride.into_response();
+            }
         }
         let started = Instant::now();
         // Boxed: the idempotent path's future is many times the size of the pass-through one,

@@ -484,6 +484,7 @@ pub(super) fn outcome_of(p: &Problem) -> Outcome {
         Problem::BadRequestBody
         | Problem::UnsupportedEncoding { .. }
         | Problem::UndecodableBody { .. }
+        | Problem::InvalidMethodOverride
         | Problem::BodyTimeout
         | Problem::MethodNotAllowed
         | Problem::ClientRequired { .. }

@@ -103,7 +103,7 @@ impl Server {
             config.routes,
             config.upstream,
             &config.defaults,
-            config.server.case_sensitive_routes,
+            &config.server,
             &verifiers,
         );
         let gateway = Arc::new(Gateway::new(GatewayParts {

@@ -81,8 +81,8 @@ pub async fn reload_on_sighup(
                 new.routes,
                 new.upstream,
                 &new.defaults,
-                // A [server] setting: as the warning above says, it waits for a restart.
-                running.server.case_sensitive_routes,
+                // [server] settings: as the warning above says, they wait for a restart.
+                &running.server,
                 gateway.verifiers(),
             ));
             tracing::info!(routes, "config reloaded");

@@ -226,3 +226,60 @@ async fn a_header_named_in_fingerprint_headers_tells_requests_apart() {
     assert_eq!(other.status, 409, "{other:?}");
     assert_eq!(up.executions(), 1);
 }
+
+/// With `server.method_override_header`, a POST is routed and fingerprinted as the method its
+/// header names, as the upstream runs it, and forwarded as it came.
+#[tokio::test]
+async fn a_method_override_routes_as_the_upstreams_method() {
+    let up = Upstream::counting().await;
+    let gw = GatewayProcess::start(&format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\nmethod_override_header = \"X-HTTP-Method-Override\"\n[upstream]\nurl = \"{}\"\n[store]\nbackend = \"memory\"\n[[routes]]\nname = \"cancel\"\npath = \"/payments/*\"\nmethods = [\"DELETE\"]\nrequire_key = true\n[[routes]]\nname = \"create\"\npath = \"/payments\"\nmethods = [\"POST\"]\n",
+        up.url()
+    ));
+    let http = Http::new(gw.addr);
+    let send = |method: &str, path: &str, key: Option<&str>, over: Option<&str>| {
+        let mut req = http
+            .request(method, path)
+            .header("content-type", "application/json");
+        if let Some(key) = key {
+            req = req.header("idempotency-key", key);
+        }
+        if let Some(over) = over {
+            req = req.header("x-http-method-override", over);
+        }
+        req.body("{}").send()
+    };
+    // A POST overridden to DELETE is the DELETE route's: it needs a key ...
+    let keyless = send("POST", "/payments/p1", None, Some("DELETE")).await;
+    assert_eq!(keyless.status, 400, "{keyless:?}");
+    assert_eq!(keyless.problem_type(), "missing-key");
+    // ... runs once, forwarded as it came, and a real DELETE with the key is its retry.
+    let first = send("POST", "/payments/p1", Some("c1"), Some("delete")).await;
+    assert_eq!(first.status, 201, "{first:?}");
+    let seen = up.seen();
+    assert_eq!(seen.last().unwrap().method, http::Method::POST);
+    assert_eq!(
+        seen.last().unwrap().headers["x-http-method-override"],
+        "delete"
+    );
+    assert!(send("DELETE", "/payments/p1", Some("c1"), None)
+        .await
+        .is_replay());
+    // The same POST without the override is no route's: passed through, not replayed.
+    let plain = send("POST", "/payments/p1", Some("c1"), None).await;
+    assert!(!plain.is_replay(), "{plain:?}");
+    // A POST overridden to GET is no longer the create route's: passed through, run each time.
+    let before = up.executions();
+    for _ in 0..2 {
+        let got = send("POST", "/payments", Some("g1"), Some("GET")).await;
+        assert!(!got.is_replay(), "{got:?}");
+    }
+    assert_eq!(up.executions(), before + 2);
+    // An override the upstream might read otherwise, on an idempotent route: refused.
+    for over in ["PURGE", "DELETE, PUT"] {
+        let got = send("POST", "/payments", Some("x1"), Some(over)).await;
+        assert_eq!(got.status, 400, "{over}: {got:?}");
+        assert_eq!(got.problem_type(), "invalid-method-override");
+    }
+    assert_eq!(up.executions(), before + 2, "nothing more forwarded");
+}

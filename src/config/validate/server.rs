@@ -71,7 +71,40 @@ pub(super) fn validate_server(raw: Option<RawServer>) -> Result<ServerConfig, Co
         tls_recheck,
         trusted_proxies,
         case_sensitive_routes: raw.case_sensitive_routes.unwrap_or(false),
+        method_override_header: method_override_header(raw.method_override_header)?,
     })
+}
+
+/// Headers a method override cannot be: hop-by-hop ones never reach the upstream, and the others
+/// already mean something else to the gateway or the upstream.
+const NOT_AN_OVERRIDE: &[&str] = &[
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "host",
+    "content-length",
+    "content-type",
+    "content-encoding",
+    "idempotency-key",
+];
+
+fn method_override_header(raw: Option<String>) -> Result<Option<http::HeaderName>, ConfigError> {
+    let Some(raw) = raw else {
+        return Ok(None);
+    };
+    let invalid = |why: &str| ConfigError::invalid("server.method_override_header", &raw, why);
+    let name = http::HeaderName::from_bytes(raw.as_bytes())
+        .map_err(|_| invalid("a header name, such as \"X-HTTP-Method-Override\""))?;
+    if NOT_AN_OVERRIDE.contains(&name.as_str()) {
+        return Err(invalid(
+            "a header of its own, not one HTTP or the gateway uses",
+        ));
+    }
+    Ok(Some(name))
 }
 
 fn max_buffered(raw: &RawServer) -> Result<usize, ConfigError> {

@@ -1,0 +1,100 @@
+//! Phase `classify`, for upstreams that take a POST's method from a header
+//! (`server.method_override_header`, such as `X-HTTP-Method-Override`): the request is routed
+//! and fingerprinted as the method the upstream will run, and forwarded as it came.
+//!
+//! Only a POST is overridden, as Rails, Express's method-override, ASP.NET Core, Spring and
+//! Laravel do, and only to a method those accept; a value they would not take (two values, an
+//! unknown method) leaves the request a POST, refused on an idempotent route, since what the
+//! upstream makes of it cannot be told.
+
+use http::{HeaderMap, HeaderName, Method};
+
+/// The method an overriding header named, carried in the request's extensions to the
+/// fingerprint (never sent: extensions stay in the process).
+#[derive(Debug, Clone)]
+pub(super) struct Overridden(pub(super) Method);
+
+/// What a request's override header says.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Override {
+    /// None applies: routed as its own method.
+    None,
+    /// Routed and fingerprinted as this method.
+    To(Method),
+    /// A value the upstream might read otherwise: routed as a POST, refused on an idempotent
+    /// route.
+    Unreadable,
+}
+
+/// The methods an upstream framework accepts as an override.
+const OVERRIDABLE: [Method; 6] = [
+    Method::GET,
+    Method::HEAD,
+    Method::PUT,
+    Method::PATCH,
+    Method::DELETE,
+    Method::OPTIONS,
+];
+
+pub(super) fn of(method: &Method, headers: &HeaderMap, header: Option<&HeaderName>) -> Override {
+    let Some(header) = header else {
+        return Override::None;
+    };
+    if method != Method::POST {
+        return Override::None;
+    }
+    let mut values = headers.get_all(header).iter();
+    let Some(value) = values.next() else {
+        return Override::None;
+    };
+    if values.next().is_some() {
+        return Override::Unreadable;
+    }
+    let value = value.as_bytes().trim_ascii();
+    if value.eq_ignore_ascii_case(b"POST") {
+        return Override::None;
+    }
+    match OVERRIDABLE
+        .iter()
+        .find(|m| value.eq_ignore_ascii_case(m.as_str().as_bytes()))
+    {
+        Some(m) => Override::To(m.clone()),
+        None => Override::Unreadable,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with(values: &[&str]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for v in values {
+            h.append("x-http-method-override", v.parse().unwrap());
+        }
+        h
+    }
+
+    #[test]
+    fn a_post_is_overridden_to_a_method_frameworks_accept() {
+        let name = HeaderName::from_static("x-http-method-override");
+        let of = |method: &Method, values: &[&str]| of(method, &with(values), Some(&name));
+        assert_eq!(of(&Method::POST, &["DELETE"]), Override::To(Method::DELETE));
+        assert_eq!(of(&Method::POST, &[" patch "]), Override::To(Method::PATCH));
+        assert_eq!(of(&Method::POST, &["POST"]), Override::None);
+        assert_eq!(of(&Method::POST, &[]), Override::None);
+        assert_eq!(
+            of(&Method::PUT, &["DELETE"]),
+            Override::None,
+            "a POST's only"
+        );
+        assert_eq!(of(&Method::POST, &["DELETE", "PUT"]), Override::Unreadable);
+        assert_eq!(of(&Method::POST, &["PURGE"]), Override::Unreadable);
+        assert_eq!(of(&Method::POST, &["CONNECT"]), Override::Unreadable);
+        assert_eq!(
+            super::of(&Method::POST, &with(&["DELETE"]), None),
+            Override::None,
+            "not configured"
+        );
+    }
+}
