@@ -113,13 +113,14 @@ struct Canon<'a> {
 
 impl Canon<'_> {
     /// The writer of a member or element, with the pointers that may still name its insides.
-    fn child<'b>(&'b mut self, active: &'b [usize]) -> Canon<'b> {
+    /// An ignored one is not strict: what is left out cannot be read two ways.
+    fn child<'b>(&'b mut self, active: &'b [usize], ignored: bool) -> Canon<'b> {
         Canon {
             out: &mut *self.out,
             pointers: self.pointers,
             active,
             depth: self.depth + 1,
-            strict: self.strict,
+            strict: self.strict.filter(|_| !ignored),
         }
     }
 
@@ -268,7 +269,10 @@ impl<'de> Visitor<'de> for Canon<'_> {
                 self.out.push(b',');
             }
             let at = self.out.len();
-            if seq.next_element_seed(self.child(&deeper))?.is_none() {
+            if seq
+                .next_element_seed(self.child(&deeper, ignored))?
+                .is_none()
+            {
                 self.out.truncate(before);
                 break;
             }
@@ -316,7 +320,7 @@ impl<'de> Visitor<'de> for Canon<'_> {
             let at = self.out.len();
             write_string(&k, self.out);
             self.out.push(b':');
-            map.next_value_seed(self.child(&deeper))?;
+            map.next_value_seed(self.child(&deeper, ignored))?;
             if ignored {
                 // Parsed in full all the same, so that what `Value` refuses stays refused.
                 self.out.truncate(before);

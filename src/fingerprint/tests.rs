@@ -705,3 +705,21 @@ proptest! {
         let _ = fingerprint(&RequestParts { method: &Method::POST, route: "/", path: "/", query: None, headers: &headers, identity: &[], authority: None, body: &body }, &IgnoredFields::default());
     }
 }
+
+#[test]
+fn ambiguity_inside_an_ignored_field_is_left_out_with_it() {
+    let ignoring = |body: &str| fp(JSON, body, &["/meta", "/items/0"]);
+    assert_eq!(
+        ignoring(r#"{"amount":1,"meta":{"a":1,"A":2}}"#),
+        ignoring(r#"{"amount":1,"meta":{"at":"now"}}"#)
+    );
+    assert_eq!(
+        ignoring(r#"{"amount":1,"items":[{"x":1,"x":2},3]}"#),
+        ignoring(r#"{"amount":1,"items":[0,3]}"#)
+    );
+    assert_ne!(
+        ignoring(r#"{"amount":1,"Amount":2,"meta":{}}"#),
+        ignoring(r#"{"Amount":2,"amount":1,"meta":{}}"#),
+        "outside the ignored fields, still compared as bytes"
+    );
+}

@@ -124,3 +124,26 @@ async fn a_coding_the_gateway_cannot_undo_is_refused() {
     assert_eq!(broken.problem_type(), "undecodable-body");
     assert_eq!(up.executions(), 0);
 }
+
+/// A key taken from a body field is read from the decoded body.
+#[tokio::test]
+async fn a_key_in_a_compressed_body_is_found() {
+    let up = Upstream::counting().await;
+    let gw = GatewayProcess::start(&format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\n[upstream]\nurl = \"{}\"\n[store]\nbackend = \"memory\"\n[[routes]]\npath = \"/events\"\nkey = {{ json = [\"/id\"] }}\n",
+        up.url()
+    ));
+    let http = Http::new(gw.addr);
+    let event = br#"{"id":"evt_1","amount":5}"#;
+    let send = |body: Vec<u8>| {
+        http.request("POST", "/events")
+            .header("content-type", "application/json")
+            .header("content-encoding", "gzip")
+            .body(body)
+            .send()
+    };
+    assert_eq!(send(gzip(event, 1)).await.status, 201);
+    let again = send(gzip(event, 2)).await;
+    assert!(again.is_replay(), "{again:?}");
+    assert_eq!(up.executions(), 1);
+}
