@@ -8,7 +8,7 @@
 //! decoder's window bounded by its format (gzip and deflate 32 KiB, br 16 MiB) or by the
 //! gateway (zstd 8 MiB, what RFC 9659 asks of HTTP decoders).
 
-use std::io::Read;
+use std::io::{BufRead, BufReader, Read};
 
 use bytes::Bytes;
 use http::HeaderMap;
@@ -54,10 +54,15 @@ pub fn decode(
     if codings.is_empty() {
         return Ok(None);
     }
-    // Listed in the order they were applied: the last one is undone first.
-    let mut reader: Box<dyn Read + '_> = Box::new(body);
-    for coding in codings.iter().rev() {
-        reader = coding.decoder(reader)?;
+    // Listed in the order they were applied: the last one is undone first, straight from the
+    // body's bytes (no copy into a reader's buffer); an inner one through a small buffer.
+    let mut layers = codings.iter().rev();
+    let mut reader = match layers.next() {
+        Some(coding) => coding.decoder(body)?,
+        None => return Ok(None),
+    };
+    for coding in layers {
+        reader = coding.decoder(BufReader::with_capacity(8 * 1024, reader))?;
     }
     read_within(reader, limit, lease).map(|decoded| Some(Bytes::from(decoded)))
 }
@@ -93,16 +98,19 @@ impl Coding {
         })
     }
 
-    fn decoder<'a>(self, inner: Box<dyn Read + 'a>) -> Result<Box<dyn Read + 'a>, DecodeError> {
+    fn decoder<'a>(
+        self,
+        inner: impl BufRead + 'a,
+    ) -> Result<Box<dyn Read + 'a>, DecodeError> {
         Ok(match self {
-            Coding::Identity => inner,
+            Coding::Identity => Box::new(inner),
             // Several members are one body (RFC 1952, 2.2).
-            Coding::Gzip => Box::new(flate2::read::MultiGzDecoder::new(inner)),
+            Coding::Gzip => Box::new(flate2::bufread::MultiGzDecoder::new(inner)),
             // HTTP's deflate is the zlib format (RFC 9110, 8.4.1.2).
-            Coding::Deflate => Box::new(flate2::read::ZlibDecoder::new(inner)),
+            Coding::Deflate => Box::new(flate2::bufread::ZlibDecoder::new(inner)),
             Coding::Brotli => Box::new(brotli_decompressor::Decompressor::new(inner, 4096)),
             Coding::Zstd => {
-                let mut decoder = zstd::stream::read::Decoder::new(inner)
+                let mut decoder = zstd::stream::read::Decoder::with_buffer(inner)
                     .map_err(|_| DecodeError::Corrupt("zstd"))?;
                 decoder
                     .window_log_max(ZSTD_WINDOW_LOG_MAX)
