@@ -52,9 +52,10 @@ pub enum Problem {
         decoded: bool,
     },
     /// A `Content-Encoding` the gateway cannot undo, so it cannot tell what the body says (its
-    /// name, when short and a token).
+    /// name, when short and a token), and the codings it can (`Accept-Encoding`).
     UnsupportedEncoding {
         coding: Option<String>,
+        accepted: &'static str,
     },
     /// A POST's `server.method_override_header` names no method the upstream would surely
     /// take (two values, an unknown method), on an idempotent route.
@@ -267,10 +268,10 @@ impl Problem {
             Problem::BodyTooLarge { limit, decoded: true } => format!(
                 "The request body, once its Content-Encoding is undone, exceeds the {limit} bytes this endpoint accepts. It was not forwarded."
             ),
-            Problem::UnsupportedEncoding { coding } => format!(
+            Problem::UnsupportedEncoding { coding, accepted } => format!(
                 "This endpoint compares request bodies by what they say, and cannot decode {}. It was not forwarded: send the body as {} or without a Content-Encoding, with the same key.",
                 coding.as_deref().map_or("this Content-Encoding".to_string(), |c| format!("the coding {c:?}")),
-                crate::gateway::DECODED_CODINGS,
+                accepted,
             ),
             Problem::InvalidMethodOverride => "This endpoint is made idempotent, and this POST's method override header holds several values or a method other than GET, HEAD, PUT, PATCH, DELETE or OPTIONS, so which operation the upstream would run cannot be told. It was not forwarded.".into(),
             Problem::UndecodableBody { what } => format!(
@@ -364,12 +365,9 @@ impl Problem {
                 HeaderValue::from(after.as_millis().div_ceil(1000).max(1) as u64),
             );
         }
-        if let Problem::UnsupportedEncoding { .. } = self {
+        if let Problem::UnsupportedEncoding { accepted, .. } = self {
             // RFC 9110, 12.5.3: what a 415 for a content coding lists.
-            h.insert(
-                header::ACCEPT_ENCODING,
-                HeaderValue::from_static(crate::gateway::DECODED_CODINGS),
-            );
+            h.insert(header::ACCEPT_ENCODING, HeaderValue::from_static(accepted));
         }
         if let Problem::ClientUnverified { .. } = self {
             // RFC 6750 section 3.1: what OAuth clients read to refresh their token.

@@ -59,7 +59,6 @@ use crate::tls::CertificateIds;
 use crate::upstream::{
     prepare_request, ClientAddr, ConnectionLimits, PoolTimeouts, UpstreamPool, UpstreamTlsConnector,
 };
-pub use coding::DECODED as DECODED_CODINGS;
 use forward::{upstream_problem, UpstreamTime};
 use method_override::{Overridden, Override};
 use tunnel::wants_upgrade;

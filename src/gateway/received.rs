@@ -66,7 +66,10 @@ impl ReqBody {
             ReadError::Failed(_) => Problem::BadRequestBody,
         })?;
         let decoded = coding::decode(headers, &raw, limit, &mut lease).map_err(|e| match e {
-            DecodeError::Unsupported(coding) => Problem::UnsupportedEncoding { coding },
+            DecodeError::Unsupported(coding) => Problem::UnsupportedEncoding {
+                coding,
+                accepted: coding::DECODED,
+            },
             DecodeError::Corrupt(what) => Problem::UndecodableBody { what },
             DecodeError::TooLarge => Problem::BodyTooLarge {
                 limit,
