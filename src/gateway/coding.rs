@@ -98,10 +98,7 @@ impl Coding {
         })
     }
 
-    fn decoder<'a>(
-        self,
-        inner: impl BufRead + 'a,
-    ) -> Result<Box<dyn Read + 'a>, DecodeError> {
+    fn decoder<'a>(self, inner: impl BufRead + 'a) -> Result<Box<dyn Read + 'a>, DecodeError> {
         Ok(match self {
             Coding::Identity => Box::new(inner),
             // Several members are one body (RFC 1952, 2.2).
