@@ -59,6 +59,12 @@ fn server(out: &mut String, config: &Config) {
             .collect();
         let _ = writeln!(out, "trusted proxies: {}", list.join(", "));
     }
+    if let Some(name) = &server.method_override_header {
+        let _ = writeln!(
+            out,
+            "method override: a POST with {name} is routed and fingerprinted as the method it names"
+        );
+    }
 }
 
 fn store(store: &StoreConfig) -> String {
@@ -247,6 +253,20 @@ mod tests {
         );
         assert!(text.contains("ttl 1day"), "{text}");
         assert!(text.contains("store memory"), "{text}");
+    }
+
+    #[test]
+    fn a_method_override_header_is_shown() {
+        let config = Config::parse(
+            "[server]\nlisten = \"127.0.0.1:8080\"\nmethod_override_header = \"X-HTTP-Method-Override\"\n[upstream]\nurl = \"http://127.0.0.1:3000\"\n",
+        )
+        .unwrap();
+        let text = describe(&config);
+        assert!(
+            text.contains("method override: a POST with x-http-method-override"),
+            "{text}"
+        );
+        assert!(!describe(&parsed("")).contains("method override"));
     }
 
     #[test]
