@@ -38,7 +38,7 @@ pub enum Problem {
         what: String,
         reason: KeyError,
     },
-    /// The key was used before with a different request (method, path, query or body).
+    /// The key was used before with a different request (another fingerprint).
     KeyReused {
         status: StatusCode,
     },
@@ -52,9 +52,9 @@ pub enum Problem {
         decoded: bool,
     },
     /// A `Content-Encoding` the gateway cannot undo, so it cannot tell what the body says (its
-    /// name, when short and a token), and the codings it can (`Accept-Encoding`).
+    /// name, when short and a token, or why), and the codings it can (`Accept-Encoding`).
     UnsupportedEncoding {
-        coding: Option<String>,
+        what: String,
         accepted: &'static str,
     },
     /// A POST's `server.method_override_header` names no method the upstream would surely
@@ -257,7 +257,7 @@ impl Problem {
             Problem::InvalidKey { what, reason } => format!(
                 "The idempotency key ({what}) is not valid: {reason}. Use 1 to 255 visible ASCII characters, such as a UUID."
             ),
-            Problem::KeyReused { .. } => "This idempotency key was already used with a different request (method, path, query or body). The stored result is kept; use a new key for a new operation.".into(),
+            Problem::KeyReused { .. } => "This idempotency key was already used with a different request (method, path, query, media type or body). The stored result is kept; use a new key for a new operation.".into(),
             Problem::InFlight { retry_after } => format!(
                 "The original request with this idempotency key has not finished yet. Retry with the same key after {} seconds to get its result.",
                 retry_after.as_millis().div_ceil(1000).max(1)
@@ -268,10 +268,8 @@ impl Problem {
             Problem::BodyTooLarge { limit, decoded: true } => format!(
                 "The request body, once its Content-Encoding is undone, exceeds the {limit} bytes this endpoint accepts. It was not forwarded."
             ),
-            Problem::UnsupportedEncoding { coding, accepted } => format!(
-                "This endpoint compares request bodies by what they say, and cannot decode {}. It was not forwarded: send the body as {} or without a Content-Encoding, with the same key.",
-                coding.as_deref().map_or("this Content-Encoding".to_string(), |c| format!("the coding {c:?}")),
-                accepted,
+            Problem::UnsupportedEncoding { what, accepted } => format!(
+                "This endpoint compares request bodies by what they say, and cannot decode {what}. It was not forwarded: send the body as one of {accepted}, or without a Content-Encoding, with the same key."
             ),
             Problem::InvalidMethodOverride => "This endpoint is made idempotent, and this POST's method override header holds several values or a method other than GET, HEAD, PUT, PATCH, DELETE or OPTIONS, so which operation the upstream would run cannot be told. It was not forwarded.".into(),
             Problem::UndecodableBody { what } => format!(

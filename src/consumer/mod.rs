@@ -10,7 +10,7 @@
 //! read ─▶ invalid (a header name not UTF-8) ─▶ dead-letter "invalid-message"
 //!   └─▶ key (a body field, entry fields) ── none ─▶ dead-letter "missing-key"
 //!   └─▶ core.run ─▶ verdict:  stored answer (2xx, 4xx), replay ───────────▶ ack
-//!                            5xx, 401/403/408/425/429, handler unreachable ─▶ retry (backoff) ─▶ … ─▶ dead-letter after max_attempts
+//!                            5xx, 401/403/408/415/425/429, handler unreachable ─▶ retry (backoff) ─▶ … ─▶ dead-letter after max_attempts
 //!                            another message with this key and other content ─▶ dead-letter "key-reused"
 //!                            outcome unknown ─▶ dead-letter "outcome-unknown" (on_unknown = "retry": retry)
 //!                            store down, original still running ─▶ retry, not counted

@@ -145,12 +145,24 @@ impl Canon<'_> {
     }
 
     /// Strict: marks the body ambiguous if two of an object's keys are equal, or equal but for
-    /// case.
-    fn check_keys(&self, members: &[(Cow<'_, str>, usize, usize)]) {
+    /// case, those of ignored members (`left_out`) included: an upstream that matches keys by
+    /// case may read the kept one's twin.
+    fn check_keys(&self, members: &[(Cow<'_, str>, usize, usize)], left_out: &[Cow<'_, str>]) {
         let Some((ambiguous, _)) = self.strict else {
             return;
         };
-        if members.len() < 2 || ambiguous.get() {
+        if members.len() + left_out.len() < 2 || ambiguous.get() {
+            return;
+        }
+        if !left_out.is_empty() {
+            let mut keys: Vec<Cow<'_, str>> = (members.iter().map(|m| &m.0))
+                .chain(left_out)
+                .map(|k| folded(k))
+                .collect();
+            keys.sort_unstable();
+            if keys.windows(2).any(|w| w[0] == w[1]) {
+                ambiguous.set(true);
+            }
             return;
         }
         // ASCII keys (the common case), without allocating a string: in strictly increasing
@@ -305,6 +317,7 @@ impl<'de> Visitor<'de> for Canon<'_> {
         self.out.push(b'{');
         // Each member as written: its key and where its `"key":value` text lies in `out`.
         let mut members: Vec<(Cow<'de, str>, usize, usize)> = Vec::new();
+        let mut left_out: Vec<Cow<'de, str>> = Vec::new();
         let mut key = Some(first);
         while let Some(k) = key
             .take()
@@ -324,12 +337,15 @@ impl<'de> Visitor<'de> for Canon<'_> {
             if ignored {
                 // Parsed in full all the same, so that what `Value` refuses stays refused.
                 self.out.truncate(before);
+                if self.strict.is_some() {
+                    left_out.push(k);
+                }
                 continue;
             }
             members.push((k, at, self.out.len()));
         }
         self.out.push(b'}');
-        self.check_keys(&members);
+        self.check_keys(&members, &left_out);
         if members.windows(2).all(|w| w[0].0 < w[1].0) {
             return Ok(());
         }

@@ -157,16 +157,24 @@ fn media(h: &mut Sha256, headers: &HeaderMap, canonical_json: bool) {
         } else {
             h.update(essence);
         }
-        let charset = if canonical_json { None } else { charset(value) };
-        let charset = charset.unwrap_or_default();
-        h.update((charset.len() as u64).to_be_bytes());
-        h.update(charset);
+        // Every one, in order: readers differ on which of two they take.
+        let charsets = if canonical_json {
+            Vec::new()
+        } else {
+            charsets(value)
+        };
+        h.update((charsets.len() as u64).to_be_bytes());
+        for charset in charsets {
+            h.update((charset.len() as u64).to_be_bytes());
+            h.update(charset);
+        }
     }
 }
 
-/// The `charset` parameter of a media type, lower case and unquoted; parameters are split at
-/// `;` outside quoted strings (RFC 9110, 5.6.6), so a quoted `;` cannot hide or forge one.
-fn charset(value: &[u8]) -> Option<Vec<u8>> {
+/// The `charset` parameters of a media type, lower case, a well-formed quoted value unquoted
+/// (any other kept as written); parameters are split at `;` outside quoted strings (RFC 9110,
+/// 5.6.6), so a quoted `;` cannot hide or forge one.
+fn charsets(value: &[u8]) -> Vec<Vec<u8>> {
     let mut params = Vec::new();
     let (mut quoted, mut escaped, mut from) = (false, false, 0);
     for (i, &b) in value.iter().enumerate() {
@@ -182,37 +190,37 @@ fn charset(value: &[u8]) -> Option<Vec<u8>> {
         }
     }
     params.push(&value[from..]);
-    params.into_iter().skip(1).find_map(|param| {
+    let charset = |param: &[u8]| {
         let param = param.trim_ascii();
         let (name, value) = param.split_at(param.iter().position(|&b| b == b'=')?);
         if !name.trim_ascii().eq_ignore_ascii_case(b"charset") {
             return None;
         }
-        let value = value[1..].trim_ascii();
-        let value = match value
-            .strip_prefix(b"\"")
-            .and_then(|v| v.strip_suffix(b"\""))
-        {
-            Some(inner) => unquoted(inner),
-            None => value.to_vec(),
-        };
+        let value = value.get(1..).unwrap_or_default().trim_ascii();
+        let value = unquoted(value).unwrap_or_else(|| value.to_vec());
         Some(value.to_ascii_lowercase())
-    })
+    };
+    params.into_iter().skip(1).filter_map(charset).collect()
 }
 
-/// The text of a quoted string's inside: each `\\x` is `x`.
-fn unquoted(inner: &[u8]) -> Vec<u8> {
+/// The text of a quoted string (RFC 9110, 5.6.4: each `\\x` is `x`), or `None` when `value` is
+/// not exactly one.
+fn unquoted(value: &[u8]) -> Option<Vec<u8>> {
+    let inner = value.strip_prefix(b"\"")?;
     let mut out = Vec::with_capacity(inner.len());
     let mut escaped = false;
-    for &b in inner {
-        if b == b'\\' && !escaped {
-            escaped = true;
-        } else {
-            out.push(b);
-            escaped = false;
+    for (i, &b) in inner.iter().enumerate() {
+        match b {
+            _ if escaped => {
+                out.push(b);
+                escaped = false;
+            }
+            b'\\' => escaped = true,
+            b'"' => return (i + 1 == inner.len()).then_some(out),
+            _ => out.push(b),
         }
     }
-    out
+    None
 }
 
 /// The values of `fingerprint_headers`, in the order named; `Host` is HTTP/2's `:authority` when

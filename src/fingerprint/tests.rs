@@ -241,6 +241,16 @@ fn a_quoted_semicolon_neither_hides_nor_forges_a_charset() {
         "an escaped quote does not end the string"
     );
     assert_ne!(typed("text/plain; charset=latin1", "x"), plain);
+    assert_ne!(
+        typed("text/plain; charset=utf-8; charset=latin1", "x"),
+        typed("text/plain; charset=utf-8; charset=utf-16", "x"),
+        "readers differ on which of two they take: both count"
+    );
+    assert_ne!(
+        typed(r#"text/plain; charset="x\""#, "x"),
+        typed("text/plain; charset=x", "x"),
+        "a quoted string left open is not unquoted"
+    );
 }
 
 #[test]
@@ -721,5 +731,19 @@ fn ambiguity_inside_an_ignored_field_is_left_out_with_it() {
         ignoring(r#"{"amount":1,"Amount":2,"meta":{}}"#),
         ignoring(r#"{"Amount":2,"amount":1,"meta":{}}"#),
         "outside the ignored fields, still compared as bytes"
+    );
+    // An ignored member's case twin is kept: an upstream matching keys by case reads either.
+    let amount_ignored = |body: &str| fp(JSON, body, &["/amount"]);
+    assert_ne!(
+        amount_ignored(r#"{"Amount":100,"amount":999}"#),
+        amount_ignored(r#"{"Amount":100,"amount":5}"#)
+    );
+    assert_ne!(
+        amount_ignored(r#"{"Amount":100,"amount":999}"#),
+        amount_ignored(r#"{"Amount":100}"#)
+    );
+    assert_eq!(
+        amount_ignored(r#"{"Amount":100,"amount":999}"#),
+        amount_ignored(r#"{"Amount":100,"amount":999}"#)
     );
 }

@@ -2,12 +2,15 @@
 //! that the same content compressed twice (gzip writes the time into its header) is the same
 //! request. The body is forwarded as it came; only the gateway reads the decoded bytes.
 //!
-//! Bounded: the decoded bytes count against `max_body` (a decompression bomb is refused with
-//! `413` once its output passes it, before more is decoded) and the memory budget; decoding is
-//! synchronous, so no more bodies are being decoded at once than there are worker threads, each
-//! decoder's window bounded by its format (gzip and deflate 32 KiB, br 16 MiB) or by the
-//! gateway (zstd 8 MiB, what RFC 9659 asks of HTTP decoders).
+//! Bounded: at most two codings stacked; every layer's output counts against `max_body` (a
+//! decompression bomb is refused with `413` once it passes it, before more is decoded), the
+//! decoded bytes against the memory budget. Decoding is synchronous (on the worker, as the
+//! canonical JSON reading of a body is: at most two passes over `max_body` of output), so no
+//! more bodies are being decoded at once than there are worker threads, each decoder's window
+//! bounded by its format (gzip and deflate 32 KiB, br 16 MiB) or by the gateway (zstd 8 MiB,
+//! what RFC 9659 asks of HTTP decoders).
 
+use std::cell::Cell;
 use std::io::{BufRead, BufReader, Read};
 
 use bytes::Bytes;
@@ -23,6 +26,8 @@ pub const DECODED: &str = "gzip, deflate, br, zstd";
 pub enum DecodeError {
     /// A coding the gateway cannot decode (its name, when it is a short token).
     Unsupported(Option<String>),
+    /// More codings stacked than the gateway undoes.
+    TooMany,
     /// The bytes are not what the coding says.
     Corrupt(&'static str),
     /// The decoded body passes `max_body`.
@@ -31,8 +36,12 @@ pub enum DecodeError {
     OverBudget,
 }
 
-/// The body's content: `Ok(None)` when it has no coding but `identity` (the body is its own
-/// content), else the decoded bytes, counted in `lease`.
+/// Codings undone in one body at most: one is what clients send (two are legal, and seen); more
+/// would only stack decoders, each with its own state, for a hostile client.
+const MAX_CODINGS: usize = 2;
+
+/// The body's content: `Ok(None)` when it has no coding but `identity`, or is empty (the body is
+/// its own content), else the decoded bytes, counted in `lease`.
 pub fn decode(
     headers: &HeaderMap,
     body: &[u8],
@@ -47,24 +56,61 @@ pub fn decode(
         for coding in value.split(',').map(str::trim).filter(|c| !c.is_empty()) {
             let coding = Coding::of(coding)?;
             if coding != Coding::Identity {
+                if codings.len() == MAX_CODINGS {
+                    return Err(DecodeError::TooMany);
+                }
                 codings.push(coding);
             }
         }
     }
-    if codings.is_empty() {
+    if codings.is_empty() || body.is_empty() {
         return Ok(None);
     }
     // Listed in the order they were applied: the last one is undone first, straight from the
-    // body's bytes (no copy into a reader's buffer); an inner one through a small buffer.
+    // body's bytes (no copy into a reader's buffer); an inner one through a small buffer, its
+    // input bounded by `limit` as the output is.
+    let over = Cell::new(false);
     let mut layers = codings.iter().rev();
     let mut reader = match layers.next() {
         Some(coding) => coding.decoder(body)?,
         None => return Ok(None),
     };
     for coding in layers {
-        reader = coding.decoder(BufReader::with_capacity(8 * 1024, reader))?;
+        let bounded = Bounded {
+            inner: reader,
+            left: limit,
+            over: &over,
+        };
+        reader = coding.decoder(BufReader::with_capacity(8 * 1024, bounded))?;
     }
-    read_within(reader, limit, lease).map(|decoded| Some(Bytes::from(decoded)))
+    match read_within(reader, limit, lease) {
+        Err(DecodeError::Corrupt(_)) if over.get() => Err(DecodeError::TooLarge),
+        other => other.map(|decoded| Some(Bytes::from(decoded))),
+    }
+}
+
+/// A layer's output, failing once it passes `left` bytes (and saying so in `over`): what an
+/// outer coding expands to is bounded as the content is.
+struct Bounded<'a> {
+    inner: Box<dyn Read + 'a>,
+    left: usize,
+    over: &'a Cell<bool>,
+}
+
+impl Read for Bounded<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        match self.left.checked_sub(n) {
+            Some(left) => {
+                self.left = left;
+                Ok(n)
+            }
+            None => {
+                self.over.set(true);
+                Err(std::io::Error::other("a coding layer passed max_body"))
+            }
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -224,10 +270,41 @@ mod tests {
             decoded("gzip, gzip", &nested, 1 << 20),
             Err(DecodeError::TooLarge)
         );
+        // An outer layer that expands past the limit into nothing: stopped there too.
+        let mut empties = Vec::new();
+        for _ in 0..200_000 {
+            empties.extend_from_slice(&gzip(b""));
+        }
+        let hidden = gzip(&empties);
+        assert!(hidden.len() < 64 * 1024, "{}", hidden.len());
+        assert_eq!(
+            decoded("gzip, gzip", &hidden, 1 << 20),
+            Err(DecodeError::TooLarge)
+        );
         assert_eq!(
             decoded("gzip", &bomb, 8 << 20).unwrap().unwrap().len(),
             8 << 20
         );
+    }
+
+    #[test]
+    fn at_most_two_codings_and_an_empty_body_is_empty() {
+        let content = b"{}";
+        assert_eq!(
+            decoded("gzip, gzip, gzip", &gzip(&gzip(&gzip(content))), 100),
+            Err(DecodeError::TooMany)
+        );
+        let many = vec!["br"; 8000].join(",");
+        assert_eq!(decoded(&many, b"x", 100), Err(DecodeError::TooMany));
+        assert_eq!(
+            decoded("identity, gzip, identity", &gzip(content), 100)
+                .unwrap()
+                .unwrap(),
+            &content[..]
+        );
+        for coding in ["gzip", "deflate", "br", "zstd"] {
+            assert_eq!(decoded(coding, b"", 100), Ok(None), "{coding}");
+        }
     }
 
     #[test]

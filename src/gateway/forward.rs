@@ -5,14 +5,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{header, request, HeaderValue, Request, Response};
+use http::{header, request, HeaderValue, Method, Request, Response};
 use tokio::time::Instant;
 
 use super::method_override::Overridden;
 use super::{ClientConn, Route};
 use crate::body::{self, Body, Captured, Lease};
 use crate::config::{Policy, UpstreamProtocol};
-use crate::fingerprint::{earlier_fingerprint, Fingerprint, RequestParts};
+use crate::fingerprint::{earlier_fingerprint, fingerprint, Fingerprint, RequestParts};
 use crate::grpc;
 use crate::idempotency::{Attempt, Execute};
 use crate::key::StoreKey;
@@ -36,8 +36,6 @@ pub(super) struct Forward {
     pub(super) route: Arc<Route>,
     pub(super) parts: request::Parts,
     pub(super) body: Bytes,
-    /// The body's content when a `Content-Encoding` was undone: what its fingerprint is of.
-    pub(super) decoded: Option<Bytes>,
     pub(super) conn: Arc<ClientConn>,
     /// Upstream time is counted here, inside the execution, so it is counted too when the
     /// execution finishes on its own after its client left.
@@ -49,19 +47,27 @@ pub(super) struct Forward {
 }
 
 impl Forward {
-    /// What the request's fingerprint is computed over.
-    pub(super) fn fingerprinted(&self) -> RequestParts<'_> {
+    /// The request's fingerprint: of the method it was routed as (a POST's override) and of
+    /// its `content` (`None`: the body as sent).
+    pub(super) fn fingerprint(&self, content: Option<&Bytes>) -> Fingerprint {
+        let method =
+            (self.parts.extensions.get::<Overridden>()).map_or(&self.parts.method, |o| &o.0);
+        let parts = self.fingerprinted(method, content.unwrap_or(&self.body));
+        fingerprint(&parts, &self.route.config.fingerprint_ignore)
+    }
+
+    /// What a fingerprint is computed over: the request with `method` and `body`.
+    fn fingerprinted<'a>(&'a self, method: &'a Method, body: &'a [u8]) -> RequestParts<'a> {
         let config = &self.route.config;
         RequestParts {
-            method: (self.parts.extensions.get::<Overridden>())
-                .map_or(&self.parts.method, |o| &o.0),
+            method,
             route: &config.name,
             path: self.parts.uri.path(),
             query: self.parts.uri.query(),
             headers: &self.parts.headers,
             identity: &config.policy.fingerprint_headers,
             authority: self.parts.uri.authority().map(|a| a.as_str()),
-            body: self.decoded.as_ref().unwrap_or(&self.body),
+            body,
         }
     }
 }
@@ -69,8 +75,10 @@ impl Forward {
 impl Execute for Forward {
     type Output = Response<Body>;
 
+    /// As the previous version computed it: of the method and the bytes as sent.
     fn earlier_fingerprint(&self) -> Option<Fingerprint> {
-        earlier_fingerprint(&self.fingerprinted(), &self.route.config.fingerprint_ignore)
+        let parts = self.fingerprinted(&self.parts.method, &self.body);
+        earlier_fingerprint(&parts, &self.route.config.fingerprint_ignore)
     }
 
     async fn execute(self) -> Attempt<Response<Body>> {
@@ -78,14 +86,11 @@ impl Execute for Forward {
             route,
             mut parts,
             body,
-            decoded,
             conn,
             metrics,
             key,
             _lease,
         } = self;
-        // Fingerprinted already: only the bytes as sent go on.
-        drop(decoded);
         let policy = &route.config.policy;
         if let Err(e) = prepare_request(&mut parts, &route.config.upstream, &conn.addr) {
             tracing::error!(key = key.short(), error = %e, "cannot build upstream request");

@@ -10,7 +10,8 @@
 //! verify_token  client_jwt, token does not verify ▶ 401 problem (keys not loaded ▶ 503)
 //! read_body ─── over max_body ───▶ 413 problem   (counted while reading, upstream not called)
 //!               over max_buffered ▶ 503 problem
-//! decode ────── Content-Encoding: over max_body decoded ▶ 413, unknown ▶ 415, broken ▶ 400
+//! decode ────── Content-Encoding (after verify, before a key in the body is read):
+//!               over max_body decoded ▶ 413, unknown or over 2 codings ▶ 415, broken ▶ 400
 //! fingerprint
 //! core ─────── Owned ──▶ the upstream's answer (stored), or its problem (unreachable, unknown)
 //!    │         Replay ─▶ the stored response, byte for byte, marked
@@ -377,11 +378,17 @@ impl Gateway {
             req.headers(),
             routing.method_override.as_ref(),
         );
-        let method = match &over {
-            Override::To(method) => method,
-            Override::None | Override::Unreadable => req.method(),
+        // An override finds the route of the method it names; a POST it names no route for
+        // stays on its own (its key, signature and client checks), never passed through.
+        let path = req.uri().path();
+        let found = match &over {
+            Override::To(method) => routing
+                .router
+                .find(method, path)
+                .or_else(|| routing.router.find(req.method(), path)),
+            Override::None | Override::Unreadable => routing.router.find(req.method(), path),
         };
-        let Some(route) = routing.router.find(method, req.uri().path()).cloned() else {
+        let Some(route) = found.cloned() else {
             if upgrade {
                 let resp = Box::pin(self.tunnel(
                     req,

@@ -12,7 +12,6 @@ use super::{ClientConn, Gateway, Route};
 use crate::body::{self, Body};
 use crate::config::{Policy, RouteConfig};
 use crate::conn::ClientBody;
-use crate::fingerprint::fingerprint;
 use crate::idempotency::{Decision, Refusal, Rules, Settled};
 use crate::jwt::{Rejected, Verifier};
 use crate::key::{ClientScope, Identified, Sent, StoreKey};
@@ -130,14 +129,13 @@ impl Gateway {
         let caller = identify(route, &self.metrics, &parts.headers)?;
         let mut body = ReqBody::Unread(incoming);
         if config.key.needs_body() || config.signature.is_some() {
-            let read = body
-                .read(&parts.headers, policy.max_body, &self.budget)
-                .await?;
-            body = ReqBody::Read(read);
+            body = ReqBody::Read(body.read(policy.max_body, &self.budget).await?);
         }
-        // The signature is over the bytes sent; the key is in the content.
+        // The signature is over the bytes sent, checked before anything is decoded; the key is
+        // in what they say.
         self.verify(route, &parts.headers, body.raw())?;
-        let Some(sent) = extract_key(config, &parts.headers, body.content())? else {
+        let content = body.content(&parts.headers, policy.max_body, &self.budget)?;
+        let Some(sent) = extract_key(config, &parts.headers, content)? else {
             return Ok(Admitted::Unkeyed(body.into_body()));
         };
         let (identified, allowance) = match caller {
@@ -156,9 +154,8 @@ impl Gateway {
         let lookup = Lookup::of(policy, &sent.sent).map(Box::new);
         // Kept with the record while its outcome is open, for operators to find it by.
         let origin = Origin::new(OriginKind::Route, &config.name, sent.sent);
-        let body = body
-            .read(&parts.headers, policy.max_body, &self.budget)
-            .await?;
+        let mut body = body.read(policy.max_body, &self.budget).await?;
+        body.decode(&parts.headers, policy.max_body, &self.budget)?;
         Ok(Admitted::Keyed {
             key,
             legacy,
@@ -249,17 +246,24 @@ impl Gateway {
     ) -> Answer {
         let config = &route.config;
         let rules = rules(config, allowance);
+        let Received {
+            raw,
+            lease,
+            decoded,
+            ..
+        } = body;
         let forward = Forward {
             route: Arc::clone(route),
             parts,
-            body: body.raw,
-            decoded: body.decoded,
+            body: raw,
             conn: Arc::clone(conn),
             metrics: Arc::clone(&self.metrics),
             key: *key,
-            _lease: body.lease,
+            _lease: lease,
         };
-        let fp = fingerprint(&forward.fingerprinted(), &config.fingerprint_ignore);
+        let fp = forward.fingerprint(decoded.as_ref().map(|(content, _)| content));
+        // Its memory given back before the upstream is waited on.
+        drop(decoded);
         // Boxed: inline, the core's future (several KB) is copied into this one and this one
         // into its caller's at every call.
         let decision = Box::pin(self.core.run(

@@ -1,5 +1,6 @@
-//! Phase `read_body` on an idempotent route: the body buffered within `max_body` and the
-//! memory budget, and its content decoded ([`super::coding`]) for the key and the fingerprint.
+//! Phases `read_body` and `decode` on an idempotent route: the body buffered within `max_body`
+//! and the memory budget, then, once its signature (over the bytes sent) has been checked, its
+//! content decoded ([`super::coding`]) for the key and the fingerprint.
 
 use std::sync::Arc;
 
@@ -17,12 +18,49 @@ pub(super) enum ReqBody {
     Read(Received),
 }
 
-/// A body read in full: the bytes as sent (what is forwarded and signed), their content when a
-/// `Content-Encoding` was undone, and their share of the memory budget.
+/// A body read in full: the bytes as sent (what is forwarded and signed) with their share of
+/// the memory budget, and their content when a `Content-Encoding` was undone, with its own
+/// share (given back as soon as the fingerprint is made).
 pub(super) struct Received {
     pub(super) raw: Bytes,
-    pub(super) decoded: Option<Bytes>,
     pub(super) lease: Lease,
+    pub(super) decoded: Option<(Bytes, Lease)>,
+    /// Whether [`Received::decode`] ran.
+    decoded_yet: bool,
+}
+
+impl Received {
+    /// What the body says: decoded once [`Received::decode`] ran.
+    pub(super) fn content(&self) -> &Bytes {
+        self.decoded.as_ref().map_or(&self.raw, |(d, _)| d)
+    }
+
+    /// Phase `decode`: undoes the body's `Content-Encoding`, within `limit` and `budget`; once.
+    pub(super) fn decode(
+        &mut self,
+        headers: &HeaderMap,
+        limit: usize,
+        budget: &Arc<Budget>,
+    ) -> Result<(), Problem> {
+        if std::mem::replace(&mut self.decoded_yet, true) {
+            return Ok(());
+        }
+        let mut lease = budget.lease();
+        let decoded =
+            coding::decode(headers, &self.raw, limit, &mut lease).map_err(|e| match e {
+                DecodeError::Unsupported(Some(name)) => unsupported(format!("the coding {name:?}")),
+                DecodeError::Unsupported(None) => unsupported("this Content-Encoding".into()),
+                DecodeError::TooMany => unsupported("more than two codings stacked".into()),
+                DecodeError::Corrupt(what) => Problem::UndecodableBody { what },
+                DecodeError::TooLarge => Problem::BodyTooLarge {
+                    limit,
+                    decoded: true,
+                },
+                DecodeError::OverBudget => over_budget(),
+            })?;
+        self.decoded = decoded.map(|d| (d, lease));
+        Ok(())
+    }
 }
 
 impl ReqBody {
@@ -34,19 +72,25 @@ impl ReqBody {
         }
     }
 
-    /// What the body says, decoded (nothing while unread).
-    pub(super) fn content(&self) -> &[u8] {
+    /// What the body says (nothing while unread), decoding it first if it is read.
+    pub(super) fn content(
+        &mut self,
+        headers: &HeaderMap,
+        limit: usize,
+        budget: &Arc<Budget>,
+    ) -> Result<&[u8], Problem> {
         match self {
-            ReqBody::Unread(_) => &[],
-            ReqBody::Read(r) => r.decoded.as_deref().unwrap_or(&r.raw),
+            ReqBody::Unread(_) => Ok(&[]),
+            ReqBody::Read(r) => {
+                r.decode(headers, limit, budget)?;
+                Ok(r.content())
+            }
         }
     }
 
-    /// The whole body, reading it (up to `limit`, within `budget`) and decoding it unless
-    /// already done.
+    /// The whole body as sent, reading it (up to `limit`, within `budget`) unless already read.
     pub(super) async fn read(
         self,
-        headers: &HeaderMap,
         limit: usize,
         budget: &Arc<Budget>,
     ) -> Result<Received, Problem> {
@@ -65,22 +109,11 @@ impl ReqBody {
             ReadError::Failed(e) if e.is::<OverBudget>() => over_budget(),
             ReadError::Failed(_) => Problem::BadRequestBody,
         })?;
-        let decoded = coding::decode(headers, &raw, limit, &mut lease).map_err(|e| match e {
-            DecodeError::Unsupported(coding) => Problem::UnsupportedEncoding {
-                coding,
-                accepted: coding::DECODED,
-            },
-            DecodeError::Corrupt(what) => Problem::UndecodableBody { what },
-            DecodeError::TooLarge => Problem::BodyTooLarge {
-                limit,
-                decoded: true,
-            },
-            DecodeError::OverBudget => over_budget(),
-        })?;
         Ok(Received {
             raw,
-            decoded,
             lease,
+            decoded: None,
+            decoded_yet: false,
         })
     }
 
@@ -90,6 +123,13 @@ impl ReqBody {
             ReqBody::Unread(incoming) => body::boxed(incoming),
             ReqBody::Read(r) => body::full(r.raw),
         }
+    }
+}
+
+fn unsupported(what: String) -> Problem {
+    Problem::UnsupportedEncoding {
+        what,
+        accepted: coding::DECODED,
     }
 }
 

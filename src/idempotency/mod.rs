@@ -158,7 +158,7 @@ pub enum Settled<R> {
     /// unknown outcome, never run again. An HTTP caller still gets the answer; a broker message
     /// is not acknowledged.
     NotStored { output: R, lost: bool },
-    /// It ran, and its answer says it did not execute (408, 425, 429, or a 5xx the rules do
+    /// It ran, and its answer says it did not execute (408, 415, 425, 429, or a 5xx the rules do
     /// not store): the answer is passed on and the key released.
     Released(R),
     /// It could not be sent (why): the key was released.
@@ -499,12 +499,14 @@ pub fn decide(
 
 /// Statuses that say the upstream did not execute the request: the key is released so a retry
 /// runs. 5xx only when `store_server_errors = false`; 408, 425 and 429 always (the request was
-/// refused before it was processed, and storing it would make every retry fail); 401 and 403
+/// refused before it was processed, and storing it would make every retry fail), 415 too (the
+/// upstream refused the body's format or coding before reading it: a retry sent otherwise must
+/// run, as a compressed first attempt to an upstream that reads none is retried plain); 401 and 403
 /// always (the caller was refused before anything ran, and storing refusals would let anyone
 /// with made-up credentials fill the store).
 pub fn not_executed(status: u16, store_server_errors: bool) -> bool {
     ((500..600).contains(&status) && !store_server_errors)
-        || matches!(status, 401 | 403 | 408 | 425 | 429)
+        || matches!(status, 401 | 403 | 408 | 415 | 425 | 429)
 }
 
 fn store_refusal(key: &StoreKey, e: StoreError) -> Refusal {

@@ -138,6 +138,10 @@ fn statuses_that_release_the_key() {
     assert!(not_executed(429, true));
     assert!(not_executed(408, true));
     assert!(not_executed(425, true));
+    assert!(
+        not_executed(415, true),
+        "the body's format refused before it was read"
+    );
     assert!(!not_executed(201, false));
     assert!(!not_executed(400, false));
     assert!(not_executed(401, false));

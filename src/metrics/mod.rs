@@ -70,7 +70,7 @@ pub enum Outcome {
     /// The upstream could not be reached for a keyed request: nothing was sent and the key was
     /// released.
     UpstreamError,
-    /// The upstream answered that it did not execute the request (408, 425, 429, or a 5xx
+    /// The upstream answered that it did not execute the request (408, 415, 425, 429, or a 5xx
     /// with `store_server_errors = false`): its answer was passed on and the key released.
     Released,
     Unknown,

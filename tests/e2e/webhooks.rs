@@ -640,3 +640,64 @@ async fn without_a_key_a_delivery_still_needs_its_signature() {
     assert_eq!(signed.status, 201);
     assert_eq!(up.executions(), 1);
 }
+
+/// On a signed route, the signature is checked over the bytes as sent before anything is
+/// decoded (an unsigned bomb gets `401`, never a decoder), and a method override never takes an
+/// unsigned POST off the route.
+#[tokio::test]
+async fn a_signed_route_checks_before_it_decodes_and_keeps_overridden_posts() {
+    let up = Upstream::counting().await;
+    let dir = TempDir::new("signed-coded");
+    let secret = dir.path.join("secret");
+    std::fs::write(&secret, GITHUB_SECRET).unwrap();
+    let config = format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\nmethod_override_header = \"X-HTTP-Method-Override\"\n[upstream]\nurl = \"{}\"\n[store]\nbackend = \"memory\"\n[[routes]]\npath = \"/gh\"\nclient_header = \"\"\nkey = {{ header = \"X-GitHub-Delivery\" }}\nsignature = {{ scheme = \"github\", secret_file = \"{}\" }}\n",
+        up.url(),
+        secret.display()
+    );
+    let gw = Running::start(idemgate::config::Config::parse(&config).unwrap())
+        .await
+        .unwrap();
+    let http = Http::new(gw.addr());
+    let send = |coding: &str, over: &str, body: Vec<u8>, signature: Option<String>| {
+        let mut req = http
+            .request("POST", "/gh")
+            .header("x-github-delivery", "d-1")
+            .header("content-type", "application/json");
+        if !coding.is_empty() {
+            req = req.header("content-encoding", coding);
+        }
+        if !over.is_empty() {
+            req = req.header("x-http-method-override", over);
+        }
+        if let Some(signature) = signature {
+            req = req.header("x-hub-signature-256", &signature);
+        }
+        req.body(body).send()
+    };
+    let gzip = |data: &[u8]| {
+        use std::io::Write;
+        let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
+        e.write_all(data).unwrap();
+        e.finish().unwrap()
+    };
+    let bomb = gzip(&vec![b' '; 8 << 20]);
+    let unsigned = send("gzip", "", bomb, None).await;
+    assert_eq!(unsigned.status, 401, "{unsigned:?}");
+    for over in ["GET", "DELETE"] {
+        let got = send("", over, b"{}".to_vec(), None).await;
+        assert_eq!(got.status, 401, "{over}: {got:?}");
+    }
+    let body = gzip(br#"{"zen":"Keep it logically awesome."}"#);
+    // The signature is over the gzipped bytes, as GitHub would send them.
+    let signed = {
+        type HmacSha256 = Hmac<Sha256>;
+        let mut mac = HmacSha256::new_from_slice(GITHUB_SECRET.as_bytes()).unwrap();
+        mac.update(&body);
+        format!("sha256={}", hex::encode(mac.finalize().into_bytes()))
+    };
+    let got = send("gzip", "", body.clone(), Some(signed)).await;
+    assert_eq!(got.status, 201, "{got:?}");
+    assert_eq!(up.seen()[0].body, body, "forwarded as signed");
+    assert_eq!(up.executions(), 1);
+}
