@@ -147,3 +147,28 @@ async fn a_key_in_a_compressed_body_is_found() {
     assert!(again.is_replay(), "{again:?}");
     assert_eq!(up.executions(), 1);
 }
+
+/// An upstream that reads no compressed bodies answers `415`: the key is released, so the
+/// client's plain retry runs rather than getting that refusal replayed.
+#[tokio::test]
+async fn an_upstream_415_releases_the_key_for_a_plain_retry() {
+    let up = Upstream::start(|seen, _| {
+        if seen.headers.contains_key("content-encoding") {
+            Reply::json(415, r#"{"error":"unsupported encoding"}"#)
+        } else {
+            Reply::json(201, r#"{"id":"pay_1"}"#)
+        }
+    })
+    .await;
+    let gw = binary(&up);
+    let http = Http::new(gw.addr);
+    let content = br#"{"amount":1000}"#;
+    let refused = send(&http, "k415", Some("gzip"), gzip(content, 0)).await;
+    assert_eq!(refused.status, 415, "{refused:?}");
+    let plain = send(&http, "k415", None, content.to_vec()).await;
+    assert_eq!(plain.status, 201, "{plain:?}");
+    assert!(!plain.is_replay());
+    let again = send(&http, "k415", Some("gzip"), gzip(content, 9)).await;
+    assert!(again.is_replay(), "the same content: {again:?}");
+    assert_eq!(up.executions(), 2);
+}
