@@ -58,7 +58,8 @@ pub enum Problem {
         accepted: &'static str,
     },
     /// A POST's `server.method_override_header` names no method the upstream would surely
-    /// take (two values, an unknown method), on an idempotent route.
+    /// take (two values, an unknown method) on an idempotent route, or a route with fewer
+    /// checks than the POST's own.
     InvalidMethodOverride,
     /// The body is not what its `Content-Encoding` says.
     UndecodableBody {
@@ -271,7 +272,7 @@ impl Problem {
             Problem::UnsupportedEncoding { what, accepted } => format!(
                 "This endpoint compares request bodies by what they say, and cannot decode {what}. It was not forwarded: send the body as one of {accepted}, or without a Content-Encoding, with the same key."
             ),
-            Problem::InvalidMethodOverride => "This endpoint is made idempotent, and this POST's method override header holds several values or a method other than GET, HEAD, PUT, PATCH, DELETE or OPTIONS, so which operation the upstream would run cannot be told. It was not forwarded.".into(),
+            Problem::InvalidMethodOverride => "This endpoint is made idempotent, and this POST's method override header holds several values or a method other than GET, PUT, PATCH, DELETE or OPTIONS, or names an endpoint with fewer checks than the POST's own, so which operation the upstream would run, and under which checks, cannot be told. It was not forwarded.".into(),
             Problem::UndecodableBody { what } => format!(
                 "The request body is not what its Content-Encoding says ({what} do not decode). It was not forwarded."
             ),

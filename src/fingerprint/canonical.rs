@@ -145,8 +145,8 @@ impl Canon<'_> {
     }
 
     /// Strict: marks the body ambiguous if two of an object's keys are equal, or equal but for
-    /// case, those of ignored members (`left_out`) included: an upstream that matches keys by
-    /// case may read the kept one's twin.
+    /// case, a kept one and an ignored one's (`left_out`) included: an upstream that matches
+    /// keys by case may read the kept one's twin.
     fn check_keys(&self, members: &[(Cow<'_, str>, usize, usize)], left_out: &[Cow<'_, str>]) {
         let Some((ambiguous, _)) = self.strict else {
             return;
@@ -155,12 +155,15 @@ impl Canon<'_> {
             return;
         }
         if !left_out.is_empty() {
-            let mut keys: Vec<Cow<'_, str>> = (members.iter().map(|m| &m.0))
-                .chain(left_out)
-                .map(|k| folded(k))
-                .collect();
-            keys.sort_unstable();
-            if keys.windows(2).any(|w| w[0] == w[1]) {
+            // A kept key and an ignored one that meet; ignored ones among themselves are left
+            // out together.
+            let mut kept: Vec<Cow<'_, str>> = members.iter().map(|m| folded(&m.0)).collect();
+            kept.sort_unstable();
+            let meet = kept.windows(2).any(|w| w[0] == w[1])
+                || left_out
+                    .iter()
+                    .any(|k| kept.binary_search(&folded(k)).is_ok());
+            if meet {
                 ambiguous.set(true);
             }
             return;

@@ -176,18 +176,22 @@ fn media(h: &mut Sha256, headers: &HeaderMap, canonical_json: bool) {
 /// 5.6.6), so a quoted `;` cannot hide or forge one.
 fn charsets(value: &[u8]) -> Vec<Vec<u8>> {
     let mut params = Vec::new();
-    let (mut quoted, mut escaped, mut from) = (false, false, 0);
+    // A quoted string only where a value starts (after `=`, spaces aside): a `"` inside a token
+    // is a character of it, as readers that split at every `;` take it.
+    let (mut quoted, mut escaped, mut value_starts, mut from) = (false, false, false, 0);
     for (i, &b) in value.iter().enumerate() {
         match b {
             _ if escaped => escaped = false,
             b'\\' if quoted => escaped = true,
-            b'"' => quoted = !quoted,
+            b'"' if quoted => quoted = false,
+            b'"' if value_starts => quoted = true,
             b';' if !quoted => {
                 params.push(&value[from..i]);
                 from = i + 1;
             }
             _ => {}
         }
+        value_starts = !quoted && (b == b'=' || (value_starts && (b == b' ' || b == b'\t')));
     }
     params.push(&value[from..]);
     let charset = |param: &[u8]| {

@@ -3,14 +3,17 @@
 //! and fingerprinted as the method the upstream will run, and forwarded as it came.
 //!
 //! Only a POST is overridden, as Rails, Express's method-override and ASP.NET Core's middleware
-//! and Laravel do, and only to a method those accept. An override never takes a request off the
-//! route its own method finds: one that names a method with no route stays on the POST's (keyed
-//! and checked as it; its fingerprint still has the named method), since the upstream may not
-//! honour the header after all. A value the frameworks would not take (two values, an unknown
-//! method) leaves the request a POST, refused on an idempotent route, since what the upstream
-//! makes of it cannot be told.
+//! and Laravel do, and only to a method those accept. Since the upstream may not honour the
+//! header after all, an override never loosens what the POST's own route checks: one that names
+//! a method with no route stays on the POST's route (keyed and checked as it; its fingerprint
+//! still has the named method), and one whose route lacks a guard the POST's route has (its
+//! signature, `client_jwt`, `require_key`, `require_client`) is refused. A value the frameworks
+//! would not take (two values, an unknown method) leaves the request a POST, refused on an
+//! idempotent route, since what the upstream makes of it cannot be told.
 
 use http::{HeaderMap, HeaderName, Method};
+
+use super::Route;
 
 /// The method an overriding header named, carried in the request's extensions to the
 /// fingerprint (never sent: extensions stay in the process).
@@ -65,6 +68,16 @@ pub(super) fn of(method: &Method, headers: &HeaderMap, header: Option<&HeaderNam
         Some(m) => Override::To(m.clone()),
         None => Override::Unreadable,
     }
+}
+
+/// Whether the `named` route checks at least what the POST's `own` route does.
+pub(super) fn keeps_guards(named: &Route, own: &Route) -> bool {
+    let (named, own) = (&named.config, &own.config);
+    let same_or_none = |a: bool, b: bool| !a || b;
+    (own.signature.is_none() || own.signature == named.signature)
+        && (own.policy.client_jwt.is_none() || own.policy.client_jwt == named.policy.client_jwt)
+        && same_or_none(own.policy.require_key, named.policy.require_key)
+        && same_or_none(own.policy.require_client, named.policy.require_client)
 }
 
 #[cfg(test)]

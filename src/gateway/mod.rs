@@ -381,12 +381,18 @@ impl Gateway {
         // An override finds the route of the method it names; a POST it names no route for
         // stays on its own (its key, signature and client checks), never passed through.
         let path = req.uri().path();
+        let own = routing.router.find(req.method(), path);
         let found = match &over {
-            Override::To(method) => routing
-                .router
-                .find(method, path)
-                .or_else(|| routing.router.find(req.method(), path)),
-            Override::None | Override::Unreadable => routing.router.find(req.method(), path),
+            Override::To(method) => match routing.router.find(method, path) {
+                Some(named)
+                    if own.is_some_and(|own| !method_override::keeps_guards(named, own)) =>
+                {
+                    self.metrics.request(&named.metrics, Outcome::BadRequest);
+                    return Problem::InvalidMethodOverride.into_response();
+                }
+                named => named.or(own),
+            },
+            Override::None | Override::Unreadable => own,
         };
         let Some(route) = found.cloned() else {
             if upgrade {

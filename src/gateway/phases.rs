@@ -134,7 +134,12 @@ impl Gateway {
         // The signature is over the bytes sent, checked before anything is decoded; the key is
         // in what they say.
         self.verify(route, &parts.headers, body.raw())?;
-        let content = body.content(&parts.headers, policy.max_body, &self.budget)?;
+        // Only a key in the body needs it decoded before the key is known.
+        let content = if config.key.needs_body() {
+            body.content(&parts.headers, policy.max_body, &self.budget)?
+        } else {
+            &[]
+        };
         let Some(sent) = extract_key(config, &parts.headers, content)? else {
             return Ok(Admitted::Unkeyed(body.into_body()));
         };

@@ -172,3 +172,33 @@ async fn an_upstream_415_releases_the_key_for_a_plain_retry() {
     assert!(again.is_replay(), "the same content: {again:?}");
     assert_eq!(up.executions(), 2);
 }
+
+/// The decoded body's share of `server.max_buffered` is given back once the fingerprint is
+/// made: while the upstream works, only the bytes as sent are held.
+#[tokio::test]
+async fn the_decoded_body_is_not_held_while_the_upstream_works() {
+    let (up, gate) = Upstream::gated().await;
+    let admin =
+        std::net::SocketAddr::from(([127, 0, 0, 1], crate::support::redis::free_port(false)));
+    let gw = GatewayProcess::start(&format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin = \"{admin}\"\n[upstream]\nurl = \"{}\"\n[store]\nbackend = \"memory\"\n[defaults]\nmax_body = \"2MiB\"\n[[routes]]\npath = \"/payments\"\n",
+        up.url()
+    ));
+    let http = Http::new(gw.addr);
+    let content = format!(r#"{{"pad":"{}"}}"#, "a".repeat(1 << 20));
+    let body = gzip(content.as_bytes(), 0);
+    let sent = body.len() as f64;
+    let request = tokio::spawn({
+        let http = http.clone();
+        async move { send(&http, "held", Some("gzip"), body).await }
+    });
+    up.next_arrival().await;
+    let held = scrape(admin).await["idemgate_buffered_request_bytes"];
+    assert!(
+        held >= sent && held < sent + 64.0 * 1024.0,
+        "{held} bytes held for a {sent}-byte body of {} bytes decoded",
+        content.len()
+    );
+    gate.add_permits(1);
+    assert_eq!(request.await.unwrap().status, 201);
+}

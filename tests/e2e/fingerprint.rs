@@ -287,3 +287,58 @@ async fn a_method_override_routes_as_the_upstreams_method() {
     }
     assert_eq!(up.executions(), before + 1, "nothing more forwarded");
 }
+
+/// The previous version fingerprinted a compressed body as the bytes it came in (it decoded
+/// nothing): a key it stored for one still replays for the same bytes after the upgrade.
+#[tokio::test]
+async fn a_compressed_request_the_previous_version_stored_replays_for_its_bytes() {
+    use sha2::Digest;
+    use std::io::Write;
+    let redis = crate::support::redis::RedisServer::start();
+    let mut e = flate2::GzBuilder::new()
+        .mtime(7)
+        .write(Vec::new(), flate2::Compression::default());
+    e.write_all(br#"{"amount":1000,"currency":"EUR"}"#).unwrap();
+    let gzipped = e.finish().unwrap();
+    // The previous version's fingerprint (b339059): the JSON does not parse, so the bytes.
+    let mut h = sha2::Sha256::new();
+    h.update(b"idemgate/fingerprint/v1\x00");
+    for field in ["POST", "/payments", "/payments", ""] {
+        h.update((field.len() as u64).to_be_bytes());
+        h.update(field.as_bytes());
+    }
+    h.update([0]);
+    h.update(b"bytes\x00");
+    h.update(&gzipped);
+    // The record of key `k-upgrade` that version wrote, with this request's fingerprint.
+    let (store_key, key, _, _, value) = STORED_BY_PREVIOUS[0];
+    let mut record = hex::decode(value).unwrap();
+    record[2..34].copy_from_slice(&h.finalize());
+    let mut conn = ::redis::Client::open(redis.url())
+        .unwrap()
+        .get_connection()
+        .unwrap();
+    let () = ::redis::cmd("SET")
+        .arg(store_key)
+        .arg(record)
+        .arg("PX")
+        .arg(3_600_000)
+        .query(&mut conn)
+        .unwrap();
+    let up = Upstream::counting().await;
+    let gw = GatewayProcess::start(&format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\n[upstream]\nurl = \"{}\"\n[store]\nbackend = \"redis\"\nurl = \"{}\"\n[[routes]]\npath = \"/payments\"\n",
+        up.url(),
+        redis.url()
+    ));
+    let retry = Http::new(gw.addr)
+        .request("POST", "/payments")
+        .header("idempotency-key", key)
+        .header("content-type", "application/json")
+        .header("content-encoding", "gzip")
+        .body(gzipped)
+        .send()
+        .await;
+    assert!(retry.is_replay(), "{retry:?}");
+    assert_eq!(up.executions(), 0);
+}
