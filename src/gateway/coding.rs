@@ -313,7 +313,14 @@ mod tests {
                 .unwrap(),
             &content[..]
         );
-        for coding in ["gzip", "deflate", "br", "zstd", "compress", "gzip, gzip, gzip"] {
+        for coding in [
+            "gzip",
+            "deflate",
+            "br",
+            "zstd",
+            "compress",
+            "gzip, gzip, gzip",
+        ] {
             assert_eq!(decoded(coding, b"", 100), Ok(None), "{coding}");
         }
     }

@@ -2,6 +2,7 @@
 //! differently are never taken for one another (a `409 key-reused`, never another's stored
 //! answer), while the same bytes again still replay.
 
+use crate::support::redis::RedisServer;
 use crate::support::*;
 
 /// The real binary on the memory store, with one route, `/payments`.
@@ -148,19 +149,18 @@ const STORED_BY_PREVIOUS: [(&str, &str, &str, &str, &str); 2] = [
         "01028371a4a46a1f39822cd4daca7160b1e59465507cce5b97bb6e8da0259ad399f6000001a24a25b03900c9000001a24a25b03c01000400067365727665720000001a42617365485454502f302e3620507974686f6e2f332e31312e370004646174650000001d53756e2c2030362044656320323032362030363a35383a333320474d54000c636f6e74656e742d74797065000000106170706c69636174696f6e2f6a736f6e000e636f6e74656e742d6c656e6774680000000232387b226964223a227061795f31222c22616d6f756e74223a313030307d",
     ),
 ];
-/// After the upgrade, a key the previous version stored still replays for the same request
-/// (its fingerprint of the earlier form), and another request with it is still refused.
-#[tokio::test]
-async fn a_key_the_previous_version_stored_replays_after_the_upgrade() {
-    let redis = crate::support::redis::RedisServer::start();
+/// This version on a Redis holding `records` (store key, value) as the previous version left
+/// them, in front of a counting upstream, with one route, `/payments`.
+async fn upgraded(records: &[(&str, Vec<u8>)]) -> (RedisServer, Upstream, GatewayProcess) {
+    let redis = RedisServer::start();
     let mut conn = ::redis::Client::open(redis.url())
         .unwrap()
         .get_connection()
         .unwrap();
-    for (key, _, _, _, value) in STORED_BY_PREVIOUS {
+    for (key, value) in records {
         let () = ::redis::cmd("SET")
-            .arg(key)
-            .arg(hex::decode(value).unwrap())
+            .arg(*key)
+            .arg(value.as_slice())
             .arg("PX")
             .arg(3_600_000)
             .query(&mut conn)
@@ -172,6 +172,18 @@ async fn a_key_the_previous_version_stored_replays_after_the_upgrade() {
         up.url(),
         redis.url()
     ));
+    (redis, up, gw)
+}
+
+/// After the upgrade, a key the previous version stored still replays for the same request
+/// (its fingerprint of the earlier form), and another request with it is still refused.
+#[tokio::test]
+async fn a_key_the_previous_version_stored_replays_after_the_upgrade() {
+    let records: Vec<(&str, Vec<u8>)> = STORED_BY_PREVIOUS
+        .iter()
+        .map(|(key, _, _, _, value)| (*key, hex::decode(value).unwrap()))
+        .collect();
+    let (_redis, up, gw) = upgraded(&records).await;
     let http = Http::new(gw.addr);
     let send = |key: &'static str, content_type: &'static str, body: &'static str| {
         http.request("POST", "/payments")
@@ -294,7 +306,6 @@ async fn a_method_override_routes_as_the_upstreams_method() {
 async fn a_compressed_request_the_previous_version_stored_replays_for_its_bytes() {
     use sha2::Digest;
     use std::io::Write;
-    let redis = crate::support::redis::RedisServer::start();
     let mut e = flate2::GzBuilder::new()
         .mtime(7)
         .write(Vec::new(), flate2::Compression::default());
@@ -314,23 +325,7 @@ async fn a_compressed_request_the_previous_version_stored_replays_for_its_bytes(
     let (store_key, key, _, _, value) = STORED_BY_PREVIOUS[0];
     let mut record = hex::decode(value).unwrap();
     record[2..34].copy_from_slice(&h.finalize());
-    let mut conn = ::redis::Client::open(redis.url())
-        .unwrap()
-        .get_connection()
-        .unwrap();
-    let () = ::redis::cmd("SET")
-        .arg(store_key)
-        .arg(record)
-        .arg("PX")
-        .arg(3_600_000)
-        .query(&mut conn)
-        .unwrap();
-    let up = Upstream::counting().await;
-    let gw = GatewayProcess::start(&format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\n[upstream]\nurl = \"{}\"\n[store]\nbackend = \"redis\"\nurl = \"{}\"\n[[routes]]\npath = \"/payments\"\n",
-        up.url(),
-        redis.url()
-    ));
+    let (_redis, up, gw) = upgraded(&[(store_key, record)]).await;
     let retry = Http::new(gw.addr)
         .request("POST", "/payments")
         .header("idempotency-key", key)
