@@ -456,16 +456,17 @@ pub(super) fn from_table<T: DeserializeOwned>(
         let e = e.into_inner();
         match e.message().strip_prefix(REJECTED) {
             Some(allowed) => rejection(format!("{at}.{path}"), value_at(&root, &path), allowed),
-            None => ConfigError::Syntax(format!("{at}: {}", e.message().trim_end())),
+            None => ConfigError::Syntax(format!("{at}: {}", without_values(e.message().trim_end()))),
         }
     })
 }
 
 /// `field`, the value found there, and what is allowed.
 fn rejection(field: String, value: Option<&toml::Value>, allowed: &str) -> ConfigError {
+    // As written, but a URL's credentials: a rejected value is shown to say what was wrong.
     let value = value
         .map(|v| match v {
-            toml::Value::String(s) => s.clone(),
+            toml::Value::String(s) => super::redact_url(s),
             other => other.to_string(),
         })
         .unwrap_or_default();
@@ -503,5 +504,38 @@ fn syntax_error(text: &str, e: &toml::de::Error) -> ConfigError {
             format!(" (line {line}, column {column})")
         })
         .unwrap_or_default();
-    ConfigError::Syntax(format!("{}{at}", e.message().trim_end()))
+    ConfigError::Syntax(format!("{}{at}", without_values(e.message().trim_end())))
+}
+
+/// A deserializer's message without the values it quotes: `invalid type: string "redis://:pw@h",
+/// expected a sequence` names a password when a URL is written where a list goes. Strings and
+/// characters (serde's `string "..."`, `'c'`) and unknown variants (`` `...` ``) become their
+/// kind; field names, numbers and what was expected stay.
+fn without_values(message: &str) -> String {
+    let mut out = String::with_capacity(message.len());
+    let mut rest = message;
+    loop {
+        let next = [("string \"", '"', "a string"), ("variant `", '`', "variant")]
+            .into_iter()
+            .filter_map(|(open, close, kind)| rest.find(open).map(|at| (at, open, close, kind)))
+            .min_by_key(|found| found.0);
+        let Some((at, open, close, kind)) = next else {
+            out.push_str(rest);
+            return out;
+        };
+        out.push_str(&rest[..at]);
+        out.push_str(kind);
+        // To the closing quote, past escaped ones; an unclosed one hides the rest.
+        let quoted = &rest[at + open.len()..];
+        let mut escaped = false;
+        let end = quoted.char_indices().find_map(|(i, c)| {
+            let closes = c == close && !escaped;
+            escaped = !escaped && c == '\\';
+            closes.then_some(i + c.len_utf8())
+        });
+        match end {
+            Some(end) => rest = &quoted[end..],
+            None => return out,
+        }
+    }
 }

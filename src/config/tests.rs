@@ -1537,3 +1537,35 @@ fn method_override_header_is_a_header_of_its_own() {
     .unwrap();
     assert_eq!(unset.server.method_override_header, None);
 }
+
+#[test]
+fn a_mistyped_value_is_never_echoed_in_the_error() {
+    const PW: &str = "s3cretpw";
+    let base = "[server]\nlisten = \"127.0.0.1:8080\"\n[upstream]\nurl = \"http://127.0.0.1:3000\"\n";
+    let url = format!("redis://:{PW}@redis:6379");
+    let cases = [
+        // A string where a list goes, a list where a string goes, a table where either goes.
+        format!("{base}[store]\nbackend = \"redis\"\ncluster = \"{url}\"\n"),
+        format!("{base}[store]\nbackend = \"redis\"\nsentinels = \"{url}\"\nmaster = \"m\"\n"),
+        format!("{base}[store]\nbackend = \"redis\"\nurl = [\"{url}\"]\n"),
+        format!("{base}[store]\nbackend = \"{url}\"\n"),
+        format!("[server]\nlisten = \"127.0.0.1:8080\"\n[upstream]\nurl = [\"https://u:{PW}@up\"]\n"),
+        format!("{base}[[routes]]\npath = \"/p\"\nupstream = [\"https://u:{PW}@up\"]\n"),
+        format!("{base}[[routes]]\npath = \"/p\"\nreconcile = {{ url = [\"https://u:{PW}@up/{{key}}\"] }}\n"),
+        format!("{base}[[routes]]\npath = \"/p\"\nreconcile = \"https://u:{PW}@up/{{key}}\"\n"),
+        format!("{base}[[routes]]\npath = \"/p\"\nclient_jwt = {{ jwks_url = [\"https://u:{PW}@idp\"], issuer = \"i\" }}\n"),
+        format!("{base}[[consumers]]\nname = \"c\"\nhandler = \"http://127.0.0.1:3000/h\"\nsource = {{ rabbitmq_queue = \"q\", url = [\"amqp://u:{PW}@mq\"] }}\n"),
+        format!("{base}[[consumers]]\nname = \"c\"\nhandler = \"http://127.0.0.1:3000/h\"\nsource = {{ kafka_topic = \"t\", brokers = \"u:{PW}@k:9092\" }}\n"),
+        format!("{base}[[consumers]]\nname = \"c\"\nhandler = \"http://127.0.0.1:3000/h\"\nsource = \"nats://u:{PW}@n\"\n"),
+        format!("{base}[server]\nadmin_token_env = [\"{PW}\"]\n"),
+        format!("{base}[store]\nbackend = \"postgres\"\nurl = {{ dsn = \"postgres://a:{PW}@db/p\" }}\n"),
+        format!("{base}[store]\nbackend = \"memory\"\nmax_keys = \"{PW}\"\n"),
+    ];
+    for text in &cases {
+        let e = Config::parse(text).expect_err(text).to_string();
+        assert!(!e.contains(PW), "{text}\n=> {e}");
+    }
+    // Still says where and what.
+    let e = Config::parse(&cases[0]).unwrap_err().to_string();
+    assert!(e.contains("invalid type: a string, expected a sequence"), "{e}");
+}
