@@ -456,7 +456,9 @@ pub(super) fn from_table<T: DeserializeOwned>(
         let e = e.into_inner();
         match e.message().strip_prefix(REJECTED) {
             Some(allowed) => rejection(format!("{at}.{path}"), value_at(&root, &path), allowed),
-            None => ConfigError::Syntax(format!("{at}: {}", without_values(e.message().trim_end()))),
+            None => {
+                ConfigError::Syntax(format!("{at}: {}", without_values(e.message().trim_end())))
+            }
         }
     })
 }
@@ -515,10 +517,13 @@ fn without_values(message: &str) -> String {
     let mut out = String::with_capacity(message.len());
     let mut rest = message;
     loop {
-        let next = [("string \"", '"', "a string"), ("variant `", '`', "variant")]
-            .into_iter()
-            .filter_map(|(open, close, kind)| rest.find(open).map(|at| (at, open, close, kind)))
-            .min_by_key(|found| found.0);
+        let next = [
+            ("string \"", '"', "a string"),
+            ("variant `", '`', "variant"),
+        ]
+        .into_iter()
+        .filter_map(|(open, close, kind)| rest.find(open).map(|at| (at, open, close, kind)))
+        .min_by_key(|found| found.0);
         let Some((at, open, close, kind)) = next else {
             out.push_str(rest);
             return out;

@@ -1541,7 +1541,8 @@ fn method_override_header_is_a_header_of_its_own() {
 #[test]
 fn a_mistyped_value_is_never_echoed_in_the_error() {
     const PW: &str = "s3cretpw";
-    let base = "[server]\nlisten = \"127.0.0.1:8080\"\n[upstream]\nurl = \"http://127.0.0.1:3000\"\n";
+    let base =
+        "[server]\nlisten = \"127.0.0.1:8080\"\n[upstream]\nurl = \"http://127.0.0.1:3000\"\n";
     let url = format!("redis://:{PW}@redis:6379");
     let cases = [
         // A string where a list goes, a list where a string goes, a table where either goes.
@@ -1567,5 +1568,8 @@ fn a_mistyped_value_is_never_echoed_in_the_error() {
     }
     // Still says where and what.
     let e = Config::parse(&cases[0]).unwrap_err().to_string();
-    assert!(e.contains("invalid type: a string, expected a sequence"), "{e}");
+    assert!(
+        e.contains("invalid type: a string, expected a sequence"),
+        "{e}"
+    );
 }
