@@ -71,6 +71,12 @@ pub enum Problem {
     BodyTimeout,
     /// A method the gateway never forwards (CONNECT).
     MethodNotAllowed,
+    /// A request to the path of a route that verifies its sender or requires its client (a
+    /// signature, `require_client`) that is not the route's: another method, or a spelling of
+    /// the path the route was not found by. `allow`: the route's methods.
+    GuardedPath {
+        allow: String,
+    },
     /// A protocol upgrade (WebSocket) on an idempotent route: a tunnel has no response to store.
     UpgradeRefused,
     /// The route verifies its sender's signature and this delivery's did not pass: `why` is
@@ -138,7 +144,7 @@ impl Problem {
             Problem::InvalidMethodOverride => "invalid-method-override",
             Problem::BadRequestBody => "bad-request-body",
             Problem::BodyTimeout => "body-timeout",
-            Problem::MethodNotAllowed => "method-not-allowed",
+            Problem::MethodNotAllowed | Problem::GuardedPath { .. } => "method-not-allowed",
             Problem::UpgradeRefused => "upgrade-refused",
             Problem::ClientRequired { .. } => "client-required",
             Problem::ClientUnverified { .. } => "client-unverified",
@@ -165,7 +171,9 @@ impl Problem {
             | Problem::InvalidMethodOverride => StatusCode::BAD_REQUEST,
             Problem::UnsupportedEncoding { .. } => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             Problem::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
-            Problem::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
+            Problem::MethodNotAllowed | Problem::GuardedPath { .. } => {
+                StatusCode::METHOD_NOT_ALLOWED
+            }
             Problem::UpgradeRefused => StatusCode::BAD_REQUEST,
             Problem::ClientRequired { .. }
             | Problem::ClientUnverified { .. }
@@ -199,6 +207,7 @@ impl Problem {
             | Problem::UndecodableBody { .. }
             | Problem::InvalidMethodOverride
             | Problem::MethodNotAllowed
+            | Problem::GuardedPath { .. }
             | Problem::UpgradeRefused => Code::InvalidArgument,
             Problem::BodyTimeout => Code::DeadlineExceeded,
             Problem::ClientRequired { .. }
@@ -232,7 +241,7 @@ impl Problem {
             Problem::UndecodableBody { .. } => "Request body could not be decoded",
             Problem::InvalidMethodOverride => "Method override not understood",
             Problem::BodyTimeout => "Request body stopped arriving",
-            Problem::MethodNotAllowed => "Method not allowed",
+            Problem::MethodNotAllowed | Problem::GuardedPath { .. } => "Method not allowed",
             Problem::UpgradeRefused => "Protocol upgrade not allowed here",
             Problem::ClientRequired { .. } => "Client identification required",
             Problem::ClientUnverified { .. } => "Client token not verified",
@@ -279,6 +288,9 @@ impl Problem {
             Problem::BadRequestBody => "The request body ended before it was complete. It was not forwarded; retry with the same key.".into(),
             Problem::BodyTimeout => "No part of the request body arrived for too long. It was not forwarded; retry with the same key.".into(),
             Problem::MethodNotAllowed => "This gateway does not forward CONNECT requests.".into(),
+            Problem::GuardedPath { allow } => format!(
+                "This path is an endpoint that verifies its sender or requires its client, and answers only {allow} as written. It was not forwarded."
+            ),
             Problem::UpgradeRefused => "This endpoint is made idempotent: its requests are executed once and their responses stored, which a protocol upgrade (WebSocket) cannot be. It was not forwarded.".into(),
             Problem::ClientRequired { what } => format!(
                 "This endpoint requires {what}: idempotency keys are kept per client, and a request that names none cannot be told apart from another's. It was not forwarded."
@@ -363,6 +375,11 @@ impl Problem {
                 // Rounded up: a client that waits exactly this long must find the way clear.
                 HeaderValue::from(after.as_millis().div_ceil(1000).max(1) as u64),
             );
+        }
+        if let Problem::GuardedPath { allow } = &self {
+            if let Ok(allow) = HeaderValue::from_str(allow) {
+                h.insert(header::ALLOW, allow);
+            }
         }
         if let Problem::UnsupportedEncoding { accepted, .. } = self {
             // RFC 9110, 12.5.3: what a 415 for a content coding lists.

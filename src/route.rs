@@ -193,6 +193,39 @@ fn normalize_loose(path: &str) -> Option<Vec<String>> {
     Some(parts)
 }
 
+/// The path as a server that also takes `\\` for `/` and decodes more than once reads it (`%5C`,
+/// `%255C`, `%2567` for `g`); `None` when it has nothing such a server reads otherwise.
+fn normalize_broad(path: &str) -> Option<Vec<String>> {
+    let suspicious = |p: &str| p.contains('\\') || p.contains('%');
+    if !suspicious(path) {
+        return None;
+    }
+    // Decoded until it no longer changes, a few times at most; each `\\` a `/`.
+    let mut text: Cow<'_, str> = Cow::Borrowed(path);
+    for _ in 0..4 {
+        let decoded = percent_encoding::percent_decode_str(&text)
+            .decode_utf8_lossy()
+            .into_owned();
+        if decoded == text {
+            break;
+        }
+        text = Cow::Owned(decoded);
+    }
+    let text = text.replace('\\', "/");
+    let rest = text.strip_prefix('/')?;
+    let mut parts: Vec<String> = Vec::new();
+    for raw in rest.split('/') {
+        match raw.split(';').next().unwrap_or("") {
+            "" | "." => {}
+            ".." => {
+                parts.pop();
+            }
+            seg => parts.push(seg.to_string()),
+        }
+    }
+    Some(parts)
+}
+
 /// Splits `a/b/` into `a`, `b`: one trailing slash does not make an extra (empty) segment.
 fn split_segments(rest: &str) -> impl Iterator<Item = &str> {
     let trimmed = rest.strip_suffix('/').unwrap_or(rest);
@@ -240,8 +273,35 @@ impl<T: Routed> Router<T> {
         if let Some(r) = by_method().find(|r| r.pattern().matches_segments(&parts, cs)) {
             return Some(r);
         }
-        let loose: Vec<Cow<'_, str>> = normalize_loose(path)?.into_iter().map(Cow::Owned).collect();
-        by_method().find(|r| r.pattern().matches_segments(&loose, cs))
+        if let Some(loose) = normalize_loose(path) {
+            let loose: Vec<Cow<'_, str>> = loose.into_iter().map(Cow::Owned).collect();
+            if let Some(r) = by_method().find(|r| r.pattern().matches_segments(&loose, cs)) {
+                return Some(r);
+            }
+        }
+        let broad: Vec<Cow<'_, str>> = normalize_broad(path)?.into_iter().map(Cow::Owned).collect();
+        by_method().find(|r| r.pattern().matches_segments(&broad, cs))
+    }
+
+    /// A route `guards` says protects its path whose path this is, for any method, however
+    /// spelled (any case, `;params`, `%2F`, `\\`, encoded twice): what a request that found no
+    /// route must not pass by.
+    pub fn guarded(&self, path: &str, guards: impl Fn(&T) -> bool) -> Option<&Arc<T>> {
+        let mut guarded = self.routes.iter().filter(|r| guards(r)).peekable();
+        guarded.peek()?;
+        let spellings: Vec<Vec<Cow<'_, str>>> = [
+            normalize(path),
+            normalize_loose(path).map(|p| p.into_iter().map(Cow::Owned).collect()),
+            normalize_broad(path).map(|p| p.into_iter().map(Cow::Owned).collect()),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        guarded.find(|r| {
+            spellings
+                .iter()
+                .any(|parts| r.pattern().matches_segments(parts, false))
+        })
     }
 }
 
@@ -300,9 +360,36 @@ mod tests {
                 "{path}"
             );
         }
+        for path in [
+            "/orders\\1\\capture",
+            "/orders/1/%2563apture",
+            "/orders%5C1%5Ccapture",
+        ] {
+            assert_eq!(
+                found(&r, path).as_deref(),
+                Some("/orders/*/capture"),
+                "{path}"
+            );
+        }
         assert_eq!(found(&r, "/payment"), None);
         assert_eq!(found(&r, "/payments/1"), None);
         assert_eq!(r.find(&Method::GET, "/payments").map(|_| ()), None);
+    }
+
+    #[test]
+    fn a_guarded_path_is_found_for_any_method_and_spelling() {
+        let r = router(true);
+        let all = |_: &R| true;
+        for path in [
+            "/payments",
+            "/PAYMENTS",
+            "/pay%256Dents",
+            "/orders\\1\\capture",
+        ] {
+            assert!(r.guarded(path, all).is_some(), "{path}");
+        }
+        assert!(r.guarded("/payments/1", all).is_none());
+        assert!(r.guarded("/payments", |_| false).is_none());
     }
 
     #[test]

@@ -74,6 +74,14 @@ pub struct Route {
     jwt_noticed: AtomicBool,
 }
 
+impl Route {
+    /// Whether the route protects its path against other methods and spellings: it verifies
+    /// its sender (`signature`) or requires its client (`require_client`).
+    fn guards_its_path(&self) -> bool {
+        self.config.signature.is_some() || self.config.policy.require_client
+    }
+}
+
 impl Routed for Route {
     fn pattern(&self) -> &RoutePattern {
         &self.config.pattern
@@ -395,6 +403,16 @@ impl Gateway {
             Override::None | Override::Unreadable => own,
         };
         let Some(route) = found.cloned() else {
+            // A path a signed or client-checked route protects is refused to anything but that
+            // route, so no other method or spelling reaches its upstream unchecked.
+            if let Some(guard) = routing.router.guarded(path, Route::guards_its_path) {
+                self.metrics.request(&guard.metrics, Outcome::BadRequest);
+                let allow: Vec<&str> = guard.config.methods.iter().map(Method::as_str).collect();
+                return Problem::GuardedPath {
+                    allow: allow.join(", "),
+                }
+                .into_response();
+            }
             if upgrade {
                 let resp = Box::pin(self.tunnel(
                     req,

@@ -496,6 +496,7 @@ pub(super) fn outcome_of(p: &Problem) -> Outcome {
         | Problem::InvalidMethodOverride
         | Problem::BodyTimeout
         | Problem::MethodNotAllowed
+        | Problem::GuardedPath { .. }
         | Problem::ClientRequired { .. }
         | Problem::ClientUnverified { .. }
         | Problem::SignatureRejected { .. }

@@ -699,3 +699,49 @@ async fn a_signed_route_checks_before_it_decodes_and_keeps_overridden_posts() {
     assert_eq!(up.seen()[0].body, body, "forwarded as signed");
     assert_eq!(up.executions(), 1);
 }
+
+/// A signed route protects its path, not one spelling of it: another method, a lower-case
+/// method, a backslash or a twice-encoded character never reaches the upstream unverified; the
+/// same for a route with `require_client`.
+#[tokio::test]
+async fn a_signed_routes_path_is_protected_for_every_method_and_spelling() {
+    let up = Upstream::counting().await;
+    let dir = TempDir::new("guarded");
+    let secret = dir.path.join("secret");
+    std::fs::write(&secret, GITHUB_SECRET).unwrap();
+    let config = format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\n[upstream]\nurl = \"{}\"\n[store]\nbackend = \"memory\"\n[[routes]]\npath = \"/webhooks/github\"\nclient_header = \"\"\nkey = {{ header = \"X-GitHub-Delivery\" }}\nsignature = {{ scheme = \"github\", secret_file = \"{}\" }}\n[[routes]]\npath = \"/payments\"\nrequire_client = true\n",
+        up.url(),
+        secret.display()
+    );
+    let gw = Running::start(idemgate::config::Config::parse(&config).unwrap())
+        .await
+        .unwrap();
+    let request = |method: &str, path: &str| {
+        format!(
+            "{method} {path} HTTP/1.1\r\nhost: x\r\nx-github-delivery: d-1\r\ncontent-type: application/json\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{{}}"
+        )
+    };
+    for (method, path, status) in [
+        ("PUT", "/webhooks/github", "405"),
+        ("post", "/webhooks/github", "405"),
+        ("PATCH", "/Webhooks/GitHub/", "405"),
+        ("POST", "/webhooks\\github", "401"),
+        ("POST", "/webhooks/%2567ithub", "401"),
+        ("POST", "/webhooks/github", "401"),
+        ("PUT", "/payments", "405"),
+        ("DELETE", "/PAYMENTS;x", "405"),
+    ] {
+        let got = raw(gw.addr(), request(method, path).as_bytes()).await;
+        assert!(
+            got.starts_with(&format!("HTTP/1.1 {status}")),
+            "{method} {path}: {got}"
+        );
+    }
+    let got = raw(gw.addr(), request("PUT", "/webhooks/github").as_bytes()).await;
+    assert!(got.to_ascii_lowercase().contains("allow: post"), "{got}");
+    assert_eq!(up.executions(), 0, "nothing reached the upstream");
+    // Other paths still pass.
+    let got = raw(gw.addr(), request("PUT", "/webhooks/gitlab").as_bytes()).await;
+    assert!(got.starts_with("HTTP/1.1 201"), "{got}");
+}
