@@ -69,15 +69,18 @@ pub(super) fn validate_route(
         Some(raw) => Some(validate_signature(&at("signature"), raw)?),
     };
     if let Some(sig) = signature.as_ref().filter(|s| s.scheme.is_timestamped()) {
-        // A record that expires within the tolerance would let the same signed delivery, sent
-        // again, run again.
-        if policy.ttl < sig.tolerance {
+        // A signed timestamp is accepted while it is within the tolerance of now, either way:
+        // stamped a tolerance ahead (a sender's clock running fast), a delivery stays
+        // acceptable for twice the tolerance after it first arrived. A record that expires
+        // before then would let it, sent again, run again.
+        let least = sig.tolerance.saturating_mul(2);
+        if policy.ttl < least {
             return Err(ConfigError::invalid(
                 at("ttl"),
                 shown(policy.ttl),
                 format!(
-                    "at least the signature's tolerance ({}) on a signed route",
-                    humantime::format_duration(sig.tolerance)
+                    "at least twice the signature's tolerance ({}) on a signed route",
+                    humantime::format_duration(least)
                 ),
             ));
         }
