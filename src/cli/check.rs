@@ -43,6 +43,7 @@ pub(super) fn check(path: &Path, print_ddl: bool, running: Option<&str>) -> Exit
     for warning in unnamed(&config.routes)
         .into_iter()
         .chain(subject_scoped(&config.routes))
+        .chain(unsigned_keys(&config.routes))
     {
         say(&format!("{warning}\n"));
     }
@@ -107,6 +108,35 @@ async fn running_routes(admin: &str) -> Result<Vec<KeyIdentity>, String> {
     tokio::time::timeout(Duration::from_secs(5), answer)
         .await
         .unwrap_or_else(|_| Err("no answer within 5s".into()))
+}
+
+/// Signed routes keyed by a header their sender's signature does not cover: GitHub, Shopify and
+/// the generic scheme sign the body only, Stripe and Slack a timestamp and the body, Standard
+/// Webhooks its `webhook-id` too. A captured signed body sent with another delivery's id runs
+/// under that id, and the genuine delivery then finds its key taken.
+fn unsigned_keys(routes: &[crate::config::RouteConfig]) -> Vec<String> {
+    use crate::config::SignatureScheme;
+    let mut warnings = Vec::new();
+    for r in routes {
+        let Some(sig) = &r.signature else { continue };
+        let signed: &[&str] = match sig.scheme {
+            SignatureScheme::StandardWebhooks => &["webhook-id", "svix-id"],
+            _ => &[],
+        };
+        let unsigned: Vec<&str> = (r.key.headers.iter())
+            .map(|h| h.as_str())
+            .filter(|h| !signed.contains(h))
+            .collect();
+        if !unsigned.is_empty() {
+            warnings.push(format!(
+                "warning: route {:?} is keyed by {} which its {} signature does not cover: a captured signed body sent again with another delivery's id runs under that id, and the genuine delivery then finds its key taken (409); key it by a body field the signature covers (key = {{ json = \"/id\" }})",
+                r.name,
+                unsigned.join(", "),
+                sig.scheme.name()
+            ));
+        }
+    }
+    warnings
 }
 
 /// Routes scoped by a certificate: by its subject, many workloads can share one (a mesh's

@@ -253,3 +253,37 @@ fn check_on_postgres_hides_the_password_and_prints_the_ddl() {
     assert!(String::from_utf8_lossy(&refused.stderr)
         .contains("--print-ddl is for store.backend = \"postgres\""));
 }
+
+/// `check` warns about a signed route keyed by a header its signature does not cover, and not
+/// about one keyed by a signed body field or Standard Webhooks' signed id.
+#[test]
+fn check_warns_of_a_key_the_signature_does_not_cover() {
+    let dir = TempDir::new("unsigned-key");
+    let secret = dir.path.join("secret");
+    std::fs::write(&secret, "It's a Secret to Everybody").unwrap();
+    let whsec = dir.path.join("whsec");
+    std::fs::write(&whsec, "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw").unwrap();
+    let config = dir.path.join("idemgate.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[server]\nlisten = \"127.0.0.1:0\"\n[upstream]\nurl = \"http://127.0.0.1:3000\"\n[defaults]\nclient_header = \"\"\n[[routes]]\nname = \"gh\"\npath = \"/gh\"\nkey = {{ header = \"X-GitHub-Delivery\" }}\nsignature = {{ scheme = \"github\", secret_file = \"{s}\" }}\n[[routes]]\nname = \"shop\"\npath = \"/shop\"\nkey = {{ json = \"/id\" }}\nsignature = {{ scheme = \"shopify\", secret_file = \"{s}\" }}\n[[routes]]\nname = \"svix\"\npath = \"/svix\"\nkey = {{ header = \"webhook-id\" }}\nsignature = {{ scheme = \"standard-webhooks\", secret_file = \"{w}\" }}\n",
+            s = secret.display(),
+            w = whsec.display()
+        ),
+    )
+    .unwrap();
+    let out = Command::new(BIN)
+        .args(["check", "--config"])
+        .arg(&config)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}");
+    assert!(
+        stdout.contains("warning: route \"gh\" is keyed by x-github-delivery which its github signature does not cover"),
+        "{stdout}"
+    );
+    assert!(!stdout.contains("route \"shop\" is keyed"), "{stdout}");
+    assert!(!stdout.contains("route \"svix\" is keyed"), "{stdout}");
+}
