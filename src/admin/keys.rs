@@ -119,7 +119,8 @@ pub(super) async fn handle(
     };
     let action = action(req.method());
     if !operator.admits(&req) {
-        tracing::warn!(target: "idemgate::audit", %peer, action, path = req.uri().path(), "operator request refused: no valid token");
+        let path = logged_path(req.uri().path());
+        tracing::warn!(target: "idemgate::audit", %peer, action, path = %path, "operator request refused: no valid token");
         let mut resp = problem(
             StatusCode::UNAUTHORIZED,
             "unauthorized",
@@ -394,4 +395,31 @@ fn no_record() -> Response<Body> {
 fn store_failed(e: &StoreError) -> Response<Body> {
     tracing::warn!(error = %e, "operator request: store failed");
     Problem::StoreUnavailable.into_response()
+}
+
+/// A client-supplied path as an audit line shows it: at most [`LOGGED_PATH`] bytes, then how
+/// long it was, so that refused calls cannot write lines of 64 KiB each.
+fn logged_path(path: &str) -> std::borrow::Cow<'_, str> {
+    if path.len() <= LOGGED_PATH {
+        return path.into();
+    }
+    let mut end = LOGGED_PATH;
+    while !path.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}... ({} bytes)", &path[..end], path.len()).into()
+}
+
+const LOGGED_PATH: usize = 128;
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_long_path_is_logged_cut() {
+        let long = format!("/keys/{}", "é".repeat(40_000));
+        let shown = super::logged_path(&long);
+        assert!(shown.len() < 160, "{}", shown.len());
+        assert!(shown.ends_with(&format!("({} bytes)", long.len())));
+        assert_eq!(super::logged_path("/keys/abc"), "/keys/abc");
+    }
 }
