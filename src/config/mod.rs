@@ -90,7 +90,7 @@ pub struct Config {
 }
 
 /// One `[[consumers]]` entry, validated ([`crate::consumer`]).
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct ConsumerConfig {
     /// Part of every stored key (as a route's name is), and the metrics' `consumer` label.
     pub name: String,

@@ -46,6 +46,9 @@ pub async fn reload_on_sighup(
                     continue;
                 }
             };
+            if new.consumers != running.consumers {
+                tracing::warn!("[[consumers]] changes take effect only after a restart; the running consumers keep reading as they were configured");
+            }
             if new.store != running.store
                 || new.server != running.server
                 || new.upstream_max_connections != running.upstream_max_connections
