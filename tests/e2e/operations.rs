@@ -346,6 +346,15 @@ async fn sighup_reloads_routes_under_traffic_and_keeps_the_old_config_on_error()
         "route removed again"
     );
 
+    // So is a consumers change (none is started or stopped by a reload).
+    std::fs::write(
+        &gw.config_path,
+        format!("{base}[store]\nbackend = \"memory\"\nmax_keys = 10\n[[consumers]]\nname = \"orders\"\nsource = {{ nats_stream = \"ORDERS\", url = \"nats://127.0.0.1:1\", dead_letter = \"dead.orders\" }}\nhandler = \"http://127.0.0.1:1/orders\"\nkey = {{ json = \"/id\" }}\n"),
+    )
+    .unwrap();
+    gw.signal("-HUP");
+    gw.wait_log("[[consumers]] changes take effect only after a restart");
+
     let so_far = sent.load(std::sync::atomic::Ordering::SeqCst);
     traffic_reaches(so_far + 20).await;
     stop.store(true, std::sync::atomic::Ordering::SeqCst);
