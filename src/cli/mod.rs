@@ -14,7 +14,7 @@ use std::sync::Arc;
 use clap::{Parser, Subcommand};
 
 use crate::config::Config;
-use crate::server::{reload_on_sighup, shutdown_signal, Server};
+use crate::server::{reload_on_sighup, shutdown_signal, Hangups, Server};
 use crate::telemetry::{self, LogFormat};
 
 /// Exit status for a configuration that cannot be used (EX_USAGE in sysexits.h).
@@ -171,16 +171,7 @@ pub fn main() -> ExitCode {
         } => check::check(&config, print_ddl, running.as_deref()),
         Command::Keys { action } => keys::keys(action),
         Command::Probe { url } => probe(&url),
-        Command::Run { config: path } => {
-            let config = match Config::load(&path) {
-                Ok(c) => c,
-                Err(e) => {
-                    eprintln!("idemgate: {}: {e}", path.display());
-                    return ExitCode::from(EXIT_BAD_CONFIG);
-                }
-            };
-            run(path, config)
-        }
+        Command::Run { config: path } => run(path),
     }
 }
 
@@ -192,7 +183,7 @@ fn runtime(mut builder: tokio::runtime::Builder) -> Result<tokio::runtime::Runti
     })
 }
 
-fn run(path: PathBuf, config: Config) -> ExitCode {
+fn run(path: PathBuf) -> ExitCode {
     // Requests are served by the server's worker threads, each with its own runtime; this one
     // runs the acceptor, signals, the admin listener and the store's background connections.
     let runtime = match runtime(tokio::runtime::Builder::new_current_thread()) {
@@ -200,6 +191,19 @@ fn run(path: PathBuf, config: Config) -> ExitCode {
         Err(code) => return code,
     };
     runtime.block_on(async move {
+        // First: a SIGHUP while the config loads or the store connects must not end the process.
+        let hangups = Hangups::catch();
+        tracing::info!(config = %path.display(), "starting");
+        // Test builds only: a slow start, for the test of a SIGHUP during it.
+        #[cfg(feature = "failpoints")]
+        fail::fail_point!("startup");
+        let config = match Config::load(&path) {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("idemgate: {}: {e}", path.display());
+                return ExitCode::from(EXIT_BAD_CONFIG);
+            }
+        };
         let server = match Server::bind(config.clone()).await {
             Ok(s) => s,
             Err(e) => {
@@ -212,6 +216,7 @@ fn run(path: PathBuf, config: Config) -> ExitCode {
             _ => None,
         };
         let reloader = tokio::spawn(reload_on_sighup(
+            hangups,
             path,
             Arc::clone(server.gateway()),
             config,

@@ -35,7 +35,7 @@ use crate::upstream::{ConnectionLimits, PoolTimeouts, TlsSetupError, UpstreamTls
 use acceptor::{accept, WorkerHandle};
 use worker::Worker;
 
-pub use reload::{reload_on_sighup, shutdown_signal};
+pub use reload::{reload_on_sighup, shutdown_signal, Hangups};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {

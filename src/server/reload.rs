@@ -8,11 +8,38 @@ use crate::config::Config;
 use crate::gateway::{Gateway, Routing};
 use crate::tls::ListenerTls;
 
+/// SIGHUP, caught from when this is called: its default action ends the process, so `run` calls
+/// it before anything else (a SIGHUP while the store connects would otherwise kill the
+/// gateway). Those that come before the gateway serves are kept for [`reload_on_sighup`].
+pub struct Hangups {
+    #[cfg(unix)]
+    signal: Option<tokio::signal::unix::Signal>,
+}
+
+impl Hangups {
+    /// Must be called within a Tokio runtime.
+    pub fn catch() -> Hangups {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{signal, SignalKind};
+            let signal = signal(SignalKind::hangup())
+                .map_err(|e| {
+                    tracing::warn!(error = %e, "cannot listen for SIGHUP; config reload disabled")
+                })
+                .ok();
+            Hangups { signal }
+        }
+        #[cfg(not(unix))]
+        Hangups {}
+    }
+}
+
 /// Reloads routes, defaults and the default upstream from `path` on every SIGHUP. The new file is
 /// validated first; on any error the running config stays and the error is logged. Requests
 /// already running finish with the routing they started with. Store and server settings cannot
 /// change without a restart, and a reload that changes them says so.
 pub async fn reload_on_sighup(
+    hangups: Hangups,
     path: std::path::PathBuf,
     gateway: Arc<Gateway>,
     running: Config,
@@ -20,13 +47,8 @@ pub async fn reload_on_sighup(
 ) {
     #[cfg(unix)]
     {
-        use tokio::signal::unix::{signal, SignalKind};
-        let mut hup = match signal(SignalKind::hangup()) {
-            Ok(s) => s,
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot listen for SIGHUP; config reload disabled");
-                return;
-            }
+        let Some(mut hup) = hangups.signal else {
+            return;
         };
         while hup.recv().await.is_some() {
             // The listener's certificate first: rotated files are picked up even if the config
@@ -93,7 +115,7 @@ pub async fn reload_on_sighup(
     }
     #[cfg(not(unix))]
     {
-        let _ = (path, gateway, running, tls);
+        let _ = (hangups, path, gateway, running, tls);
     }
 }
 

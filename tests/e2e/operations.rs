@@ -467,3 +467,68 @@ async fn connections_are_spread_over_the_workers() {
     eventually(|| async { connections().await == 0.0 }).await;
     assert_eq!(connections().await, 0.0, "worker connections back to 0");
 }
+
+/// A SIGHUP while the gateway is still starting (its store connecting, say) does not end the
+/// process: it is caught from the first instant, and reloads the config once it serves.
+#[tokio::test]
+async fn a_sighup_during_a_slow_start_does_not_kill_the_gateway() {
+    use std::io::BufRead;
+    let up = Upstream::counting().await;
+    let dir = TempDir::new("slow-start");
+    let config = dir.path.join("idemgate.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[server]\nlisten = \"127.0.0.1:0\"\n[upstream]\nurl = \"{}\"\n[store]\nbackend = \"memory\"\n[[routes]]\npath = \"/payments\"\n",
+            up.url()
+        ),
+    )
+    .unwrap();
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_idemgate"))
+        .args(["run", "--config"])
+        .arg(&config)
+        .env("RUST_LOG", "info")
+        .env("FAILPOINTS", "startup=sleep(1500)")
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    // Killed however the test ends.
+    struct Killed(std::process::Child);
+    impl Drop for Killed {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let mut child = Killed(child);
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            eprintln!("[gateway] {line}");
+            let _ = tx.send(line);
+        }
+    });
+    // Waits for a line with each of `needles`, in any order.
+    let wait_for = |needles: &[&str]| {
+        let mut left: Vec<&str> = needles.to_vec();
+        while !left.is_empty() {
+            let line = rx
+                .recv_timeout(Duration::from_secs(20))
+                .unwrap_or_else(|_| panic!("no {left:?} line within 20s"));
+            left.retain(|needle| !line.contains(needle));
+        }
+    };
+    wait_for(&["starting"]);
+    // Inside the slow start now (it sleeps 1.5 s after that line).
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.0.id() as i32),
+        nix::sys::signal::Signal::SIGHUP,
+    )
+    .unwrap();
+    wait_for(&["idemgate listening", "config reloaded"]);
+    assert!(child.0.try_wait().unwrap().is_none(), "still running");
+}
