@@ -284,9 +284,16 @@ impl<T: Routed> Router<T> {
     }
 
     /// A route `guards` says protects its path whose path this is, for any method, however
-    /// spelled (any case, `;params`, `%2F`, `\\`, encoded twice): what a request that found no
-    /// route must not pass by.
-    pub fn guarded(&self, path: &str, guards: impl Fn(&T) -> bool) -> Option<&Arc<T>> {
+    /// spelled (any case, `;params`, `%2F`, `\\`, encoded twice): what a request must not pass
+    /// by. With `found` (the route the request was found for), only a reading of the path that
+    /// `found` does not match counts: `/api/..%5Cwebhooks` is `/api/*`'s as written, and
+    /// `/webhooks`'s to a server that takes `\\` for `/`.
+    pub fn guarded(
+        &self,
+        path: &str,
+        guards: impl Fn(&T) -> bool,
+        found: Option<&Arc<T>>,
+    ) -> Option<&Arc<T>> {
         let mut guarded = self.routes.iter().filter(|r| guards(r)).peekable();
         guarded.peek()?;
         let spellings: Vec<Vec<Cow<'_, str>>> = [
@@ -297,10 +304,14 @@ impl<T: Routed> Router<T> {
         .into_iter()
         .flatten()
         .collect();
+        let found_reads = |parts: &[Cow<'_, str>]| {
+            found.is_some_and(|f| f.pattern().matches_segments(parts, false))
+        };
         guarded.find(|r| {
-            spellings
-                .iter()
-                .any(|parts| r.pattern().matches_segments(parts, false))
+            !found.is_some_and(|f| Arc::ptr_eq(f, r))
+                && spellings
+                    .iter()
+                    .any(|parts| r.pattern().matches_segments(parts, false) && !found_reads(parts))
         })
     }
 }
@@ -386,10 +397,20 @@ mod tests {
             "/pay%256Dents",
             "/orders\\1\\capture",
         ] {
-            assert!(r.guarded(path, all).is_some(), "{path}");
+            assert!(r.guarded(path, all, None).is_some(), "{path}");
         }
-        assert!(r.guarded("/payments/1", all).is_none());
-        assert!(r.guarded("/payments", |_| false).is_none());
+        assert!(r.guarded("/payments/1", all, None).is_none());
+        assert!(r.guarded("/payments", |_| false, None).is_none());
+        // Found for one route as written, another's to a server that takes `\\` for `/`.
+        let r = Router::new([p("/api/*"), p("/webhooks/stripe")].map(R), false);
+        let signed = |x: &R| x.0.raw == "/webhooks/stripe";
+        let path = "/api/..%5Cwebhooks%5Cstripe";
+        let found = r.find(&Method::POST, path);
+        assert_eq!(found.map(|f| f.0.raw.as_str()), Some("/api/*"));
+        let guard = r.guarded(path, signed, found);
+        assert_eq!(guard.map(|g| g.0.raw.as_str()), Some("/webhooks/stripe"));
+        let own = r.find(&Method::POST, "/api/x");
+        assert!(r.guarded("/api/x", signed, own).is_none());
     }
 
     #[test]

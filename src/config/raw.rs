@@ -469,6 +469,9 @@ fn rejection(field: String, value: Option<&toml::Value>, allowed: &str) -> Confi
     let value = value
         .map(|v| match v {
             toml::Value::String(s) => super::redact_url(s),
+            // An array or a table where a single value goes: its kind, not its strings.
+            toml::Value::Array(_) => "(an array)".into(),
+            toml::Value::Table(_) => "(a table)".into(),
             other => other.to_string(),
         })
         .unwrap_or_default();
@@ -530,14 +533,19 @@ fn without_values(message: &str) -> String {
         };
         out.push_str(&rest[..at]);
         out.push_str(kind);
-        // To the closing quote, past escaped ones; an unclosed one hides the rest.
+        // To the closing quote, past escaped ones (a variant's is not escaped by serde: to the
+        // last "`, expected" after it); an unclosed one hides the rest.
         let quoted = &rest[at + open.len()..];
-        let mut escaped = false;
-        let end = quoted.char_indices().find_map(|(i, c)| {
-            let closes = c == close && !escaped;
-            escaped = !escaped && c == '\\';
-            closes.then_some(i + c.len_utf8())
-        });
+        let end = if close == '"' {
+            let mut escaped = false;
+            quoted.char_indices().find_map(|(i, c)| {
+                let closes = c == '"' && !escaped;
+                escaped = !escaped && c == '\\';
+                closes.then_some(i + 1)
+            })
+        } else {
+            quoted.rfind("`, expected").map(|i| i + 1)
+        };
         match end {
             Some(end) => rest = &quoted[end..],
             None => return out,

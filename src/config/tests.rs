@@ -1568,6 +1568,8 @@ fn a_mistyped_value_is_never_echoed_in_the_error() {
         format!("{base}[server]\nadmin_token_env = [\"{PW}\"]\n"),
         format!("{base}[store]\nbackend = \"postgres\"\nurl = {{ dsn = \"postgres://a:{PW}@db/p\" }}\n"),
         format!("{base}[store]\nbackend = \"memory\"\nmax_keys = \"{PW}\"\n"),
+        format!("{base}[store]\nbackend = \"a`redis://:{PW}@h\"\n"),
+        format!("[server]\nlisten = [\"redis://:{PW}@h\"]\n[upstream]\nurl = \"http://127.0.0.1:3000\"\n"),
     ];
     for text in &cases {
         let e = Config::parse(text).expect_err(text).to_string();

@@ -74,6 +74,26 @@ pub struct Route {
     jwt_noticed: AtomicBool,
 }
 
+/// A request to a guarded path no handler acts on: a GET, HEAD or OPTIONS without a body (a CORS
+/// preflight, a sender's URL challenge such as Meta's `hub.challenge`).
+fn harmless<B>(req: &Request<B>) -> bool {
+    let bodiless = !req.headers().contains_key(http::header::TRANSFER_ENCODING)
+        && req
+            .headers()
+            .get(http::header::CONTENT_LENGTH)
+            .is_none_or(|v| v.as_bytes() == b"0");
+    bodiless && matches!(*req.method(), Method::GET | Method::HEAD | Method::OPTIONS)
+}
+
+/// `405 method-not-allowed` for a request to `guard`'s path that is not its own.
+fn guarded_path(guard: &Route) -> Response<Body> {
+    let allow: Vec<&str> = guard.config.methods.iter().map(Method::as_str).collect();
+    Problem::GuardedPath {
+        allow: allow.join(", "),
+    }
+    .into_response()
+}
+
 impl Route {
     /// Whether the route protects its path against other methods and spellings: it verifies
     /// its sender (`signature`) or requires its client (`require_client`).
@@ -402,17 +422,19 @@ impl Gateway {
             },
             Override::None | Override::Unreadable => own,
         };
-        let Some(route) = found.cloned() else {
-            // A path a signed or client-checked route protects is refused to anything but that
-            // route, so no other method or spelling reaches its upstream unchecked.
-            if let Some(guard) = routing.router.guarded(path, Route::guards_its_path) {
-                self.metrics.request(&guard.metrics, Outcome::BadRequest);
-                let allow: Vec<&str> = guard.config.methods.iter().map(Method::as_str).collect();
-                return Problem::GuardedPath {
-                    allow: allow.join(", "),
+        // A path a signed or client-checked route protects is refused to anything but that
+        // route, so no other method or spelling reaches its upstream unchecked: asked when no
+        // route was found, or when a looser reading of the path could be another route's.
+        let loose = path.contains(['%', '\\', ';']);
+        if found.is_none() || loose {
+            if let Some(guard) = routing.router.guarded(path, Route::guards_its_path, found) {
+                if !harmless(&req) {
+                    self.metrics.request(&guard.metrics, Outcome::BadRequest);
+                    return guarded_path(guard);
                 }
-                .into_response();
             }
+        }
+        let Some(route) = found.cloned() else {
             if upgrade {
                 let resp = Box::pin(self.tunnel(
                     req,

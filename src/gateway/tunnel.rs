@@ -9,7 +9,7 @@ use bytes::Bytes;
 use http::{header, HeaderValue, Method, Request, Response};
 
 use super::forward::upstream_problem;
-use super::{ClientConn, Gateway};
+use super::{ClientConn, Gateway, Route};
 use crate::body::{self, Body};
 use crate::config::UpstreamUrl;
 use crate::conn::{ClientBody, Hold, StreamHold};
@@ -40,6 +40,13 @@ impl Gateway {
         if let Some(route) = routing.router.find(&Method::GET, req.uri().path()) {
             self.metrics.request(&route.metrics, Outcome::BadRequest);
             return Problem::UpgradeRefused.into_response();
+        }
+        // A tunnel to a signed or client-checked route's path would pass it unchecked.
+        if let Some(guard) =
+            (routing.router).guarded(req.uri().path(), Route::guards_its_path, None)
+        {
+            self.metrics.request(&guard.metrics, Outcome::BadRequest);
+            return super::guarded_path(guard);
         }
         let target = routing.default_upstream.clone();
         let timeout = routing.default_timeout;

@@ -710,7 +710,7 @@ async fn a_signed_routes_path_is_protected_for_every_method_and_spelling() {
     let secret = dir.path.join("secret");
     std::fs::write(&secret, GITHUB_SECRET).unwrap();
     let config = format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\n[upstream]\nurl = \"{}\"\n[store]\nbackend = \"memory\"\n[[routes]]\npath = \"/webhooks/github\"\nclient_header = \"\"\nkey = {{ header = \"X-GitHub-Delivery\" }}\nsignature = {{ scheme = \"github\", secret_file = \"{}\" }}\n[[routes]]\npath = \"/payments\"\nrequire_client = true\n",
+        "[server]\nlisten = \"127.0.0.1:0\"\n[upstream]\nurl = \"{}\"\n[store]\nbackend = \"memory\"\n[[routes]]\npath = \"/webhooks/github\"\nclient_header = \"\"\nkey = {{ header = \"X-GitHub-Delivery\" }}\nsignature = {{ scheme = \"github\", secret_file = \"{}\" }}\n[[routes]]\npath = \"/payments\"\nrequire_client = true\n[[routes]]\npath = \"/api/*\"\n",
         up.url(),
         secret.display()
     );
@@ -731,6 +731,9 @@ async fn a_signed_routes_path_is_protected_for_every_method_and_spelling() {
         ("POST", "/webhooks/github", "401"),
         ("PUT", "/payments", "405"),
         ("DELETE", "/PAYMENTS;x", "405"),
+        // Another route's as written, the signed one's to a server reading `\` as `/`.
+        ("POST", "/api/..%5Cwebhooks%5Cgithub", "405"),
+        ("POST", "/api/..\\webhooks\\github", "405"),
     ] {
         let got = raw(gw.addr(), request(method, path).as_bytes()).await;
         assert!(
@@ -741,7 +744,17 @@ async fn a_signed_routes_path_is_protected_for_every_method_and_spelling() {
     let got = raw(gw.addr(), request("PUT", "/webhooks/github").as_bytes()).await;
     assert!(got.to_ascii_lowercase().contains("allow: post"), "{got}");
     assert_eq!(up.executions(), 0, "nothing reached the upstream");
-    // Other paths still pass.
+    // Other paths still pass, and so do a bodiless GET, HEAD or OPTIONS to the guarded path (a
+    // CORS preflight, a sender's URL challenge): no handler acts on those.
     let got = raw(gw.addr(), request("PUT", "/webhooks/gitlab").as_bytes()).await;
     assert!(got.starts_with("HTTP/1.1 201"), "{got}");
+    let before = up.executions();
+    for method in ["GET", "OPTIONS"] {
+        let bodiless = format!("{method} /webhooks/github?hub.challenge=1 HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n");
+        let got = raw(gw.addr(), bodiless.as_bytes()).await;
+        assert!(got.starts_with("HTTP/1.1 201"), "{method}: {got}");
+    }
+    assert_eq!(up.executions(), before + 2);
+    let got = raw(gw.addr(), request("GET", "/webhooks/github").as_bytes()).await;
+    assert!(got.starts_with("HTTP/1.1 405"), "a GET with a body: {got}");
 }
