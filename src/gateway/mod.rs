@@ -86,12 +86,11 @@ fn harmless<B>(req: &Request<B>) -> bool {
 }
 
 /// `405 method-not-allowed` for a request to `guard`'s path that is not its own.
-fn guarded_path(guard: &Route) -> Response<Body> {
+fn guarded_path(guard: &Route) -> Problem {
     let allow: Vec<&str> = guard.config.methods.iter().map(Method::as_str).collect();
     Problem::GuardedPath {
         allow: allow.join(", "),
     }
-    .into_response()
 }
 
 impl Route {
@@ -401,40 +400,11 @@ impl Gateway {
         }
         let routing = self.routing.load_full();
         let upgrade = wants_upgrade(&req);
-        let over = method_override::of(
-            req.method(),
-            req.headers(),
-            routing.method_override.as_ref(),
-        );
-        // An override finds the route of the method it names; a POST it names no route for
-        // stays on its own (its key, signature and client checks), never passed through.
-        let path = req.uri().path();
-        let own = routing.router.find(req.method(), path);
-        let found = match &over {
-            Override::To(method) => match routing.router.find(method, path) {
-                Some(named)
-                    if own.is_some_and(|own| !method_override::keeps_guards(named, own)) =>
-                {
-                    self.metrics.request(&named.metrics, Outcome::BadRequest);
-                    return Problem::InvalidMethodOverride.into_response();
-                }
-                named => named.or(own),
-            },
-            Override::None | Override::Unreadable => own,
+        let (found, over) = match self.route_of(&routing, &req) {
+            Ok(routed) => routed,
+            Err(refused) => return refused.into_response(),
         };
-        // A path a signed or client-checked route protects is refused to anything but that
-        // route, so no other method or spelling reaches its upstream unchecked: asked when no
-        // route was found, or when a looser reading of the path could be another route's.
-        let loose = path.contains(['%', '\\', ';']);
-        if found.is_none() || loose {
-            if let Some(guard) = routing.router.guarded(path, Route::guards_its_path, found) {
-                if !harmless(&req) {
-                    self.metrics.request(&guard.metrics, Outcome::BadRequest);
-                    return guarded_path(guard);
-                }
-            }
-        }
-        let Some(route) = found.cloned() else {
+        let Some(route) = found else {
             if upgrade {
                 let resp = Box::pin(self.tunnel(
                     req,
@@ -492,6 +462,50 @@ impl Gateway {
             "idempotent request"
         );
         resp
+    }
+
+    /// The routing decision of `classify`: the route the request belongs to (none: pass-through)
+    /// and what its override header says, or the refusal when the override would loosen the
+    /// POST's own route, or the path is a guarded route's that this request is not.
+    fn route_of<B>(
+        &self,
+        routing: &Routing,
+        req: &Request<B>,
+    ) -> Result<(Option<Arc<Route>>, Override), Problem> {
+        let over = method_override::of(
+            req.method(),
+            req.headers(),
+            routing.method_override.as_ref(),
+        );
+        // An override finds the route of the method it names; a POST it names no route for
+        // stays on its own (its key, signature and client checks), never passed through.
+        let path = req.uri().path();
+        let own = routing.router.find(req.method(), path);
+        let found = match &over {
+            Override::To(method) => match routing.router.find(method, path) {
+                Some(named)
+                    if own.is_some_and(|own| !method_override::keeps_guards(named, own)) =>
+                {
+                    self.metrics.request(&named.metrics, Outcome::BadRequest);
+                    return Err(Problem::InvalidMethodOverride);
+                }
+                named => named.or(own),
+            },
+            Override::None | Override::Unreadable => own,
+        };
+        // A path a signed or client-checked route protects is refused to anything but that
+        // route, so no other method or spelling reaches its upstream unchecked: asked when no
+        // route was found, or when a looser reading of the path could be another route's.
+        let loose = path.contains(['%', '\\', ';']);
+        if found.is_none() || loose {
+            if let Some(guard) = routing.router.guarded(path, Route::guards_its_path, found) {
+                if !harmless(req) {
+                    self.metrics.request(&guard.metrics, Outcome::BadRequest);
+                    return Err(guarded_path(guard));
+                }
+            }
+        }
+        Ok((found.cloned(), over))
     }
 
     /// Forwards a request on an idempotent route without idempotency (no key where none is

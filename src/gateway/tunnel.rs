@@ -46,7 +46,7 @@ impl Gateway {
             (routing.router).guarded(req.uri().path(), Route::guards_its_path, None)
         {
             self.metrics.request(&guard.metrics, Outcome::BadRequest);
-            return super::guarded_path(guard);
+            return super::guarded_path(guard).into_response();
         }
         let target = routing.default_upstream.clone();
         let timeout = routing.default_timeout;

@@ -472,7 +472,6 @@ async fn connections_are_spread_over_the_workers() {
 /// process: it is caught from the first instant, and reloads the config once it serves.
 #[tokio::test]
 async fn a_sighup_during_a_slow_start_does_not_kill_the_gateway() {
-    use std::io::BufRead;
     let up = Upstream::counting().await;
     let dir = TempDir::new("slow-start");
     let config = dir.path.join("idemgate.toml");
@@ -492,7 +491,7 @@ async fn a_sighup_during_a_slow_start_does_not_kill_the_gateway() {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    let stderr = child.stderr.take().unwrap();
+    let rx = follow_logs(&mut child);
     // Killed however the test ends.
     struct Killed(std::process::Child);
     impl Drop for Killed {
@@ -502,16 +501,6 @@ async fn a_sighup_during_a_slow_start_does_not_kill_the_gateway() {
         }
     }
     let mut child = Killed(child);
-    let (tx, rx) = std::sync::mpsc::channel::<String>();
-    std::thread::spawn(move || {
-        for line in std::io::BufReader::new(stderr)
-            .lines()
-            .map_while(Result::ok)
-        {
-            eprintln!("[gateway] {line}");
-            let _ = tx.send(line);
-        }
-    });
     // Waits for a line with each of `needles`, in any order.
     let wait_for = |needles: &[&str]| {
         let mut left: Vec<&str> = needles.to_vec();

@@ -100,12 +100,8 @@ impl Drop for GatewayProcess {
     }
 }
 
-/// Reads the child's stderr until the "listening" line and returns the address it names (text
-/// or JSON logs), and the channel on which the following lines keep arriving (also echoed, for
-/// failing tests).
-pub fn wait_listening(
-    child: &mut std::process::Child,
-) -> (SocketAddr, std::sync::mpsc::Receiver<String>) {
+/// The child's stderr, line by line as it comes (also echoed, for failing tests).
+pub fn follow_logs(child: &mut std::process::Child) -> std::sync::mpsc::Receiver<String> {
     use std::io::BufRead;
     let stderr = child.stderr.take().unwrap();
     let (tx, rx) = std::sync::mpsc::channel();
@@ -118,6 +114,16 @@ pub fn wait_listening(
             let _ = tx.send(line);
         }
     });
+    rx
+}
+
+/// Reads the child's stderr until the "listening" line and returns the address it names (text
+/// or JSON logs), and the channel on which the following lines keep arriving (also echoed, for
+/// failing tests).
+pub fn wait_listening(
+    child: &mut std::process::Child,
+) -> (SocketAddr, std::sync::mpsc::Receiver<String>) {
+    let rx = follow_logs(child);
     loop {
         let line = rx
             .recv_timeout(Duration::from_secs(20))
