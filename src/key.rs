@@ -9,7 +9,9 @@ use std::fmt;
 use http::{HeaderMap, HeaderName};
 use sha2::{Digest, Sha256};
 
+mod parts;
 mod scope;
+pub use parts::{combine, KeyPart};
 pub use scope::{canonical_value, ClientScope, Identified};
 
 /// Longest accepted key, as Stripe and the IETF draft's examples allow.
@@ -39,6 +41,9 @@ pub struct Sent {
     /// The key as its sender knows it (for operators and the upstream's lookup): the header's
     /// value or the one field's, several parts as a JSON array.
     pub sent: String,
+    /// The key the version before issue 45 made of the same parts, where it differs (a number or
+    /// boolean part): records it stored are looked up under it ([`parts`]).
+    pub older: Option<String>,
 }
 
 /// Where a route's key comes from: by default the `key_header`; for deliveries, any headers and
@@ -92,9 +97,10 @@ impl KeySource {
             return Ok(parse_key(headers, name)?.map(|key| Sent {
                 sent: key.clone(),
                 key,
+                older: None,
             }));
         }
-        let mut parts: Vec<String> = Vec::with_capacity(self.headers.len() + self.pointers.len());
+        let mut parts: Vec<KeyPart> = Vec::with_capacity(self.headers.len() + self.pointers.len());
         for name in &self.headers {
             let mut values = headers.get_all(name).iter();
             let Some(value) = values.next() else {
@@ -110,46 +116,29 @@ impl KeySource {
             if raw.len() > MAX_PART_LEN || !raw.iter().all(|b| (0x20..=0x7e).contains(b)) {
                 return Err(KeyError::BadPart);
             }
-            parts.push(String::from_utf8_lossy(raw).into_owned());
+            parts.push(KeyPart::Text(String::from_utf8_lossy(raw).into_owned()));
         }
         if !self.pointers.is_empty() {
             let Ok(json) = serde_json::from_slice::<serde_json::Value>(body) else {
                 return Ok(None);
             };
             for pointer in &self.pointers {
-                let part = match json.pointer(pointer) {
-                    None | Some(serde_json::Value::Null) => return Ok(None),
-                    Some(serde_json::Value::String(s)) if s.is_empty() => {
-                        return Err(KeyError::Empty)
-                    }
-                    Some(serde_json::Value::String(s)) => s.clone(),
-                    Some(serde_json::Value::Number(n)) => crate::fingerprint::canonical_number(n),
-                    Some(serde_json::Value::Bool(b)) => b.to_string(),
-                    Some(_) => return Err(KeyError::NotScalar(pointer.clone())),
-                };
-                parts.push(part);
+                match KeyPart::of_json(json.pointer(pointer), pointer)? {
+                    Some(part) => parts.push(part),
+                    None => return Ok(None),
+                }
             }
         }
-        let key = Self::combine(&parts);
-        let sent = match parts.as_slice() {
-            [one] => one.clone(),
-            // Serialising strings cannot fail.
-            several => serde_json::to_string(several).unwrap_or_default(),
-        };
-        Ok(Some(Sent { key, sent }))
+        Ok(Some(Sent {
+            key: parts::combine(&parts),
+            sent: parts::sent(&parts),
+            older: parts::combine_untyped(&parts),
+        }))
     }
 
     /// Whether the key is one header's value as sent (else parts combined by [`Self::combine`]).
     pub fn is_single_header(&self) -> bool {
         self.headers.len() == 1 && self.pointers.is_empty()
-    }
-
-    /// The key made of several parts: a hash of them as a JSON array, unambiguous whatever they
-    /// contain, and of fixed length.
-    pub fn combine(parts: &[String]) -> String {
-        // Serialising strings cannot fail; an empty array on the impossible error still hashes.
-        let joined = serde_json::to_vec(parts).unwrap_or_default();
-        hex::encode(Sha256::digest(&joined))
     }
 }
 
@@ -494,15 +483,21 @@ mod tests {
             two.extract(&HeaderMap::new(), br#"{"x":"a,b","y":"c"}"#)
                 .unwrap()
         );
-        // Numbers by value.
+        // Numbers by value, and apart from strings and booleans.
         let one = KeySource {
             headers: vec![],
             pointers: vec!["/n".into()],
         };
-        assert_eq!(
-            one.extract(&HeaderMap::new(), br#"{"n":10}"#).unwrap(),
-            one.extract(&HeaderMap::new(), br#"{"n":1e1}"#).unwrap()
-        );
+        let of = |body: &[u8]| one.extract(&HeaderMap::new(), body).unwrap().unwrap();
+        assert_eq!(of(br#"{"n":10}"#), of(br#"{"n":1e1}"#));
+        assert_ne!(of(br#"{"n":10}"#), of(br#"{"n":"1e1"}"#));
+        assert_ne!(of(br#"{"n":true}"#), of(br#"{"n":"true"}"#));
+        let older = |body: &[u8]| {
+            let sent = one.extract_sent(&HeaderMap::new(), body).unwrap().unwrap();
+            sent.older
+        };
+        assert_eq!(older(br#"{"n":10}"#), Some(of(br#"{"n":"1e1"}"#)));
+        assert_eq!(older(br#"{"n":"1e1"}"#), None);
     }
 
     #[test]

@@ -12,7 +12,7 @@ use std::time::{Duration, UNIX_EPOCH};
 mod scope;
 
 use crate::config::{Config, StoreConfig};
-use crate::key::{parse_key_value, ClientScope, KeySource, StoreKey};
+use crate::key::{combine, parse_key_value, ClientScope, KeyPart, StoreKey};
 use crate::store::{self, now_ms, OriginKind, Record, RecordState, Scanned, Store, StoreError};
 
 /// How long a command waits for the store to answer its first command.
@@ -58,14 +58,15 @@ pub fn locate(
     parts: &[String],
     client: &ClientName,
 ) -> Result<StoreKey, OperatorError> {
-    located(config, route, parts, client).map(|(key, _)| key)
+    let parts: Vec<KeyPart> = parts.iter().cloned().map(KeyPart::Text).collect();
+    located(config, route, &parts, client).map(|(key, _)| key)
 }
 
 /// [`locate`], and which scope it hashed, said for the operator (`idemgate keys id`).
 pub fn located(
     config: &Config,
     route: &str,
-    parts: &[String],
+    parts: &[KeyPart],
     client: &ClientName,
 ) -> Result<(StoreKey, String), OperatorError> {
     let (source, policy) = match config.routes.iter().find(|r| r.name == route) {
@@ -82,10 +83,13 @@ pub fn located(
     };
     let expected = source.headers.len() + source.pointers.len();
     let key = match parts {
-        [one] if source.is_single_header() => {
+        [KeyPart::Text(one)] if source.is_single_header() => {
             parse_key_value(one.as_bytes()).map_err(OperatorError::BadKey)?
         }
-        parts if !source.is_single_header() && parts.len() == expected => KeySource::combine(parts),
+        [_] if source.is_single_header() => {
+            return Err(OperatorError::BadKey(crate::key::KeyError::Malformed))
+        }
+        parts if !source.is_single_header() && parts.len() == expected => combine(parts),
         _ => return Err(OperatorError::Parts(expected, source.describe())),
     };
     let (scope, said) = match policy {

@@ -14,7 +14,7 @@ use http_body_util::{BodyExt, Full};
 
 use super::{runtime, say, KeyArgs, KeysAction, ListArgs, EXIT_BAD_CONFIG, EXIT_CANNOT_START};
 use crate::config::Config;
-use crate::key::StoreKey;
+use crate::key::{KeyPart, StoreKey};
 use crate::operator::{self, Change, Filter};
 use crate::store::OriginKind;
 
@@ -76,14 +76,32 @@ fn located(args: &KeyArgs) -> Result<(Config, StoreKey), ExitCode> {
         issuer: args.jwt_issuer.clone(),
         claims: args.jwt_claim.clone(),
     };
-    let (key, scope) =
-        operator::located(&config, &args.route, &args.key, &client).map_err(|e| {
-            eprintln!("idemgate: {e}");
-            ExitCode::from(EXIT_BAD_CONFIG)
-        })?;
+    let parts = key_parts(args).map_err(|e| {
+        eprintln!("idemgate: {e}");
+        ExitCode::from(EXIT_BAD_CONFIG)
+    })?;
+    let (key, scope) = operator::located(&config, &args.route, &parts, &client).map_err(|e| {
+        eprintln!("idemgate: {e}");
+        ExitCode::from(EXIT_BAD_CONFIG)
+    })?;
     // Which scope was hashed, where the operator reads it but a script reading stdout does not.
     eprintln!("idemgate: client scope: {scope}");
     Ok((config, key))
+}
+
+/// The `--key` parts: text as given, or with `--json-parts` each a JSON string, number or
+/// boolean (a number part never names the key of the same digits as a string).
+fn key_parts(args: &KeyArgs) -> Result<Vec<KeyPart>, String> {
+    if !args.json_parts {
+        return Ok(args.key.iter().cloned().map(KeyPart::Text).collect());
+    }
+    (args.key.iter())
+        .map(|k| {
+            KeyPart::parse_json(k).map_err(|_| {
+                format!("--key {k:?} is not a JSON string, number or boolean (--json-parts)")
+            })
+        })
+        .collect()
 }
 
 fn with_key(args: &KeyArgs, op: Op) -> ExitCode {

@@ -133,6 +133,10 @@ pub struct KeyArgs {
     /// fields take one --key per part, in the order the route lists them (headers first).
     #[arg(long, required = true)]
     pub key: Vec<String>,
+    /// Read each --key as JSON ("pi_1", 10, true): how a number or boolean body field is named
+    /// (the number 10 and the string "10" are different keys).
+    #[arg(long)]
+    pub json_parts: bool,
     /// The client header's value (e.g. "Bearer ..."), for routes that scope keys per client.
     #[arg(long)]
     pub client: Option<String>,

@@ -11,6 +11,7 @@ use super::message::Consumer;
 use super::{Message, Source};
 use crate::config::OnUnknown;
 use crate::fingerprint::{fingerprint, IgnoredFields};
+use crate::idempotency::legacy::older_stored;
 use crate::idempotency::{Decision, Refusal, Rules, Settled};
 use crate::key::{ClientScope, Sent, StoreKey};
 use crate::metrics::ConsumerOutcome;
@@ -51,7 +52,7 @@ impl<S: Source> Consumer<S> {
                 config.policy.max_body
             ));
         }
-        let Sent { key, sent } = match config.key.extract_sent(&message.fields, body) {
+        let Sent { key, sent, older } = match config.key.extract_sent(&message.fields, body) {
             Ok(Some(k)) => k,
             Ok(None) => {
                 let parts: Vec<String> = config
@@ -74,7 +75,22 @@ impl<S: Source> Consumer<S> {
             }
             Err(e) => return Verdict::DeadLetter(format!("invalid-key: {e}")),
         };
-        let store_key = StoreKey::new(&ClientScope::shared(), &config.name, &key);
+        let mut store_key = StoreKey::new(&ClientScope::shared(), &config.name, &key);
+        // A number or boolean key part made another key before issue 45: a message the previous
+        // version stored, delivered again across the upgrade, is found under it.
+        if let Some(older) = older.filter(|_| self.ctx.legacy.open(config.policy.ttl)) {
+            let older = StoreKey::new(&ClientScope::shared(), &config.name, &older);
+            match older_stored(&*self.ctx.store, store_key, &[older]).await {
+                Ok(found) => store_key = found,
+                Err(e) => {
+                    tracing::warn!(error = %e, "a key's older derivation not read");
+                    return Verdict::Retry {
+                        reason: "the store cannot take the key now".into(),
+                        counted: false,
+                    };
+                }
+            }
+        }
         let lookup = crate::reconcile::Lookup::of(&config.policy, &sent);
         let mut headers = message.fields.clone();
         headers.insert(http::header::CONTENT_TYPE, config.content_type.clone());

@@ -88,6 +88,8 @@ pub struct Context {
     pub store: Arc<dyn Store>,
     pub metrics: Arc<Metrics>,
     pub pool: UpstreamPool,
+    /// When keys of older derivations are looked up too.
+    pub legacy: crate::idempotency::legacy::LegacyWindow,
 }
 
 #[derive(Debug, thiserror::Error)]

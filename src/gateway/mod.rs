@@ -21,12 +21,10 @@
 //! The phases are in [`phases`] ([`method_override`] for classify, [`received`] and [`coding`]
 //! for read_body and decode); the core executes through [`forward`] (send upstream and
 //! capture the answer within `upstream_timeout`); WebSockets outside the routes are relayed by
-//! [`tunnel`]; [`legacy`] says how long keys of the client scope derivation before issue 42 are
-//! looked up too. Every response the gateway makes itself comes from [`Problem`].
+//! [`tunnel`]. Every response the gateway makes itself comes from [`Problem`].
 
 mod coding;
 mod forward;
-mod legacy;
 mod method_override;
 mod phases;
 mod received;
@@ -48,6 +46,7 @@ use crate::config::{
 };
 use crate::conn::{ClientBody, ConnectionSlot};
 use crate::grpc;
+use crate::idempotency::legacy::LegacyWindow;
 use crate::idempotency::Core;
 use crate::jwt::{Verifier, Verifiers};
 use crate::key::StoreKey;
@@ -221,8 +220,8 @@ pub struct Gateway {
     served: std::sync::Mutex<Vec<KeyIdentity>>,
     /// The `client_jwt` verifiers the routes use, for reloads to share.
     verifiers: Arc<Verifiers>,
-    /// When keys of the older scope derivation are looked up too.
-    legacy: legacy::LegacyWindow,
+    /// When keys of older derivations (client scope, typed key parts) are looked up too.
+    legacy: LegacyWindow,
 }
 
 /// What a gateway is made of; [`Gateway::new`] takes it.
@@ -257,7 +256,7 @@ impl Gateway {
             verifiers,
             durable_store,
         } = parts;
-        let legacy = legacy::LegacyWindow::new(durable_store);
+        let legacy = LegacyWindow::new(durable_store);
         let reconciler = Reconciler::new(Arc::clone(&metrics), Arc::clone(&upstream_tls));
         let core = Arc::new(Core::new(Arc::clone(&metrics), Arc::new(reconciler)));
         Gateway {
@@ -351,6 +350,11 @@ impl Gateway {
     /// The idempotency core, for the other fronts (the broker consumers).
     pub fn core(&self) -> &Arc<Core> {
         &self.core
+    }
+
+    /// When keys of older derivations are looked up too (consumers share it).
+    pub fn legacy(&self) -> LegacyWindow {
+        self.legacy
     }
 
     /// A new upstream pool on the gateway's connection caps and TLS, for a front of its own

@@ -12,6 +12,7 @@ use super::{ClientConn, Gateway, Route};
 use crate::body::{self, Body};
 use crate::config::{Policy, RouteConfig};
 use crate::conn::ClientBody;
+use crate::idempotency::legacy::older_stored;
 use crate::idempotency::{Decision, Refusal, Rules, Settled};
 use crate::jwt::{Rejected, Verifier};
 use crate::key::{ClientScope, Identified, Sent, StoreKey};
@@ -66,9 +67,9 @@ enum Admitted {
         lookup: Option<Box<Lookup>>,
         /// The route and the client's key, kept with the record while its outcome is open.
         origin: Arc<Origin>,
-        /// The key as the gateway before issue 42 derived it, where it differs (see
-        /// [`Gateway::older_key`]).
-        legacy: Option<StoreKey>,
+        /// The key as versions before issues 42 and 45 derived it, where it differs (see
+        /// [`Gateway::older_key`]); empty (no allocation) for nearly every request.
+        legacy: Vec<StoreKey>,
     },
     /// No key where none is required: forwarded as it is.
     Unkeyed(Body),
@@ -99,12 +100,12 @@ impl Gateway {
                 origin,
                 legacy,
             }) => {
-                let key = match legacy {
-                    Some(older) => match Box::pin(self.older_key(conn, key, older)).await {
+                let key = match legacy.is_empty() {
+                    true => key,
+                    false => match Box::pin(self.older_key(conn, key, &legacy)).await {
                         Ok(key) => key,
                         Err(problem) => return Answer::problem(problem),
                     },
-                    None => key,
                 };
                 let caller = (allowance, lookup, origin);
                 let mut answer = self.keyed(route, parts, body, conn, &key, caller).await;
@@ -152,10 +153,7 @@ impl Gateway {
             }
         };
         let key = StoreKey::new(&identified.scope, &config.name, &sent.key);
-        // Keys stored before this derivation, looked up while one could still be kept.
-        let legacy = (identified.legacy)
-            .filter(|_| self.legacy.open(policy.ttl))
-            .map(|scope| StoreKey::new(&scope, &config.name, &sent.key));
+        let legacy = self.legacy_keys(policy, &identified, &sent, &config.name);
         let lookup = Lookup::of(policy, &sent.sent).map(Box::new);
         // Kept with the record while its outcome is open, for operators to find it by.
         let origin = Origin::new(OriginKind::Route, &config.name, sent.sent);
@@ -171,26 +169,46 @@ impl Gateway {
         })
     }
 
-    /// A key stored under the derivation before issue 42 (another header of the list, an
-    /// `Authorization` scheme spelled otherwise, a header split over fields) is used where it
-    /// exists, so that a retry across the upgrade replays; an extra store read for those
-    /// requests only, and only for one `ttl` after start ([`super::legacy`]).
+    /// Keys stored before this derivation, while one could still be kept: the key the previous
+    /// version made of a number or boolean part (issue 45), under this scope and the one before
+    /// issue 42 (another header of the list, an `Authorization` scheme spelled otherwise, a
+    /// header split over fields), which also derived keys the older way.
+    fn legacy_keys(
+        &self,
+        policy: &Policy,
+        identified: &Identified,
+        sent: &Sent,
+        route: &str,
+    ) -> Vec<StoreKey> {
+        if (identified.legacy.is_none() && sent.older.is_none()) || !self.legacy.open(policy.ttl) {
+            return Vec::new();
+        }
+        let older = sent.older.as_deref().unwrap_or(&sent.key);
+        let mut keys = Vec::with_capacity(2);
+        if sent.older.is_some() {
+            keys.push(StoreKey::new(&identified.scope, route, older));
+        }
+        if let Some(scope) = &identified.legacy {
+            keys.push(StoreKey::new(scope, route, older));
+        }
+        keys
+    }
+
+    /// A key stored under an older derivation is used where it exists, so that a retry across
+    /// the upgrade replays; an extra store read for those requests only, and only for one `ttl`
+    /// after start ([`crate::idempotency::legacy`]).
     async fn older_key(
         &self,
         conn: &ClientConn,
         key: StoreKey,
-        older: StoreKey,
+        older: &[StoreKey],
     ) -> Result<StoreKey, Problem> {
-        match conn.worker.store.get(&older).await {
-            Ok(Some(_)) => Ok(older),
-            Ok(None) => Ok(key),
-            // Not knowing whether the older key holds the operation, the newer one may not be
-            // claimed: its reservation could run it again.
-            Err(e) => {
-                tracing::warn!(error = %e, "older scope's key not read; refused");
-                Err(Problem::StoreUnavailable)
-            }
-        }
+        older_stored(&*conn.worker.store, key, older)
+            .await
+            .map_err(|e| {
+                tracing::warn!(error = %e, "a key's older derivation not read; refused");
+                Problem::StoreUnavailable
+            })
     }
 
     /// Phase `verify_token`: the scope of a verified JWT, or the 401 (503 before the route's

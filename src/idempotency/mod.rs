@@ -17,9 +17,11 @@
 //! The owner's execution outlives its caller: if the caller goes away (an HTTP client hangs up),
 //! the execution moves to a task of its own ([`Detachable`]), still finishes, and its result is
 //! still stored for the retry that is surely coming. [`decide`] and [`not_executed`] are the
-//! pure decisions, tested on their own below.
+//! pure decisions, tested on their own below. [`legacy`] finds keys that older versions derived
+//! otherwise.
 
 mod detach;
+pub mod legacy;
 mod records;
 
 use std::future::Future;
@@ -217,7 +219,8 @@ pub enum Refusal {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Resolved {
     Replay(Arc<StoredResponse>),
-    /// Abandoned or unknown, and the rules allow running it again: take over this record.
+    /// Abandoned or unknown, and the rules allow running it again; or, on a route that does not
+    /// check fingerprints, a stored 4xx of another request: take over this record.
     TakeOver(Record),
 }
 
@@ -365,10 +368,17 @@ impl Core {
                 Err(e) => return Decision::Refused(store_refusal(key, e)),
             };
             if let Some(token) = taken {
-                tracing::warn!(
-                    key = key.short(),
-                    "taking over an abandoned or unknown key (on_unknown = \"retry\")"
-                );
+                if matches!(old.state, RecordState::Completed(_)) {
+                    tracing::info!(
+                        key = key.short(),
+                        "another request with this key runs: the stored answer refused a different one (4xx, check_fingerprint = false)"
+                    );
+                } else {
+                    tracing::warn!(
+                        key = key.short(),
+                        "taking over an abandoned or unknown key (on_unknown = \"retry\")"
+                    );
+                }
                 return self
                     .execute(records, *key, token, (rules, lookup), exec)
                     .await;
@@ -485,6 +495,13 @@ pub fn decide(
         return Err(Refusal::KeyReused);
     }
     match &record.state {
+        // A refusal answers the request it refused, not the operation its key names: another
+        // event with the same business key runs in its place (the 4xx said nothing was done).
+        RecordState::Completed(stored)
+            if stored.status.is_client_error() && !sought.matches(record) =>
+        {
+            Ok(Some(Resolved::TakeOver(record.clone())))
+        }
         RecordState::Completed(stored) => Ok(Some(Resolved::Replay(Arc::clone(stored)))),
         RecordState::Unknown { .. } | RecordState::Abandoned { .. }
             if rules.on_unknown == OnUnknown::Retry =>

@@ -48,9 +48,13 @@ fn record(state: RecordState) -> Record {
 }
 
 fn completed() -> Record {
+    answered(http::StatusCode::CREATED)
+}
+
+fn answered(status: http::StatusCode) -> Record {
     record(RecordState::Completed(Arc::new(StoredResponse {
         trailers: vec![],
-        status: http::StatusCode::CREATED,
+        status,
         headers: vec![],
         body: bytes::Bytes::from_static(b"{}"),
         body_kept: true,
@@ -98,6 +102,37 @@ fn another_fingerprint_is_refused_before_anything_else_unless_unchecked() {
     };
     assert!(matches!(
         decide(unchecked, &only(OTHER), &completed()),
+        Ok(Some(Resolved::Replay(_)))
+    ));
+}
+
+#[test]
+fn a_stored_refusal_is_replayed_only_to_its_own_request_where_fingerprints_are_unchecked() {
+    let unchecked = Rules {
+        check_fingerprint: false,
+        ..rules()
+    };
+    for status in [400, 404, 409, 422] {
+        let refused = answered(http::StatusCode::from_u16(status).unwrap());
+        assert_eq!(
+            decide(unchecked, &only(OTHER), &refused),
+            Ok(Some(Resolved::TakeOver(refused.clone()))),
+            "{status}"
+        );
+        assert!(matches!(
+            decide(unchecked, &only(FP), &refused),
+            Ok(Some(Resolved::Replay(_)))
+        ));
+        // Where fingerprints are checked, another request is refused as ever.
+        assert_eq!(
+            decide(rules(), &only(OTHER), &refused),
+            Err(Refusal::KeyReused)
+        );
+    }
+    // A stored 5xx (store_server_errors) may follow a commit: never run again.
+    let failed = answered(http::StatusCode::INTERNAL_SERVER_ERROR);
+    assert!(matches!(
+        decide(unchecked, &only(OTHER), &failed),
         Ok(Some(Resolved::Replay(_)))
     ));
 }

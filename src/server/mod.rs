@@ -306,6 +306,7 @@ fn start_consumers(
             store: gateway.store().for_worker(),
             metrics: Arc::clone(gateway.metrics()),
             pool: gateway.upstream_pool(),
+            legacy: gateway.legacy(),
         };
         tasks.push(tokio::spawn(consumers::supervise(
             config,

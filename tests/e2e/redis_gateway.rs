@@ -441,6 +441,101 @@ async fn keys_get_finds_records_of_routes_keyed_by_body_fields() {
     assert!(String::from_utf8_lossy(&wrong.stderr).contains("2 part(s)"));
 }
 
+/// Key parts keep their JSON type (issue 45): the number 10 and the string "1e1", `true` and
+/// `"true"`, are different keys; a record the previous version stored under a number part's
+/// text (its derivation) still answers that number's retry across the upgrade.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn key_parts_keep_their_type_and_find_what_the_previous_version_stored() {
+    use idemgate::store::{Claim, Reservation, StoredResponse};
+    let redis = RedisServer::start();
+    let up = Upstream::counting().await;
+    let routes = "[defaults]\nclient_header = \"\"\n[[routes]]\nname = \"typed\"\npath = \"/orders\"\nkey = { json = [\"/order\", \"/n\"] }\ncheck_fingerprint = false\n";
+    let text = redis_config(&up.url(), &redis.url(), routes);
+    let config = idemgate::config::Config::parse(&text).unwrap();
+    // What the previous version stored for {"order":"ord_1","n":10}: the parts as text.
+    let old_key = idemgate::operator::locate(
+        &config,
+        "typed",
+        &["ord_1".into(), "1e1".into()],
+        &Default::default(),
+    )
+    .unwrap();
+    let store = idemgate::operator::open_store(&config).await.unwrap();
+    let ttl = Duration::from_secs(3600);
+    let claim = Claim::from(idemgate::fingerprint::Fingerprint([9; 32]));
+    let Reservation::Owner(owner) = store
+        .reserve(&old_key, &claim, Duration::from_secs(30), ttl)
+        .await
+        .unwrap()
+    else {
+        panic!("a fresh key");
+    };
+    let stored = StoredResponse {
+        trailers: vec![],
+        status: http::StatusCode::CREATED,
+        headers: vec![],
+        body: bytes::Bytes::from_static(b"stored by the previous version"),
+        body_kept: true,
+        completed_ms: 1,
+    };
+    store.complete(&old_key, owner, stored, ttl).await.unwrap();
+
+    let gw = in_process(&up.url(), &redis.url(), routes).await;
+    let http = Http::new(gw.addr());
+    let post = |body: &'static str| http.request("POST", "/orders").json(body).send();
+    let across = post(r#"{"order":"ord_1","n":10}"#).await;
+    assert!(across.is_replay(), "{across:?}");
+    assert_eq!(across.body, "stored by the previous version");
+    assert_eq!(up.executions(), 0);
+
+    // New keys: each type its own.
+    for body in [
+        r#"{"order":"ord_2","n":10}"#,
+        r#"{"order":"ord_2","n":"1e1"}"#,
+        r#"{"order":"ord_2","n":true}"#,
+        r#"{"order":"ord_2","n":"true"}"#,
+    ] {
+        let got = post(body).await;
+        assert_eq!(
+            (got.status.as_u16(), got.is_replay()),
+            (201, false),
+            "{body}: {got:?}"
+        );
+    }
+    assert_eq!(up.executions(), 4);
+    let again = post(r#"{"order":"ord_2","n":1e1}"#).await;
+    assert!(again.is_replay(), "numbers compare by value");
+    assert_eq!(up.executions(), 4);
+
+    // Operators name a number part in JSON.
+    let dir = TempDir::new("keys-typed");
+    let path = dir.path.join("proxy.toml");
+    std::fs::write(&path, &text).unwrap();
+    let id = |parts: &[&str], json: bool| {
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_idemgate"));
+        cmd.args(["keys", "id", "--route", "typed", "--config"])
+            .arg(&path);
+        if json {
+            cmd.arg("--json-parts");
+        }
+        for part in parts {
+            cmd.args(["--key", part]);
+        }
+        let out = cmd.output().unwrap();
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let number = id(&["\"ord_2\"", "10"], true);
+    let string = id(&["ord_2", "1e1"], false);
+    assert_ne!(number, string);
+    assert_eq!(string, id(&["\"ord_2\"", "\"1e1\""], true));
+    let listed = keys_cmd(&path, "get", "typed", &["ord_2", "true"]);
+    assert!(
+        listed.status.success(),
+        "the string part's record: {listed:?}"
+    );
+}
+
 /// The gateway in-process on `redis_url` with an admin listener; `store_extra` are more `[store]`
 /// settings.
 async fn with_admin(

@@ -324,6 +324,43 @@ async fn take_over_is_compare_and_set(store: Arc<dyn Store>) {
     );
 }
 
+/// A completed record, as a retry reads it, is taken over by another request (how a stored 4xx
+/// gives way to another event with the same business key): compare and set on the whole record,
+/// the new owner's fingerprint kept.
+async fn a_completed_record_can_be_taken_over(store: Arc<dyn Store>) {
+    const OTHER: Fingerprint = Fingerprint([8; 32]);
+    let k = key("take-over-completed");
+    let t = own(&*store, &k).await;
+    let refused = StoredResponse {
+        status: StatusCode::BAD_REQUEST,
+        ..response()
+    };
+    store.complete(&k, t, refused, TTL).await.unwrap();
+    let Reservation::Existing(seen) = store.reserve(&k, &OTHER.into(), LEASE, TTL).await.unwrap()
+    else {
+        panic!("the key is taken");
+    };
+    let t2 = store
+        .take_over(&k, &seen, &OTHER.into(), LEASE, TTL)
+        .await
+        .unwrap()
+        .expect("takes over the completed record");
+    let now = store.get(&k).await.unwrap().unwrap();
+    assert_eq!(now.fingerprint, OTHER);
+    assert!(matches!(now.state, RecordState::Pending { owner, .. } if owner == t2));
+    assert_eq!(
+        store
+            .take_over(&k, &seen, &OTHER.into(), LEASE, TTL)
+            .await
+            .unwrap(),
+        None,
+        "once only"
+    );
+    store.complete(&k, t2, response(), TTL).await.unwrap();
+    let done = store.get(&k).await.unwrap().unwrap();
+    assert!(matches!(done.state, RecordState::Completed(r) if r.status == StatusCode::CREATED));
+}
+
 /// A take-over whose caller goes away mid-call (a client that hung up, a timeout around it) never
 /// frees the key: the record it was replacing, unknown or completed, stays (or comes back), or
 /// the take-over's own record stands; a retry never finds the key free. Dropped at every point
@@ -552,6 +589,7 @@ macro_rules! all_checks {
             take_over_accepts_a_record_a_waiter_reads,
             operators_can_delete_any_record,
             take_over_is_compare_and_set,
+            a_completed_record_can_be_taken_over,
             a_take_over_dropped_mid_flight_never_frees_the_key,
             a_lease_that_runs_out_reads_as_abandoned,
             worker_handles_share_one_store,

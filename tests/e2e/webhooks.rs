@@ -312,6 +312,66 @@ async fn two_messages_about_one_operation_run_once_on_a_business_key_route_and_t
 }
 
 #[tokio::test]
+async fn a_refused_event_does_not_answer_another_with_the_same_business_key() {
+    // The handler refuses evt_1 (say, it arrived before the handler knew the payment) and
+    // accepts evt_2 about the same payment.
+    let up = Upstream::start(|seen, n| {
+        let refused = String::from_utf8_lossy(&seen.body).contains("\"evt_1\"");
+        match refused {
+            true => Reply::json(400, r#"{"error":"unknown payment"}"#),
+            false => Reply::json(201, &format!("{{\"execution\":{n}}}")),
+        }
+    })
+    .await;
+    let gw = webhook_gateway(&up).await;
+    let http = Http::new(gw.addr());
+    let first = stripe_event("evt_1", 1686089970, "pi_same");
+    let second = stripe_event("evt_2", 1686090012, "pi_same");
+    let send = |body: &String| stripe("/webhooks/stripe-business", body.clone());
+
+    let a = send(&first).send(&http).await;
+    assert_eq!(a.status, 400);
+    let again = send(&first).send(&http).await;
+    assert_eq!(again.status, 400);
+    assert!(again.is_replay(), "its own redelivery gets its answer");
+    assert_eq!(up.executions(), 1);
+
+    let b = send(&second).send(&http).await;
+    assert_eq!(b.status, 201, "another event runs: {b:?}");
+    assert!(!b.is_replay());
+    assert_eq!(up.executions(), 2);
+    // From now on the operation is done: both events get its answer.
+    for body in [&second, &first] {
+        let r = send(body).send(&http).await;
+        assert_eq!((r.status.as_u16(), r.is_replay()), (201, true), "{r:?}");
+        assert_eq!(r.body, b.body);
+    }
+    assert_eq!(up.executions(), 2);
+}
+
+/// The example's business route: an event whose object has no id (Stripe's balance.available)
+/// reaches the handler, verified, instead of `400 missing-key` on every redelivery; unsigned, it
+/// does not.
+#[tokio::test]
+async fn an_event_without_the_business_key_is_verified_and_passed_on() {
+    let up = Upstream::counting().await;
+    let gw = webhook_gateway(&up).await;
+    let http = Http::new(gw.addr());
+    let balance = r#"{"id":"evt_bal_1","object":"event","created":1686089970,"data":{"object":{"object":"balance","available":[{"amount":2000,"currency":"usd"}]}},"type":"balance.available"}"#;
+    let got = stripe("/webhooks/stripe-business", balance.into())
+        .send(&http)
+        .await;
+    assert_eq!(got.status, 201, "{got:?}");
+    assert!(!got.is_replay());
+    assert_eq!(up.executions(), 1);
+    let forged = stripe_signed_with("whsec_wrong", "/webhooks/stripe-business", balance.into())
+        .send(&http)
+        .await;
+    assert_eq!(forged.status, 401, "{forged:?}");
+    assert_eq!(up.executions(), 1);
+}
+
+#[tokio::test]
 async fn cloudevents_by_id_and_source() {
     let delivery = |id: &str, source: &str| Delivery {
         path: "/events",
