@@ -257,7 +257,11 @@ impl Gateway {
             durable_store,
         } = parts;
         let legacy = LegacyWindow::new(durable_store);
-        let reconciler = Reconciler::new(Arc::clone(&metrics), Arc::clone(&upstream_tls));
+        let reconciler = Reconciler::new(
+            Arc::clone(&metrics),
+            Arc::clone(&upstream_tls),
+            Arc::clone(&upstream_limits),
+        );
         let core = Arc::new(Core::new(Arc::clone(&metrics), Arc::new(reconciler)));
         Gateway {
             upstream_limits,

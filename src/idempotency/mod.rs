@@ -413,6 +413,11 @@ impl Core {
                 reconciler.schedule(*key, lookup, rules.ttl, due);
                 Some(unknown)
             }
+            // Every lookup was taken: the background asks as soon as one is free.
+            Reconciled::Busy => {
+                reconciler.schedule(*key, lookup, rules.ttl, now_ms());
+                Some(unknown)
+            }
             Reconciled::Unknown => {
                 // The background asks again, with backoff.
                 let due = now_ms().saturating_add(lookup.after.as_millis() as u64);

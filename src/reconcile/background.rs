@@ -11,7 +11,8 @@
 //! consumer has a `reconcile`.
 //!
 //! Everything is bounded: the queue, the keys waiting for their time ([`MAX_JOBS`]), the lookups
-//! at once ([`MAX_INFLIGHT`]), and each lookup by its route's `upstream_timeout`.
+//! at once ([`MAX_INFLIGHT`] tasks, and the process-wide cap of [`super::flights`]), and each
+//! lookup by its route's `upstream_timeout`.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, HashSet};
@@ -41,6 +42,8 @@ const SWEEP_PAGE: usize = 500;
 const SWEEP_PAUSE: Duration = Duration::from_millis(20);
 /// The longest wait between two tries.
 const MAX_BACKOFF: Duration = Duration::from_secs(3600);
+/// The longest wait before asking again about a key whose lookup found every lookup taken.
+const MAX_BUSY_WAIT: Duration = Duration::from_secs(1);
 
 /// Where the background learns how to ask about a record it found by sweeping.
 pub trait Sources: Send + Sync + 'static {
@@ -150,6 +153,13 @@ impl Schedule {
         self.asking.remove(&job.key);
         match result {
             Reconciled::Replay(_) | Reconciled::Released | Reconciled::Settled => false,
+            // Never from the background's own lookups, which wait for a permit; from a retry's
+            // it followed: ask again soon, not counted as a try.
+            Reconciled::Busy => {
+                job.due_ms = now_ms().saturating_add(millis(job.lookup.after.min(MAX_BUSY_WAIT)));
+                self.add(job);
+                false
+            }
             Reconciled::TooEarly(at) => {
                 job.due_ms = *at;
                 self.add(job);
@@ -220,7 +230,7 @@ pub async fn run(
                     let (reconciler, store) = (Arc::clone(&reconciler), Arc::clone(&store));
                     let key = job.key;
                     let task = asking.spawn(async move {
-                        let result = reconciler.settle(&*store, &job.key, &job.lookup, job.ttl).await;
+                        let result = reconciler.settle_as(&*store, &job.key, &job.lookup, job.ttl, true).await;
                         (job, result)
                     });
                     tasks.insert(task.id(), key);

@@ -16,6 +16,7 @@
 //! (docs/lifecycle.md).
 
 mod background;
+mod flights;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -30,9 +31,10 @@ use crate::key::StoreKey;
 use crate::metrics::Metrics;
 use crate::operator::{self, Change};
 use crate::store::{now_ms, RecordState, Store, StoredResponse};
-use crate::upstream::{oneshot, UpstreamTlsConnector};
+use crate::upstream::{oneshot, ConnectionLimits, UpstreamTlsConnector};
 use background::Queue;
 pub use background::{run as run_background, Backlog, Sources};
+use flights::{Flights, Seat};
 
 /// Marks a result the gateway learned from the upstream's lookup rather than its own call.
 pub const RECONCILED_HEADER: HeaderName = HeaderName::from_static("idemgate-reconciled");
@@ -75,6 +77,7 @@ impl Lookup {
 }
 
 /// What a reconciliation came to.
+#[derive(Clone)]
 pub enum Reconciled {
     /// It happened: the stored result, for this retry too.
     Replay(Arc<StoredResponse>),
@@ -87,6 +90,8 @@ pub enum Reconciled {
     TooEarly(u64),
     /// The record is no longer an unknown outcome (settled meanwhile, or gone).
     Settled,
+    /// Not asked: every lookup a process may make at once is in flight ([`flights`]).
+    Busy,
 }
 
 impl Reconciled {
@@ -97,6 +102,7 @@ impl Reconciled {
             Reconciled::Unknown => "unknown",
             Reconciled::TooEarly(_) => "too_early",
             Reconciled::Settled => "settled",
+            Reconciled::Busy => "busy",
         }
     }
 }
@@ -107,23 +113,35 @@ pub struct Reconciler {
     metrics: Arc<Metrics>,
     /// For `https://` lookups: the `[upstream]` TLS settings.
     tls: Arc<UpstreamTlsConnector>,
+    /// A lookup is a connection to its upstream: it takes one of its `max_connections` slots.
+    limits: Arc<ConnectionLimits>,
+    /// One lookup per key at a time, shared; a few at once in all.
+    flights: Flights,
     queue: Queue,
     /// The receiving end of `queue`, until the server starts the background task.
     backlog: std::sync::Mutex<Option<Backlog>>,
 }
 
 impl Reconciler {
-    pub fn new(metrics: Arc<Metrics>, tls: Arc<UpstreamTlsConnector>) -> Reconciler {
+    pub fn new(
+        metrics: Arc<Metrics>,
+        tls: Arc<UpstreamTlsConnector>,
+        limits: Arc<ConnectionLimits>,
+    ) -> Reconciler {
         let (queue, backlog) = background::queue();
         Reconciler {
             metrics,
             tls,
+            limits,
+            flights: Flights::new(),
             queue,
             backlog: std::sync::Mutex::new(Some(backlog)),
         }
     }
 
-    /// Asks the upstream about `key`'s unknown outcome and settles the record by its answer.
+    /// Asks the upstream about `key`'s unknown outcome and settles the record by its answer,
+    /// for a retry: the lookup in flight for the key if there is one, `Busy` rather than a wait
+    /// when every lookup is taken.
     pub async fn settle(
         &self,
         store: &dyn Store,
@@ -131,7 +149,37 @@ impl Reconciler {
         lookup: &Lookup,
         ttl: Duration,
     ) -> Reconciled {
-        let settled = ask(store, key, lookup, ttl, &self.tls).await;
+        self.settle_as(store, key, lookup, ttl, false).await
+    }
+
+    /// [`Self::settle`]; `wait`: for a free lookup rather than `Busy` (the background).
+    async fn settle_as(
+        &self,
+        store: &dyn Store,
+        key: &StoreKey,
+        lookup: &Lookup,
+        ttl: Duration,
+        wait: bool,
+    ) -> Reconciled {
+        let lead = match self.flights.join(key) {
+            Seat::Follow(answer) => return flights::follow(answer, lookup.timeout).await,
+            Seat::Lead(lead) => lead,
+        };
+        let asker = Asker {
+            tls: &self.tls,
+            limits: &self.limits,
+            flights: &self.flights,
+            wait,
+        };
+        let (settled, why) = ask(store, key, lookup, ttl, asker).await;
+        lead.answer(&settled);
+        if matches!(settled, Reconciled::Busy) {
+            tracing::debug!(
+                key = key.short(),
+                "reconciliation: every lookup is taken; the background asks soon"
+            );
+            return settled;
+        }
         // Counted only when the upstream was asked.
         if matches!(
             settled,
@@ -139,11 +187,17 @@ impl Reconciler {
         ) {
             self.metrics.reconciliation(settled.as_str());
         }
-        tracing::info!(
-            key = key.short(),
-            result = settled.as_str(),
-            "reconciliation"
-        );
+        // One line per lookup, whoever shares its answer.
+        match why {
+            Some(why) => {
+                tracing::warn!(key = key.short(), result = settled.as_str(), why = %why, "reconciliation: the lookup did not say; the outcome stays unknown")
+            }
+            None => tracing::info!(
+                key = key.short(),
+                result = settled.as_str(),
+                "reconciliation"
+            ),
+        }
         settled
     }
 
@@ -163,46 +217,61 @@ impl Reconciler {
     }
 }
 
+/// What a lookup needs of the reconciler.
+struct Asker<'a> {
+    tls: &'a UpstreamTlsConnector,
+    limits: &'a ConnectionLimits,
+    flights: &'a Flights,
+    /// For a lookup permit, rather than `Busy`.
+    wait: bool,
+}
+
 async fn ask(
     store: &dyn Store,
     key: &StoreKey,
     lookup: &Lookup,
     ttl: Duration,
-    tls: &UpstreamTlsConnector,
-) -> Reconciled {
+    asker: Asker<'_>,
+) -> (Reconciled, Option<String>) {
     let record = match store.get(key).await {
         Ok(Some(record)) => record,
-        Ok(None) => return Reconciled::Settled,
-        Err(_) => return Reconciled::Unknown,
+        Ok(None) => return (Reconciled::Settled, None),
+        Err(e) => return (Reconciled::Unknown, Some(format!("the store: {e}"))),
     };
     // When the request was last known to run: the original must be over before its lookup
     // can be believed.
     let last_ran = match record.state {
         RecordState::Unknown { since_ms, .. } => since_ms,
         RecordState::Abandoned { lease_until_ms, .. } => lease_until_ms,
-        _ => return Reconciled::Settled,
+        _ => return (Reconciled::Settled, None),
     };
     let after = u64::try_from(lookup.after.as_millis()).unwrap_or(u64::MAX);
     let due = last_ran.saturating_add(after);
     if now_ms() < due {
-        return Reconciled::TooEarly(due);
+        return (Reconciled::TooEarly(due), None);
     }
-    match get(lookup, tls).await {
+    let Some(_permit) = asker.flights.permit(asker.wait).await else {
+        return (Reconciled::Busy, None);
+    };
+    let changed = match get(lookup, asker.tls, asker.limits).await {
         Ok(Some(response)) => {
             let stored = Arc::new(response.clone());
             match operator::resolve(store, (key, Some(&record)), response, false, ttl).await {
-                Ok(Change::Done) => Reconciled::Replay(stored),
-                _ => Reconciled::Unknown,
+                Ok(Change::Done) => Ok(Reconciled::Replay(stored)),
+                other => Err(other.map(drop)),
             }
         }
         Ok(None) => match operator::release(store, (key, Some(&record)), false, ttl).await {
-            Ok(Change::Done) => Reconciled::Released,
-            _ => Reconciled::Unknown,
+            Ok(Change::Done) => Ok(Reconciled::Released),
+            other => Err(other.map(drop)),
         },
-        Err(why) => {
-            tracing::warn!(key = key.short(), why = %why, "reconciliation: the lookup did not say; the outcome stays unknown");
-            Reconciled::Unknown
-        }
+        Err(why) => return (Reconciled::Unknown, Some(why)),
+    };
+    match changed {
+        Ok(settled) => (settled, None),
+        // The record changed while the lookup ran (an owner finished), or the store failed.
+        Err(Ok(())) => (Reconciled::Unknown, None),
+        Err(Err(e)) => (Reconciled::Unknown, Some(format!("the store: {e}"))),
     }
 }
 
@@ -210,8 +279,21 @@ async fn ask(
 async fn get(
     lookup: &Lookup,
     tls: &UpstreamTlsConnector,
+    limits: &ConnectionLimits,
 ) -> Result<Option<StoredResponse>, String> {
+    let deadline = tokio::time::Instant::now() + lookup.timeout;
     let answer = async {
+        // Held until the answer is read: the lookup's connection counts in the upstream's cap.
+        let _slot = match lookup.url.authority() {
+            Some(authority) => Some(
+                limits
+                    .gate(authority)
+                    .slot(deadline)
+                    .await
+                    .map_err(|e| e.to_string())?,
+            ),
+            None => None,
+        };
         let response = oneshot::get(&lookup.url, tls, oneshot::Peer::Upstream).await?;
         let (parts, body) = response.into_parts();
         if parts.status == StatusCode::NOT_FOUND {

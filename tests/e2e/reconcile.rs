@@ -313,3 +313,82 @@ async fn a_consumers_unknown_outcome_is_settled_in_the_background() {
         .count();
     assert_eq!(handled, 1, "the handler ran once, for the first delivery");
 }
+
+/// A storm of retries of one unknown outcome (issue 45): with `max_connections = 4` and a lookup
+/// that takes seconds, 300 concurrent retries make one lookup between them and all share its
+/// answer, with no log line of their own beyond each request's; a lookup that finds the
+/// operation gives every waiting retry its result.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_storm_of_retries_shares_one_lookup() {
+    let up = Upstream::start(|seen, _| {
+        match seen.path_and_query.strip_prefix("/payments/by-key/") {
+            // Slow, and unhealthy: the outcome stays unknown.
+            Some(k) if k.starts_with("sick-") => {
+                Reply::Delayed(Duration::from_secs(3), Box::new(Reply::json(503, "{}")))
+            }
+            Some(k) => Reply::Delayed(
+                Duration::from_secs(1),
+                Box::new(Reply::json(200, &format!("{{\"payment\":\"pay_{k}\"}}"))),
+            ),
+            // A proxy's 504: the outcome is unknown at once.
+            None => Reply::json(504, "{}"),
+        }
+    })
+    .await;
+    let text = format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\n[upstream]\nurl = \"{0}\"\nmax_connections = 4\n[[routes]]\nname = \"payments\"\npath = \"/payments\"\nmethods = [\"POST\"]\nupstream_timeout = \"5s\"\nwait = \"0s\"\nreconcile = {{ url = \"{0}/payments/by-key/{{key}}\", after = \"200ms\" }}\n",
+        up.url()
+    );
+    let gw = GatewayProcess::start(&text);
+    let http = Arc::new(Http::new(gw.addr));
+
+    let storm = |key: &'static str, n: usize| {
+        let tasks: Vec<_> = (0..n)
+            .map(|_| {
+                let http = Arc::clone(&http);
+                tokio::spawn(async move { http.post("/payments", key, "{}").await })
+            })
+            .collect();
+        async move {
+            let mut got = Vec::new();
+            for t in tasks {
+                got.push(t.await.unwrap());
+            }
+            got
+        }
+    };
+
+    let first = http.post("/payments", "sick-1", "{}").await;
+    assert_eq!(first.status, 504, "{first:?}");
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    gw.drain_logs();
+    let answers = storm("sick-1", 300).await;
+    assert!(
+        answers.iter().all(unknown),
+        "every retry is told the outcome is unknown: {:?}",
+        answers.iter().find(|g| !unknown(g))
+    );
+    assert!(
+        lookups(&up, "sick-1") <= 2,
+        "one lookup shared, not one per retry: {}",
+        lookups(&up, "sick-1")
+    );
+    let own: Vec<String> = (gw.drain_logs().into_iter())
+        .filter(|l| !l.contains("idempotent request"))
+        .collect();
+    assert!(own.len() <= 4, "a line per lookup, not per retry: {own:#?}");
+
+    let first = http.post("/payments", "paid-storm", "{}").await;
+    assert_eq!(first.status, 504);
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let answers = storm("paid-storm", 50).await;
+    assert!(
+        answers.iter().all(|g| g.status == 200
+            && g.header("idemgate-reconciled") == Some("true")
+            && g.body == "{\"payment\":\"pay_paid-storm\"}"),
+        "every retry gets the looked-up result: {:?}",
+        answers.iter().find(|g| g.status != 200)
+    );
+    assert_eq!(lookups(&up, "paid-storm"), 1, "one lookup");
+    assert_eq!(posts(&up, "paid-storm"), 1, "never executed again");
+}
