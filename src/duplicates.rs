@@ -33,6 +33,9 @@ pub enum Seen {
     Record(Option<Record>),
     /// The store could not be read; the reader stopped.
     Failed(StoreError),
+    /// The reader is gone without a last word: the runtime it ran on (another worker's) was
+    /// torn down at shutdown. Join again: the new room's reader runs on the caller's runtime.
+    ReaderGone,
 }
 
 /// The room already holds `max_waiters` duplicates.
@@ -80,7 +83,12 @@ impl Rooms {
         metrics: &Arc<Metrics>,
     ) -> Result<Seat, Full> {
         let mut map = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(room) = map.rooms.get_mut(key) {
+        // A room whose reader is gone (its worker stopped first at shutdown) is replaced.
+        if let Some(room) = map
+            .rooms
+            .get_mut(key)
+            .filter(|r| r.rx.has_changed().is_ok())
+        {
             if room.seated >= max_waiters {
                 return Err(Full);
             }
@@ -145,9 +153,7 @@ impl Seat {
     pub async fn next(&mut self) -> Seen {
         if self.rx.changed().await.is_err() {
             // The reader is gone without a last word: only when its runtime shut down.
-            return Seen::Failed(StoreError::Unavailable(
-                "the reader of this key stopped".into(),
-            ));
+            return Seen::ReaderGone;
         }
         self.rx.borrow_and_update().clone()
     }
@@ -227,5 +233,72 @@ impl Reader {
                 () = self.tx.closed() => return,
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fingerprint::Fingerprint;
+    use crate::store::memory::MemoryStore;
+    use crate::store::{Reservation, StoredResponse};
+
+    /// A waiter whose room's reader ran on another worker's runtime, torn down first at
+    /// shutdown, still gets the owner's answer: it joins again, and the new reader runs on its
+    /// own runtime.
+    #[tokio::test]
+    async fn a_waiter_outlives_a_reader_on_a_runtime_torn_down_first() {
+        let store: Arc<dyn Store> = Arc::new(MemoryStore::new(10, 1 << 20));
+        let metrics = Arc::new(Metrics::new());
+        let rooms = Rooms::new(Gauge::default());
+        let key = StoreKey::from_bytes([3; 32]);
+        let (lease, ttl) = (Duration::from_secs(30), Duration::from_secs(60));
+        let claim = Fingerprint([1; 32]).into();
+        let Ok(Reservation::Owner(owner)) = store.reserve(&key, &claim, lease, ttl).await else {
+            panic!("owned");
+        };
+        // Another worker: the first waiter opens the room there, then that runtime goes.
+        let mut seat = {
+            let (rooms, store, metrics) = (rooms.clone(), Arc::clone(&store), Arc::clone(&metrics));
+            std::thread::spawn(move || {
+                let other = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .unwrap();
+                let seat = other.block_on(async {
+                    let mut seat = rooms.join(&key, 8, &store, &metrics).unwrap();
+                    // The reader has read the pending record and waits for a change.
+                    assert!(matches!(seat.next().await, Seen::Record(Some(_))));
+                    seat
+                });
+                drop(other);
+                seat
+            })
+            .join()
+            .unwrap()
+        };
+        assert!(matches!(seat.next().await, Seen::ReaderGone));
+        let mut seat = rooms.join(&key, 8, &store, &metrics).unwrap();
+        assert!(
+            matches!(seat.next().await, Seen::Record(Some(_))),
+            "a live reader"
+        );
+        let answer = StoredResponse {
+            status: http::StatusCode::CREATED,
+            headers: vec![],
+            trailers: vec![],
+            body: bytes::Bytes::from_static(b"{}"),
+            body_kept: true,
+            completed_ms: 1,
+        };
+        store.complete(&key, owner, answer, ttl).await.unwrap();
+        let seen = tokio::time::timeout(Duration::from_secs(5), seat.next()).await;
+        assert!(matches!(
+            seen,
+            Ok(Seen::Record(Some(Record {
+                state: RecordState::Completed(_),
+                ..
+            })))
+        ));
     }
 }

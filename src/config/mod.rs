@@ -208,6 +208,10 @@ pub struct ServerConfig {
     pub admin_token: Option<TokenSource>,
     /// How long in-flight requests get to finish (and store their results) after SIGTERM.
     pub shutdown_grace: Duration,
+    /// How long the gateway keeps accepting and serving after SIGTERM, with `/readyz` already
+    /// 503, before it drains: the time a load balancer takes to stop sending (the preStop
+    /// pattern).
+    pub drain_delay: Duration,
     /// Connections beyond this wait in the accept queue: with `max_body` this bounds buffered memory.
     pub max_connections: usize,
     /// Threads serving requests, each with its own runtime and upstream pool.

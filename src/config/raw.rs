@@ -109,6 +109,8 @@ pub(super) struct RawServer {
     pub(super) admin_token_file: Option<String>,
     #[serde(default, deserialize_with = "duration")]
     pub(super) shutdown_grace: Option<Duration>,
+    #[serde(default, deserialize_with = "duration")]
+    pub(super) drain_delay: Option<Duration>,
     pub(super) max_connections: Option<i64>,
     pub(super) workers: Option<i64>,
     #[serde(default, deserialize_with = "duration")]

@@ -37,6 +37,7 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use http::{request, HeaderName, Method, Request, Response};
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::body::{self, Body, Budget};
@@ -215,6 +216,8 @@ pub struct Gateway {
     metrics: Arc<Metrics>,
     /// Set when shutdown begins, so readiness turns false before the listener closes.
     shutting_down: AtomicBool,
+    /// Cancelled when draining starts: every relayed WebSocket closes.
+    tunnels: CancellationToken,
     /// How every route this process has served since it started derived its keys, removed
     /// routes too ([`Gateway::served`]).
     served: std::sync::Mutex<Vec<KeyIdentity>>,
@@ -274,6 +277,7 @@ impl Gateway {
             pool_timeouts,
             metrics,
             shutting_down: AtomicBool::new(false),
+            tunnels: CancellationToken::new(),
             verifiers,
             legacy,
         }
@@ -345,6 +349,11 @@ impl Gateway {
 
     pub fn begin_shutdown(&self) {
         self.shutting_down.store(true, Ordering::SeqCst);
+    }
+
+    /// Closes every relayed WebSocket, and any that completes its upgrade from now on.
+    pub fn close_tunnels(&self) {
+        self.tunnels.cancel();
     }
 
     pub fn is_shutting_down(&self) -> bool {

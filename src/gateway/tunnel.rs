@@ -118,8 +118,8 @@ impl Gateway {
         hold: Option<Hold>,
     ) {
         let open = self.metrics.tunnels();
-        self.core.tasks().spawn(async move {
-            let _hold = hold;
+        let closing = self.tunnels.clone();
+        let relayed = async move {
             let (client, upstream) = match tokio::try_join!(client_side, upstream_side) {
                 Ok(both) => both,
                 Err(e) => {
@@ -127,13 +127,20 @@ impl Gateway {
                     return;
                 }
             };
-            open.inc();
+            let _open = Counted::new(open);
             let mut client = hyper_util::rt::TokioIo::new(client);
             let mut upstream = hyper_util::rt::TokioIo::new(upstream);
             if let Err(e) = tokio::io::copy_bidirectional(&mut client, &mut upstream).await {
                 tracing::debug!(error = %e, "tunnel ended");
             }
-            open.dec();
+        };
+        self.core.tasks().spawn(async move {
+            let _hold = hold;
+            tokio::select! {
+                () = relayed => {}
+                // Both sockets close with the relay: the client reconnects elsewhere.
+                () = closing.cancelled() => tracing::debug!("tunnel closed for shutdown"),
+            }
         });
     }
 
@@ -228,4 +235,21 @@ async fn switch_upstream(
 fn websocket_key() -> String {
     use base64::Engine;
     base64::engine::general_purpose::STANDARD.encode(rand::random::<[u8; 16]>())
+}
+
+/// A relayed tunnel, counted in the open tunnels' gauge for as long as it lives (however it
+/// ends: closed by a side, or dropped at shutdown).
+struct Counted(prometheus_client::metrics::gauge::Gauge);
+
+impl Counted {
+    fn new(open: prometheus_client::metrics::gauge::Gauge) -> Counted {
+        open.inc();
+        Counted(open)
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
 }

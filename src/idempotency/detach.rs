@@ -6,6 +6,8 @@ use std::task::{ready, Context, Poll};
 
 use tokio_util::task::TaskTracker;
 
+use crate::key::StoreKey;
+
 /// An owner's execution, run inside the caller's task while the caller waits. If the caller
 /// goes away first (hyper then drops the request's future), the execution moves to a task of its
 /// own, so the operation still completes and its result is still stored; shutdown waits for such
@@ -64,8 +66,38 @@ where
                 self.tasks.spawn_on(run, &runtime);
             }
             // Only when the runtime itself is being torn down, past the shutdown grace: the
-            // record stays pending until its lease runs out, then reads as abandoned.
-            Err(_) => tracing::warn!("an upstream call was cut off by the end of its runtime"),
+            // run, dropped here, names its key ([`CutOff`]).
+            Err(_) => drop(run),
+        }
+    }
+}
+
+/// An owner's execution until it has settled its key: dropped before (its runtime torn down at
+/// the end of the shutdown grace, with the upstream call or the store write still running), it
+/// logs the key it leaves pending, one line per key, so that an operator knows which outcomes
+/// to check (`idemgate keys list` shows them once their leases run out).
+pub(super) struct CutOff {
+    key: Option<StoreKey>,
+}
+
+impl CutOff {
+    pub(super) fn new(key: StoreKey) -> CutOff {
+        CutOff { key: Some(key) }
+    }
+
+    pub(super) fn finished(mut self) {
+        self.key = None;
+    }
+}
+
+impl Drop for CutOff {
+    fn drop(&mut self) {
+        if let Some(key) = self.key {
+            tracing::warn!(
+                key = key.short(),
+                id = %key.hex(),
+                "an upstream call was cut off by the end of the shutdown grace: its key stays pending until its lease runs out, then reads as an unknown outcome"
+            );
         }
     }
 }

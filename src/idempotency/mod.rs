@@ -440,6 +440,9 @@ impl Core {
         // Owned: the execution may outlive this call.
         let lookup = lookup.cloned();
         let run = async move {
+            // Dropped unfinished only when its runtime is torn down at the end of the shutdown
+            // grace: then it names the key it leaves pending.
+            let cut_off = detach::CutOff::new(key);
             let started = Instant::now();
             let forward = exec.execute();
             tokio::pin!(forward);
@@ -457,6 +460,7 @@ impl Core {
                     .reconciler
                     .schedule(key, lookup, rules.ttl, due);
             }
+            cut_off.finished();
             Decision::Owned { settled, took }
         };
         Detachable::new(run, self.tasks.clone()).await

@@ -114,6 +114,21 @@ impl Records {
             };
             let record = match seen {
                 Seen::Nothing => continue,
+                // Another worker's reader, stopped with its runtime at shutdown: a new room,
+                // read from this one, so that this waiter still gets the owner's answer.
+                Seen::ReaderGone => {
+                    drop(seat);
+                    seat = match self.shared.rooms.join(
+                        key,
+                        rules.max_waiters,
+                        &self.store,
+                        &self.shared.metrics,
+                    ) {
+                        Ok(seat) => seat,
+                        Err(_) => return Err(Waited::Refused(Refusal::InFlight)),
+                    };
+                    continue;
+                }
                 Seen::Failed(e) => return Err(Waited::Refused(store_refusal(key, e))),
                 Seen::Record(None) => return Ok(None),
                 Seen::Record(Some(record)) => record,

@@ -194,11 +194,24 @@ impl Server {
             workers = settings.workers,
             "idemgate listening"
         );
-        accept(listener, &workers, &settings, shutdown).await;
+        let delay = settings.drain_delay;
+        let signalled = async {
+            shutdown.await;
+            // Readiness turns false first, so load balancers stop sending; until they notice,
+            // what they still send is accepted and served as usual.
+            gateway.begin_shutdown();
+            if !delay.is_zero() {
+                tracing::info!(drain_delay = ?delay, "shutting down: /readyz is 503; still accepting for drain_delay");
+                tokio::time::sleep(delay).await;
+            }
+        };
+        accept(listener, &workers, &settings, signalled).await;
 
-        // Readiness turns false first, so load balancers stop sending while we drain.
         gateway.begin_shutdown();
         tracing::info!(grace = ?settings.shutdown_grace, "shutting down: draining connections");
+        // A WebSocket may stay open for hours: closed now (its client reconnects, to another
+        // instance), so that it never holds the drain to the end of the grace.
+        gateway.close_tunnels();
         // Closing the hand-off channels tells each worker to drain; the consumers stop reading
         // and finish the messages they hold.
         drop(workers);

@@ -134,7 +134,10 @@ impl Worker {
             heartbeat.abort();
         });
         // The runtime, and with it every task still holding this worker's context (its store
-        // connection among them), is dropped here, on the thread that drove it.
+        // connection among them), is dropped here, on the thread that drove it: before `_done`,
+        // so that the process does not exit while the executions it cuts off log their keys.
+        drop(runtime);
+        drop(_done);
     }
 }
 

@@ -908,7 +908,7 @@ async fn http2_clients_are_served() {
 
 /// An upstream that switches to an echo protocol on `Upgrade: websocket` (101), then sends back
 /// every byte it gets.
-async fn echo_upstream() -> std::net::SocketAddr {
+pub(crate) async fn echo_upstream() -> std::net::SocketAddr {
     use hyper::service::service_fn;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();

@@ -34,6 +34,14 @@ pub(super) fn validate_server(raw: Option<RawServer>) -> Result<ServerConfig, Co
             "at most \"1h\"",
         ));
     }
+    let drain_delay = raw.drain_delay.unwrap_or(Duration::ZERO);
+    if drain_delay > Duration::from_secs(600) {
+        return Err(ConfigError::invalid(
+            "server.drain_delay",
+            shown(drain_delay),
+            "at most \"10m\"",
+        ));
+    }
     let max_connections = whole_number(
         "server.max_connections",
         raw.max_connections,
@@ -60,6 +68,7 @@ pub(super) fn validate_server(raw: Option<RawServer>) -> Result<ServerConfig, Co
         admin_token,
         admin: raw.admin,
         shutdown_grace,
+        drain_delay,
         max_connections,
         workers,
         deadlines,
