@@ -75,22 +75,12 @@ impl<S: Source> Consumer<S> {
             }
             Err(e) => return Verdict::DeadLetter(format!("invalid-key: {e}")),
         };
-        let mut store_key = StoreKey::new(&ClientScope::shared(), &config.name, &key);
-        // A number or boolean key part made another key before issue 45: a message the previous
-        // version stored, delivered again across the upgrade, is found under it.
-        if let Some(older) = older.filter(|_| self.ctx.legacy.open(config.policy.ttl)) {
-            let older = StoreKey::new(&ClientScope::shared(), &config.name, &older);
-            match older_stored(&*self.ctx.store, store_key, &[older]).await {
-                Ok(found) => store_key = found,
-                Err(e) => {
-                    tracing::warn!(error = %e, "a key's older derivation not read");
-                    return Verdict::Retry {
-                        reason: "the store cannot take the key now".into(),
-                        counted: false,
-                    };
-                }
-            }
-        }
+        let Some((store_key, key)) = self.stored_under(key, older).await else {
+            return Verdict::Retry {
+                reason: "the store cannot take the key now".into(),
+                counted: false,
+            };
+        };
         let lookup = crate::reconcile::Lookup::of(&config.policy, &sent);
         let mut headers = message.fields.clone();
         headers.insert(http::header::CONTENT_TYPE, config.content_type.clone());
@@ -133,6 +123,27 @@ impl<S: Source> Consumer<S> {
             self.metrics.handler(*took);
         }
         verdict(decision)
+    }
+
+    /// The store key of `key`, and the key the handler is told: a number or boolean key part
+    /// made another key before issue 45, so a message the previous version stored, delivered
+    /// again across the upgrade, is found under that one (and the handler is told the key it
+    /// was told then, for its own inbox). `None` when the store cannot say.
+    async fn stored_under(&self, key: String, older: Option<String>) -> Option<(StoreKey, String)> {
+        let config = &self.config;
+        let store_key = StoreKey::new(&ClientScope::shared(), &config.name, &key);
+        let Some(older) = older.filter(|_| self.ctx.legacy.open(config.policy.ttl)) else {
+            return Some((store_key, key));
+        };
+        let older_key = StoreKey::new(&ClientScope::shared(), &config.name, &older);
+        match older_stored(&*self.ctx.store, store_key, &[older_key]).await {
+            Ok(found) if found == older_key => Some((found, older)),
+            Ok(_) => Some((store_key, key)),
+            Err(e) => {
+                tracing::warn!(error = %e, "a key's older derivation not read");
+                None
+            }
+        }
     }
 
     /// Renews `message`'s claim every [`Consumer::keep_every`], for as long as it is polled.

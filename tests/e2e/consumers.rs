@@ -866,3 +866,63 @@ async fn on_the_postgres_store_two_instances_apply_each_message_once() {
         "240"
     );
 }
+
+/// A message the previous version stored under a number key part's text (before issue 45, every
+/// part was text), delivered again after the upgrade, is acknowledged as the duplicate it is,
+/// not applied again; a new message with the same digits as a string is another key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_stored_by_the_previous_version_under_a_number_part_is_not_applied_again() {
+    use idemgate::store::{Claim, Reservation, StoredResponse};
+    let redis = RedisServer::start();
+    let up = Upstream::counting().await;
+    let admin = free_addr();
+    let source =
+        format!("{{ redis_stream = \"{STREAM}\", group = \"{GROUP}\", claim_idle = \"1s\" }}");
+    let text = keyed_config(
+        &redis_store(&redis),
+        &source,
+        &up.url(),
+        admin,
+        r#"{ json = ["/order", "/n"] }"#,
+        // The stored fingerprint is made up here, not the message's.
+        "check_fingerprint = false",
+    );
+    let config = idemgate::config::Config::parse(&text).unwrap();
+    let old_key = idemgate::operator::locate(
+        &config,
+        "orders",
+        &["o-1".into(), "1e1".into()],
+        &Default::default(),
+    )
+    .unwrap();
+    let store = idemgate::operator::open_store(&config).await.unwrap();
+    let ttl = Duration::from_secs(3600);
+    let claim = Claim::from(idemgate::fingerprint::Fingerprint([9; 32]));
+    let Reservation::Owner(owner) = store
+        .reserve(&old_key, &claim, Duration::from_secs(30), ttl)
+        .await
+        .unwrap()
+    else {
+        panic!("a fresh key");
+    };
+    let answer = StoredResponse {
+        trailers: vec![],
+        status: http::StatusCode::CREATED,
+        headers: vec![],
+        body: bytes::Bytes::from_static(b"{}"),
+        body_kept: true,
+        completed_ms: 1,
+    };
+    store.complete(&old_key, owner, answer, ttl).await.unwrap();
+    drop(store);
+
+    let _gw = GatewayProcess::start(&text);
+    publish(&redis, r#"{"messageId": "m-1", "order": "o-1", "n": 10}"#);
+    wait_all_acked(&redis, 1).await;
+    wait_metric(admin, "deduplicated", 1.0).await;
+    assert!(applied(&up).is_empty(), "not applied again");
+    publish(&redis, r#"{"messageId": "m-2", "order": "o-2", "n": 10}"#);
+    publish(&redis, r#"{"messageId": "m-3", "order": "o-2", "n": "1e1"}"#);
+    wait_all_acked(&redis, 3).await;
+    assert_eq!(applied(&up), vec!["m-2", "m-3"], "a number and a string");
+}
