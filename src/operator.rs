@@ -12,7 +12,7 @@ use std::time::{Duration, UNIX_EPOCH};
 mod scope;
 
 use crate::config::{Config, StoreConfig};
-use crate::key::{combine, parse_key_value, ClientScope, KeyPart, StoreKey};
+use crate::key::{combine, parse_key_value, ClientScope, KeyPart, KeySource, StoreKey};
 use crate::store::{self, now_ms, OriginKind, Record, RecordState, Scanned, Store, StoreError};
 
 /// How long a command waits for the store to answer its first command.
@@ -70,6 +70,17 @@ pub fn located(
     client: &ClientName,
 ) -> Result<(StoreKey, String), OperatorError> {
     let (source, policy) = match config.routes.iter().find(|r| r.name == route) {
+        // A signed route keeps its sender's deliveries in one scope, whatever client header
+        // they carry (as the gateway does).
+        Some(r) if r.signature.is_some() && r.policy.client_jwt.is_none() => {
+            let scope = match r.policy.client_headers.is_empty() {
+                true => ClientScope::shared(),
+                false => ClientScope::anonymous(),
+            };
+            let key = route_key(&r.key, parts)?;
+            let said = "the one scope of a signed route's deliveries".to_string();
+            return Ok((StoreKey::new(&scope, route, &key), said));
+        }
         Some(r) => (&r.key, Some(&r.policy)),
         None => match config.consumers.iter().find(|c| c.name == route) {
             Some(c) => (&c.key, None),
@@ -81,17 +92,7 @@ pub fn located(
             }
         },
     };
-    let expected = source.headers.len() + source.pointers.len();
-    let key = match parts {
-        [KeyPart::Text(one)] if source.is_single_header() => {
-            parse_key_value(one.as_bytes()).map_err(OperatorError::BadKey)?
-        }
-        [_] if source.is_single_header() => {
-            return Err(OperatorError::BadKey(crate::key::KeyError::Malformed))
-        }
-        parts if !source.is_single_header() && parts.len() == expected => combine(parts),
-        _ => return Err(OperatorError::Parts(expected, source.describe())),
-    };
+    let key = route_key(source, parts)?;
     let (scope, said) = match policy {
         None => (
             ClientScope::shared(),
@@ -100,6 +101,21 @@ pub fn located(
         Some(policy) => scope::of(policy, client)?,
     };
     Ok((StoreKey::new(&scope, route, &key), said))
+}
+
+/// The key the operator's `parts` make for a route or consumer keyed by `source`.
+fn route_key(source: &KeySource, parts: &[KeyPart]) -> Result<String, OperatorError> {
+    let expected = source.headers.len() + source.pointers.len();
+    match parts {
+        [KeyPart::Text(one)] if source.is_single_header() => {
+            parse_key_value(one.as_bytes()).map_err(OperatorError::BadKey)
+        }
+        [_] if source.is_single_header() => {
+            Err(OperatorError::BadKey(crate::key::KeyError::Malformed))
+        }
+        parts if !source.is_single_header() && parts.len() == expected => Ok(combine(parts)),
+        _ => Err(OperatorError::Parts(expected, source.describe())),
+    }
 }
 
 /// Opens the configured shared store and waits until it answers.

@@ -86,10 +86,10 @@ pub fn read_token(source: &TokenSource) -> Result<String, TokenError> {
         TokenSource::Env(name) => std::env::var(name)
             .ok()
             .filter(|t| !t.is_empty())
-            .ok_or_else(|| TokenError::Env(name.clone()))?,
+            .ok_or_else(|| TokenError::Env(crate::config::shown_name(name)))?,
         TokenSource::File(path) => std::fs::read_to_string(path)
             .map_err(|e| TokenError::File {
-                path: path.display().to_string(),
+                path: crate::config::shown_name(&path.display().to_string()),
                 reason: e.to_string(),
             })?
             .trim()

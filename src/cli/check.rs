@@ -127,9 +127,16 @@ fn unsigned_keys(routes: &[crate::config::RouteConfig]) -> Vec<String> {
             .map(|h| h.as_str())
             .filter(|h| !signed.contains(h))
             .collect();
+        // A body field that names the delivery, where the sender's payloads have one: GitHub's
+        // have no top-level id, and Shopify's `id` is the resource's, shared by its events.
+        let advice = match sig.scheme {
+            SignatureScheme::Stripe => "key it by the event id in the body (key = { json = \"/id\" })",
+            SignatureScheme::Slack => "key it by the event id in the body (key = { json = \"/event_id\" })",
+            _ => "key it by body fields the signature covers that name the operation (a business key), if the payloads have them",
+        };
         if !unsigned.is_empty() {
             warnings.push(format!(
-                "warning: route {:?} is keyed by {} which its {} signature does not cover: a captured signed body sent again with another delivery's id runs under that id, and the genuine delivery then finds its key taken (409); key it by a body field the signature covers (key = {{ json = \"/id\" }})",
+                "warning: route {:?} is keyed by {} which its {} signature does not cover: a captured signed body sent again with another delivery's id runs under that id, and the genuine delivery then finds its key taken (409); {advice}",
                 r.name,
                 unsigned.join(", "),
                 sig.scheme.name()

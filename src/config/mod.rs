@@ -9,6 +9,8 @@
 pub mod client;
 pub mod identity;
 mod raw;
+mod redact;
+pub use redact::{redact_url, shown_name};
 mod store;
 
 pub use store::{
@@ -135,8 +137,9 @@ pub enum SourceConfig {
     KafkaTopic(KafkaSource),
 }
 
-/// A consumer's NATS JetStream stream: what [`crate::consumer::NatsStream`] reads.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// A consumer's NATS JetStream stream: what [`crate::consumer::NatsStream`] reads. Its `Debug`
+/// shows the URL without its credentials.
+#[derive(Clone, PartialEq, Eq)]
 pub struct NatsSource {
     pub url: String,
     pub stream: String,
@@ -150,7 +153,8 @@ pub struct NatsSource {
 }
 
 /// `source = { rabbitmq_queue = "orders", url = "amqp://...", dead_letter = "orders.dead" }`.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Its `Debug` shows the URL without its credentials.
+#[derive(Clone, PartialEq, Eq)]
 pub struct RabbitSource {
     /// `amqp://` or `amqps://`, with credentials and the virtual host (`%2f` for `/`).
     pub url: String,
@@ -175,6 +179,30 @@ pub struct KafkaSource {
     /// librdkafka settings, passed as they are (TLS, SASL, timeouts); never logged: they may
     /// hold a password.
     pub options: std::collections::BTreeMap<String, String>,
+}
+
+impl std::fmt::Debug for NatsSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NatsSource")
+            .field("url", &redact_url(&self.url))
+            .field("stream", &self.stream)
+            .field("subject", &self.subject)
+            .field("durable", &self.durable)
+            .field("dead_letter", &self.dead_letter)
+            .field("ack_wait", &self.ack_wait)
+            .finish()
+    }
+}
+
+impl std::fmt::Debug for RabbitSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RabbitSource")
+            .field("url", &redact_url(&self.url))
+            .field("queue", &self.queue)
+            .field("dead_letter", &self.dead_letter)
+            .field("tls_ca_file", &self.tls_ca_file)
+            .finish()
+    }
 }
 
 impl std::fmt::Debug for KafkaSource {
@@ -344,47 +372,6 @@ impl ServerStatuses {
     }
 }
 
-/// `redis://user:secret@host` -> `redis://user:***@host`, for messages and logs. Everything
-/// between `://` and the last `@` is user info, whatever characters a password holds.
-pub fn redact_url(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return url.to_string();
-    };
-    // The last `@` ends the user info: a password may hold `@`, `?` or `#` itself.
-    let (userinfo, hosts) = match rest.rsplit_once('@') {
-        Some((userinfo, hosts)) => (Some(userinfo), hosts),
-        None => (None, rest),
-    };
-    let mut out = format!("{scheme}://");
-    if let Some(userinfo) = userinfo {
-        match userinfo.split_once(':') {
-            Some((user, _)) => out.push_str(&format!("{user}:***@")),
-            None => out.push_str("***@"),
-        }
-    }
-    // A libpq URL may also carry the password as a parameter (`?password=...`).
-    match hosts.split_once('?') {
-        Some((hosts, query)) => {
-            out.push_str(hosts);
-            out.push('?');
-            out.push_str(&redact_password_param(query));
-        }
-        None => out.push_str(hosts),
-    }
-    out
-}
-
-fn redact_password_param(query: &str) -> String {
-    query
-        .split('&')
-        .map(|pair| match pair.split_once('=') {
-            Some((name, _)) if name.eq_ignore_ascii_case("password") => format!("{name}=***"),
-            _ => pair.to_string(),
-        })
-        .collect::<Vec<_>>()
-        .join("&")
-}
-
 /// An `http(s)://host:port[/prefix]` upstream. Requests go to `prefix + original path`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct UpstreamUrl {
@@ -424,20 +411,17 @@ impl UpstreamProtocol {
 impl UpstreamUrl {
     pub fn parse(field: &str, raw: &str) -> Result<Self, ConfigError> {
         let allowed = "an absolute http:// or https:// URL such as \"http://127.0.0.1:3000\" or \"https://payments.internal/api\", without query";
-        let uri: Uri = raw
-            .parse()
-            .map_err(|_| ConfigError::invalid(field, raw, allowed))?;
+        // Shown without user info: a URL refused for carrying credentials must not print them.
+        let invalid = || ConfigError::invalid(field, redact_url(raw), allowed);
+        let uri: Uri = raw.parse().map_err(|_| invalid())?;
         let tls = match uri.scheme_str() {
             Some("http") => false,
             Some("https") => true,
-            _ => return Err(ConfigError::invalid(field, raw, allowed)),
+            _ => return Err(invalid()),
         };
-        let authority = uri
-            .authority()
-            .cloned()
-            .ok_or_else(|| ConfigError::invalid(field, raw, allowed))?;
+        let authority = uri.authority().cloned().ok_or_else(invalid)?;
         if uri.query().is_some() || authority.as_str().contains('@') {
-            return Err(ConfigError::invalid(field, raw, allowed));
+            return Err(invalid());
         }
         let prefix = uri.path().trim_end_matches('/').to_string();
         Ok(UpstreamUrl {

@@ -525,6 +525,11 @@ fn without_values(message: &str) -> String {
         let next = [
             ("string \"", '"', "a string"),
             ("variant `", '`', "variant"),
+            // A number or a flag can be a secret too (`sasl.password = 12345678`).
+            ("integer `", '\'', "an integer"),
+            ("floating point `", '\'', "a number"),
+            ("boolean `", '\'', "a boolean"),
+            ("character `", '\'', "a character"),
         ]
         .into_iter()
         .filter_map(|(open, close, kind)| rest.find(open).map(|at| (at, open, close, kind)))
@@ -538,15 +543,18 @@ fn without_values(message: &str) -> String {
         // To the closing quote, past escaped ones (a variant's is not escaped by serde: to the
         // last "`, expected" after it); an unclosed one hides the rest.
         let quoted = &rest[at + open.len()..];
-        let end = if close == '"' {
-            let mut escaped = false;
-            quoted.char_indices().find_map(|(i, c)| {
-                let closes = c == '"' && !escaped;
-                escaped = !escaped && c == '\\';
-                closes.then_some(i + 1)
-            })
-        } else {
-            quoted.rfind("`, expected").map(|i| i + 1)
+        let end = match close {
+            '"' => {
+                let mut escaped = false;
+                quoted.char_indices().find_map(|(i, c)| {
+                    let closes = c == '"' && !escaped;
+                    escaped = !escaped && c == '\\';
+                    closes.then_some(i + 1)
+                })
+            }
+            // A scalar's text holds no backtick: to the next one.
+            '\'' => quoted.find('`').map(|i| i + 1),
+            _ => quoted.rfind("`, expected").map(|i| i + 1),
         };
         match end {
             Some(end) => rest = &quoted[end..],

@@ -12,7 +12,7 @@ use super::{Message, Source};
 use crate::config::OnUnknown;
 use crate::fingerprint::{fingerprint, IgnoredFields};
 use crate::idempotency::legacy::older_stored;
-use crate::idempotency::{Decision, Refusal, Rules, Settled};
+use crate::idempotency::{Decision, Execute, Refusal, Rules, Settled, Sought};
 use crate::key::{ClientScope, Sent, StoreKey};
 use crate::metrics::ConsumerOutcome;
 use crate::store::{Claim, Origin, OriginKind};
@@ -75,19 +75,12 @@ impl<S: Source> Consumer<S> {
             }
             Err(e) => return Verdict::DeadLetter(format!("invalid-key: {e}")),
         };
-        let Some((store_key, key)) = self.stored_under(key, older).await else {
-            return Verdict::Retry {
-                reason: "the store cannot take the key now".into(),
-                counted: false,
-            };
-        };
         let lookup = crate::reconcile::Lookup::of(&config.policy, &sent);
         let mut headers = message.fields.clone();
         headers.insert(http::header::CONTENT_TYPE, config.content_type.clone());
-        headers.insert(IDEMPOTENCY_KEY.clone(), header_value(&key));
         headers.insert(MESSAGE_ID.clone(), header_value(&message.id));
         headers.insert(DELIVERIES.clone(), HeaderValue::from(message.deliveries));
-        let call = HandlerCall {
+        let mut call = HandlerCall {
             consumer: config.name.clone(),
             pool: self.ctx.pool.clone(),
             handler: config.handler.clone(),
@@ -95,7 +88,20 @@ impl<S: Source> Consumer<S> {
             headers,
             body: body.clone(),
         };
+        // Of the body and its media type (no fingerprint headers): the key is not part of it.
         let fp = fingerprint(&call.fingerprinted(), &IgnoredFields::default());
+        let earlier = || call.earlier_fingerprint();
+        let chosen = self
+            .stored_under(key, older, &Sought::new(fp, &earlier))
+            .await;
+        let Some((store_key, key)) = chosen else {
+            return Verdict::Retry {
+                reason: "the store cannot take the key now".into(),
+                counted: false,
+            };
+        };
+        call.headers
+            .insert(IDEMPOTENCY_KEY.clone(), header_value(&key));
         let claim = Claim {
             fingerprint: fp,
             origin: Some(Origin::new(OriginKind::Consumer, &config.name, sent)),
@@ -129,14 +135,20 @@ impl<S: Source> Consumer<S> {
     /// made another key before issue 45, so a message the previous version stored, delivered
     /// again across the upgrade, is found under that one (and the handler is told the key it
     /// was told then, for its own inbox). `None` when the store cannot say.
-    async fn stored_under(&self, key: String, older: Option<String>) -> Option<(StoreKey, String)> {
+    async fn stored_under(
+        &self,
+        key: String,
+        older: Option<String>,
+        sought: &Sought<'_>,
+    ) -> Option<(StoreKey, String)> {
         let config = &self.config;
         let store_key = StoreKey::new(&ClientScope::shared(), &config.name, &key);
         let Some(older) = older.filter(|_| self.ctx.legacy.open(config.policy.ttl)) else {
             return Some((store_key, key));
         };
         let older_key = StoreKey::new(&ClientScope::shared(), &config.name, &older);
-        match older_stored(&*self.ctx.store, store_key, &[older_key]).await {
+        let accept = (config.check_fingerprint, sought);
+        match older_stored(&*self.ctx.store, store_key, &[older_key], accept).await {
             Ok(found) if found == older_key => Some((found, older)),
             Ok(_) => Some((store_key, key)),
             Err(e) => {
@@ -207,6 +219,10 @@ pub(super) fn verdict(decision: Decision<HandlerCall>) -> Verdict {
             )),
             Refusal::InFlight => Verdict::Retry {
                 reason: "another delivery of this key is still being handled".into(),
+                counted: false,
+            },
+            Refusal::Reconciling(_) => Verdict::Retry {
+                reason: "an earlier delivery's outcome is unknown, and the handler's lookup is still to say".into(),
                 counted: false,
             },
             Refusal::StoreUnavailable | Refusal::StoreFull | Refusal::OverQuota { .. } => {

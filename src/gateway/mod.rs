@@ -76,12 +76,16 @@ pub struct Route {
 
 /// A request to a guarded path no handler acts on: a GET, HEAD or OPTIONS without a body (a CORS
 /// preflight, a sender's URL challenge such as Meta's `hub.challenge`).
-fn harmless<B>(req: &Request<B>) -> bool {
+fn harmless<B: http_body::Body>(req: &Request<B>) -> bool {
+    // The headers, and the body itself: an HTTP/2 request may carry DATA frames with neither
+    // `Content-Length` nor `Transfer-Encoding`; only one whose stream ended with its headers
+    // has none.
     let bodiless = !req.headers().contains_key(http::header::TRANSFER_ENCODING)
         && req
             .headers()
             .get(http::header::CONTENT_LENGTH)
-            .is_none_or(|v| v.as_bytes() == b"0");
+            .is_none_or(|v| v.as_bytes() == b"0")
+        && req.body().is_end_stream();
     bodiless && matches!(*req.method(), Method::GET | Method::HEAD | Method::OPTIONS)
 }
 
@@ -484,7 +488,7 @@ impl Gateway {
     /// The routing decision of `classify`: the route the request belongs to (none: pass-through)
     /// and what its override header says, or the refusal when the override would loosen the
     /// POST's own route, or the path is a guarded route's that this request is not.
-    fn route_of<B>(
+    fn route_of<B: http_body::Body>(
         &self,
         routing: &Routing,
         req: &Request<B>,

@@ -13,7 +13,7 @@ use crate::body::{self, Body};
 use crate::config::{Policy, RouteConfig};
 use crate::conn::ClientBody;
 use crate::idempotency::legacy::older_stored;
-use crate::idempotency::{Decision, Refusal, Rules, Settled};
+use crate::idempotency::{Decision, Execute, Refusal, Rules, Settled, Sought};
 use crate::jwt::{Rejected, Verifier};
 use crate::key::{ClientScope, Identified, Sent, StoreKey};
 use crate::metrics::{Metrics, Outcome};
@@ -100,17 +100,9 @@ impl Gateway {
                 origin,
                 legacy,
             }) => {
-                let key = match legacy.is_empty() {
-                    true => key,
-                    false => match Box::pin(self.older_key(conn, key, &legacy)).await {
-                        Ok(key) => key,
-                        Err(problem) => return Answer::problem(problem),
-                    },
-                };
                 let caller = (allowance, lookup, origin);
-                let mut answer = self.keyed(route, parts, body, conn, &key, caller).await;
-                answer.key = Some(key);
-                answer
+                self.keyed(route, parts, body, conn, (key, legacy), caller)
+                    .await
             }
         }
     }
@@ -194,16 +186,17 @@ impl Gateway {
         keys
     }
 
-    /// A key stored under an older derivation is used where it exists, so that a retry across
-    /// the upgrade replays; an extra store read for those requests only, and only for one `ttl`
-    /// after start ([`crate::idempotency::legacy`]).
+    /// A key stored under an older derivation is used where its record answers this request,
+    /// so that a retry across the upgrade replays; an extra store read for those requests only,
+    /// and only for one `ttl` after start ([`crate::idempotency::legacy`]).
     async fn older_key(
         &self,
         conn: &ClientConn,
         key: StoreKey,
         older: &[StoreKey],
+        (check_fingerprint, sought): (bool, &Sought<'_>),
     ) -> Result<StoreKey, Problem> {
-        older_stored(&*conn.worker.store, key, older)
+        older_stored(&*conn.worker.store, key, older, (check_fingerprint, sought))
             .await
             .map_err(|e| {
                 tracing::warn!(error = %e, "a key's older derivation not read; refused");
@@ -264,7 +257,7 @@ impl Gateway {
         parts: request::Parts,
         body: Received,
         conn: &Arc<ClientConn>,
-        key: &StoreKey,
+        (key, legacy): (StoreKey, Vec<StoreKey>),
         (allowance, lookup, origin): (Allowance, Option<Box<Lookup>>, Arc<Origin>),
     ) -> Answer {
         let config = &route.config;
@@ -281,17 +274,31 @@ impl Gateway {
             body: raw,
             conn: Arc::clone(conn),
             metrics: Arc::clone(&self.metrics),
-            key: *key,
+            key,
             _lease: lease,
         };
         let fp = forward.fingerprint(decoded.as_ref().map(|(content, _)| content));
         // Its memory given back before the upstream is waited on.
         drop(decoded);
+        let key = match legacy.is_empty() {
+            true => key,
+            false => {
+                let earlier = || forward.earlier_fingerprint();
+                let sought = Sought::new(fp, &earlier);
+                let older = self.older_key(conn, key, &legacy, (config.check_fingerprint, &sought));
+                match Box::pin(older).await {
+                    Ok(key) => key,
+                    Err(problem) => return Answer::problem(problem),
+                }
+            }
+        };
+        let mut forward = forward;
+        forward.key = key;
         // Boxed: inline, the core's future (several KB) is copied into this one and this one
         // into its caller's at every call.
         let decision = Box::pin(self.core.run(
             &conn.worker.store,
-            key,
+            &key,
             Claim {
                 fingerprint: fp,
                 origin: Some(origin),
@@ -300,7 +307,7 @@ impl Gateway {
             forward,
         ))
         .await;
-        match decision {
+        let mut answer = match decision {
             Decision::Owned { settled, took } => {
                 let mut answer = settled_answer(settled);
                 // For the request's log line; extensions never go on the wire.
@@ -327,7 +334,9 @@ impl Gateway {
                     .insert(BYPASSED_HEADER, HeaderValue::from_static("true"));
                 Answer::of(response, Outcome::Bypassed)
             }
-        }
+        };
+        answer.key = Some(key);
+        answer
     }
 }
 
@@ -358,6 +367,9 @@ fn identify<'a>(
         }
         return Ok(anonymous(config));
     }
+    if config.signature.is_some() {
+        return signed_caller(config, headers);
+    }
     match ClientScope::identify(headers, &policy.client_headers) {
         Some(identified) => {
             if identified.jwt_like {
@@ -379,6 +391,39 @@ fn identify<'a>(
         )),
         None => Ok(anonymous(config)),
     }
+}
+
+/// The caller of a signed route: its sender, whom the signature names, in one scope whatever
+/// client header a delivery carries. Scoped by a header no signature covers, a captured
+/// delivery sent again with any `Authorization` would land in a scope of its own and run again.
+/// The scope is the one a delivery without a client header always had; a delivery with one is
+/// also looked up in that header's scope, where the version before issue 45 stored it, while one
+/// could be kept.
+fn signed_caller(config: &RouteConfig, headers: &HeaderMap) -> Result<Caller<'static>, Problem> {
+    let policy = &config.policy;
+    let named = ClientScope::identify(headers, &policy.client_headers);
+    if named.is_none() && policy.require_client {
+        return Err(Problem::ClientRequired {
+            what: describe_headers(&policy.client_headers),
+        });
+    }
+    let (scope, share) = match policy.client_headers.is_empty() {
+        true => (ClientScope::shared(), Share::Unshared),
+        false => (
+            ClientScope::anonymous(),
+            Share::Anonymous(policy.anonymous_share),
+        ),
+    };
+    let allowance = match share {
+        Share::Unshared => Allowance { quota: None, share },
+        _ => allowance(config, &scope, share),
+    };
+    let identified = Identified {
+        scope,
+        legacy: named.map(|n| n.scope),
+        jwt_like: false,
+    };
+    Ok(Caller::Known(identified, allowance))
 }
 
 /// The one scope of the requests that name no client.
@@ -490,7 +535,7 @@ fn refusal_problem(policy: &Policy, refusal: Refusal) -> Problem {
         Refusal::InFlight => Problem::InFlight {
             retry_after: Duration::from_secs(1),
         },
-        Refusal::OutcomeUnknown(reason) => Problem::OutcomeUnknown {
+        Refusal::OutcomeUnknown(reason) | Refusal::Reconciling(reason) => Problem::OutcomeUnknown {
             reason,
             retryable: false,
         },

@@ -92,12 +92,15 @@ impl CutOff {
 
 impl Drop for CutOff {
     fn drop(&mut self) {
-        if let Some(key) = self.key {
-            tracing::warn!(
-                key = key.short(),
-                id = %key.hex(),
-                "an upstream call was cut off by the end of the shutdown grace: its key stays pending until its lease runs out, then reads as an unknown outcome"
-            );
+        let Some(key) = self.key else { return };
+        if std::thread::panicking() {
+            tracing::error!(key = key.short(), id = %key.hex(), "an upstream call ended in a panic before its key was settled: it may stay pending until its lease runs out, then read as an unknown outcome");
+            return;
         }
+        tracing::warn!(
+            key = key.short(),
+            id = %key.hex(),
+            "an upstream call was cut off by the end of the shutdown grace: its key may stay pending until its lease runs out, then read as an unknown outcome"
+        );
     }
 }

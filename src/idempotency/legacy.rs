@@ -9,8 +9,9 @@
 
 use std::time::Duration;
 
+use super::Sought;
 use crate::key::StoreKey;
-use crate::store::{now_ms, Store, StoreError};
+use crate::store::{now_ms, Record, RecordState, Store, StoreError};
 
 /// The start of the window, in ms since the epoch.
 #[derive(Debug, Clone, Copy)]
@@ -32,19 +33,36 @@ impl LegacyWindow {
     }
 }
 
-/// The first of `older` keys that holds a record, else `key`: so that a retry across an upgrade
-/// finds what the previous version stored. An extra store read per older key, for the requests
-/// whose derivation changed only. An error refuses: not knowing whether an older key holds the
-/// operation, the newer one may not be claimed (its reservation could run it again).
+/// The first of `older` keys whose record answers this request ([`answers`]), else `key`: so
+/// that a retry across an upgrade finds what the previous version stored. An extra store read
+/// per older key, for the requests whose derivation changed only. An error refuses: not knowing
+/// whether an older key holds the operation, the newer one may not be claimed (its reservation
+/// could run it again).
 pub async fn older_stored(
     store: &dyn Store,
     key: StoreKey,
     older: &[StoreKey],
+    (check_fingerprint, sought): (bool, &Sought<'_>),
 ) -> Result<StoreKey, StoreError> {
     for candidate in older {
-        if store.get(candidate).await?.is_some() {
-            return Ok(*candidate);
+        match store.get(candidate).await? {
+            Some(record) if answers(&record, check_fingerprint, sought) => return Ok(*candidate),
+            _ => {}
         }
     }
     Ok(key)
+}
+
+/// Whether a record under an older key is this request's to replay, wait on or be refused by:
+/// where fingerprints are checked, only its own request's (an older key may be what this
+/// version derives for another request: the string `"123"`'s key is the number `123`'s older
+/// one); where they are not (business keys), any but a refusal of another request, which this
+/// request does not take over there but runs under its own key, so that nothing new is ever
+/// written under an older key by a take-over (its record would outlive the window).
+fn answers(record: &Record, check_fingerprint: bool, sought: &Sought<'_>) -> bool {
+    let same = sought.matches(record);
+    match &record.state {
+        RecordState::Completed(stored) if stored.status.is_client_error() => same,
+        _ => same || !check_fingerprint,
+    }
 }

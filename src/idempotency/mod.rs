@@ -207,6 +207,10 @@ pub enum Refusal {
     InFlight,
     /// An earlier attempt's outcome is unknown: never executed again automatically.
     OutcomeUnknown(UnknownReason),
+    /// As `OutcomeUnknown`, but the upstream's lookup (`reconcile`) was not asked for this
+    /// call (every lookup was taken, or the one it waited for was not answered): it may say
+    /// soon, so a message is tried again rather than dead-lettered.
+    Reconciling(UnknownReason),
     StoreUnavailable,
     StoreFull,
     /// The caller's scope stored as many records as its quota allows in this window.
@@ -363,28 +367,49 @@ impl Core {
                 }
                 Err(Waited::Refused(r)) => return Decision::Refused(r),
             };
-            let taken = match records.take_over(key, &old, &claim, rules).await {
+            let taken = match self.take_over(&records, key, &old, &claim, rules).await {
                 Ok(taken) => taken,
                 Err(e) => return Decision::Refused(store_refusal(key, e)),
             };
             if let Some(token) = taken {
-                if matches!(old.state, RecordState::Completed(_)) {
-                    tracing::info!(
-                        key = key.short(),
-                        "another request with this key runs: the stored answer refused a different one (4xx, check_fingerprint = false)"
-                    );
-                } else {
-                    tracing::warn!(
-                        key = key.short(),
-                        "taking over an abandoned or unknown key (on_unknown = \"retry\")"
-                    );
-                }
                 return self
                     .execute(records, *key, token, (rules, lookup), exec)
                     .await;
             }
         }
         Decision::Refused(Refusal::InFlight)
+    }
+
+    /// Takes `old` over for this call (`None`: it changed meanwhile). A stored refusal's
+    /// take-over is finished, and given back, even if the caller goes away
+    /// ([`Records::take_over_refusal`]).
+    async fn take_over(
+        &self,
+        records: &Records,
+        key: &StoreKey,
+        old: &Record,
+        claim: &Claim,
+        rules: Rules,
+    ) -> Result<Option<OwnerToken>, StoreError> {
+        let refusal = matches!(old.state, RecordState::Completed(_));
+        let taken = match refusal {
+            // Boxed: rare, and inline it would size every call's future.
+            true => Box::pin(records.take_over_refusal(key, old, claim, rules, &self.tasks)).await,
+            false => records.take_over(key, old, claim, rules).await,
+        };
+        if let Ok(Some(_)) = taken {
+            match refusal {
+                true => tracing::info!(
+                    key = key.short(),
+                    "another request with this key runs: the stored answer refused a different one (4xx, check_fingerprint = false)"
+                ),
+                false => tracing::warn!(
+                    key = key.short(),
+                    "taking over an abandoned or unknown key (on_unknown = \"retry\")"
+                ),
+            }
+        }
+        taken
     }
 
     /// Phase `reconcile`: an unknown outcome, settled by the upstream's lookup if the caller has
@@ -413,10 +438,11 @@ impl Core {
                 reconciler.schedule(*key, lookup, rules.ttl, due);
                 Some(unknown)
             }
-            // Every lookup was taken: the background asks as soon as one is free.
+            // Not asked (every lookup was taken, or the shared one went unanswered): the
+            // background asks as soon as it can.
             Reconciled::Busy => {
                 reconciler.schedule(*key, lookup, rules.ttl, now_ms());
-                Some(unknown)
+                Some(Decision::Refused(Refusal::Reconciling(reason)))
             }
             Reconciled::Unknown => {
                 // The background asks again, with backoff.
@@ -489,7 +515,7 @@ impl<'a> Sought<'a> {
         }
     }
 
-    fn matches(&self, record: &Record) -> bool {
+    pub(crate) fn matches(&self, record: &Record) -> bool {
         record.fingerprint == self.fingerprint || (self.earlier)() == Some(record.fingerprint)
     }
 }

@@ -78,6 +78,46 @@ impl Records {
         .await
     }
 
+    /// [`Self::take_over`] of a stored refusal (a business-key route's 4xx): finished even if
+    /// the caller goes away meanwhile (an HTTP client hanging up), and then the new record
+    /// released, since nothing was forwarded under it. Without that, a take-over dropped after
+    /// it landed would leave a pending record with nobody to run it: read as abandoned, an
+    /// unknown outcome for every later event with the key, for a whole `ttl`.
+    pub(super) async fn take_over_refusal(
+        &self,
+        key: &StoreKey,
+        old: &Record,
+        claim: &Claim,
+        rules: Rules,
+        tasks: &tokio_util::task::TaskTracker,
+    ) -> Result<Option<OwnerToken>, StoreError> {
+        let gone = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let taking = {
+            let records = Records {
+                store: Arc::clone(&self.store),
+                shared: Arc::clone(&self.shared),
+            };
+            let (key, old, claim, gone) = (*key, old.clone(), claim.clone(), Arc::clone(&gone));
+            async move {
+                let taken = records.take_over(&key, &old, &claim, rules).await;
+                if let (true, Ok(Some(token))) =
+                    (gone.load(std::sync::atomic::Ordering::SeqCst), &taken)
+                {
+                    records.release(&key, *token).await;
+                }
+                taken
+            }
+        };
+        let detached = super::detach::Detachable::new(taking, tasks.clone());
+        // Declared after `detached`, so dropped before it: the flag is set before the take-over
+        // moves to a task of its own and can look at it.
+        let mut left = LeftOnDrop(Some(gone));
+        let taken = detached.await;
+        // Answered: nothing left to release.
+        left.0 = None;
+        taken
+    }
+
     /// Phase `resolve`: what an existing record means, waiting while it is pending. `Ok(None)`:
     /// the key was released meanwhile. Answers found by waiting come back as `Err(Waited)`, so
     /// the caller can tell them from immediate ones.
@@ -276,6 +316,17 @@ impl Records {
             .await;
         if let Err(e) = released {
             tracing::error!(key = key.short(), error = %e, "cannot release the key; it stays pending until its lease expires");
+        }
+    }
+}
+
+/// Sets its flag when dropped: the caller went away.
+struct LeftOnDrop(Option<Arc<std::sync::atomic::AtomicBool>>);
+
+impl Drop for LeftOnDrop {
+    fn drop(&mut self) {
+        if let Some(gone) = &self.0 {
+            gone.store(true, std::sync::atomic::Ordering::SeqCst);
         }
     }
 }

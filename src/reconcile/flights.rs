@@ -72,8 +72,8 @@ impl Flights {
     }
 }
 
-/// Waits for the leader's answer, at most the lookup's `timeout` and a margin: still unknown if
-/// none comes (the leader's caller went away, or it overran).
+/// Waits for the leader's answer, at most the lookup's `timeout` and a margin: `Busy` (not
+/// asked for this caller) if none comes (the leader's caller went away, or it overran).
 pub(super) async fn follow(mut answer: Answer, timeout: Duration) -> Reconciled {
     let waited = tokio::time::timeout(
         timeout.saturating_add(FOLLOW_MARGIN),
@@ -81,8 +81,8 @@ pub(super) async fn follow(mut answer: Answer, timeout: Duration) -> Reconciled 
     )
     .await;
     match waited {
-        Ok(Ok(settled)) => settled.clone().unwrap_or(Reconciled::Unknown),
-        _ => Reconciled::Unknown,
+        Ok(Ok(settled)) => settled.clone().unwrap_or(Reconciled::Busy),
+        _ => Reconciled::Busy,
     }
 }
 
@@ -153,7 +153,7 @@ mod tests {
             follow(answer, Duration::from_secs(60)),
         )
         .await;
-        assert!(matches!(got, Ok(Reconciled::Unknown)));
+        assert!(matches!(got, Ok(Reconciled::Busy)));
     }
 
     #[tokio::test]

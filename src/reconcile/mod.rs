@@ -161,6 +161,12 @@ impl Reconciler {
         ttl: Duration,
         wait: bool,
     ) -> Reconciled {
+        // The background waits for a permit before it leads a key, never while leading it:
+        // retries of the key must not wait behind its wait.
+        let held = match wait {
+            true => self.flights.permit(true).await,
+            false => None,
+        };
         let lead = match self.flights.join(key) {
             Seat::Follow(answer) => return flights::follow(answer, lookup.timeout).await,
             Seat::Lead(lead) => lead,
@@ -169,24 +175,28 @@ impl Reconciler {
             tls: &self.tls,
             limits: &self.limits,
             flights: &self.flights,
-            wait,
+            held,
         };
         let (settled, why) = ask(store, key, lookup, ttl, asker).await;
         lead.answer(&settled);
-        if matches!(settled, Reconciled::Busy) {
-            tracing::debug!(
-                key = key.short(),
-                "reconciliation: every lookup is taken; the background asks soon"
-            );
-            return settled;
-        }
-        // Counted only when the upstream was asked.
-        if matches!(
+        if !matches!(
             settled,
             Reconciled::Replay(_) | Reconciled::Released | Reconciled::Unknown
         ) {
-            self.metrics.reconciliation(settled.as_str());
+            // Not asked (too early, settled meanwhile, every lookup taken): a storm of retries
+            // before `after` must not log a line each.
+            tracing::debug!(
+                key = key.short(),
+                result = settled.as_str(),
+                "reconciliation not asked"
+            );
+            if matches!(settled, Reconciled::Busy) {
+                self.metrics.reconciliation(settled.as_str());
+            }
+            return settled;
         }
+        // Counted when the upstream was asked, and when it could not be (`busy`).
+        self.metrics.reconciliation(settled.as_str());
         // One line per lookup, whoever shares its answer.
         match why {
             Some(why) => {
@@ -222,8 +232,9 @@ struct Asker<'a> {
     tls: &'a UpstreamTlsConnector,
     limits: &'a ConnectionLimits,
     flights: &'a Flights,
-    /// For a lookup permit, rather than `Busy`.
-    wait: bool,
+    /// The background's permit, taken before it led the key; a retry takes one at once or
+    /// gets `Busy`.
+    held: Option<tokio::sync::SemaphorePermit<'a>>,
 }
 
 async fn ask(
@@ -250,7 +261,11 @@ async fn ask(
     if now_ms() < due {
         return (Reconciled::TooEarly(due), None);
     }
-    let Some(_permit) = asker.flights.permit(asker.wait).await else {
+    let permit = match asker.held {
+        Some(held) => Some(held),
+        None => asker.flights.permit(false).await,
+    };
+    let Some(_permit) = permit else {
         return (Reconciled::Busy, None);
     };
     let changed = match get(lookup, asker.tls, asker.limits).await {

@@ -69,7 +69,17 @@ pub async fn reload_on_sighup(
                 }
             };
             if new.consumers != running.consumers {
-                tracing::warn!("[[consumers]] changes take effect only after a restart; the running consumers keep reading as they were configured");
+                // Named, as a change to [defaults] that consumers inherit counts too.
+                let changed: Vec<&str> = (new.consumers.iter())
+                    .filter(|c| !running.consumers.contains(c))
+                    .map(|c| c.name.as_str())
+                    .chain(
+                        (running.consumers.iter())
+                            .filter(|c| !new.consumers.iter().any(|n| n.name == c.name))
+                            .map(|c| c.name.as_str()),
+                    )
+                    .collect();
+                tracing::warn!(consumers = ?changed, "consumer settings changed ([[consumers]], or [defaults] they inherit): they take effect only after a restart; the running consumers keep reading as they were configured");
             }
             if new.store != running.store
                 || new.server != running.server

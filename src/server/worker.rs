@@ -136,7 +136,10 @@ impl Worker {
         // The runtime, and with it every task still holding this worker's context (its store
         // connection among them), is dropped here, on the thread that drove it: before `_done`,
         // so that the process does not exit while the executions it cuts off log their keys.
-        drop(runtime);
+        // Bounded: dropping a runtime waits for its blocking tasks (a slow DNS lookup of an
+        // upstream's name) without end; its async tasks, with them the executions that log
+        // being cut off, are dropped first either way.
+        runtime.shutdown_timeout(Duration::from_secs(1));
         drop(_done);
     }
 }

@@ -502,11 +502,19 @@ pub(crate) enum Replaced {
     Completed(Arc<StoredResponse>),
     /// Unknown for this reason: `mark_unknown` it again.
     Unknown(UnknownReason),
+    /// A refusal (4xx) another request was taking over on a business-key route: `release`d
+    /// instead. Completed again under the taker's record, it would keep the taker's fingerprint
+    /// and be replayed to the taker's retries, which would never run; freed, the refusal's own
+    /// request (refused: nothing was done) runs again if it comes again.
+    Refusal,
 }
 
 impl Replaced {
     pub(crate) fn of(replaced: &Record) -> Replaced {
         match &replaced.state {
+            RecordState::Completed(response) if response.status.is_client_error() => {
+                Replaced::Refusal
+            }
             RecordState::Completed(response) => Replaced::Completed(Arc::clone(response)),
             RecordState::Unknown { reason, .. } => Replaced::Unknown(*reason),
             RecordState::Pending { .. } | RecordState::Abandoned { .. } => {
@@ -532,6 +540,7 @@ pub(crate) async fn give_back_replaced(
             store.complete(key, owner, response, ttl).await
         }
         Replaced::Unknown(reason) => store.mark_unknown(key, owner, reason).await,
+        Replaced::Refusal => store.release(key, owner).await,
     };
     let note = match given {
         Ok(()) => "the record was left as it was",

@@ -922,7 +922,10 @@ async fn a_message_stored_by_the_previous_version_under_a_number_part_is_not_app
     wait_metric(admin, "deduplicated", 1.0).await;
     assert!(applied(&up).is_empty(), "not applied again");
     publish(&redis, r#"{"messageId": "m-2", "order": "o-2", "n": 10}"#);
-    publish(&redis, r#"{"messageId": "m-3", "order": "o-2", "n": "1e1"}"#);
+    publish(
+        &redis,
+        r#"{"messageId": "m-3", "order": "o-2", "n": "1e1"}"#,
+    );
     wait_all_acked(&redis, 3).await;
     assert_eq!(applied(&up), vec!["m-2", "m-3"], "a number and a string");
 }

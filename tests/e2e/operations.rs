@@ -353,7 +353,7 @@ async fn sighup_reloads_routes_under_traffic_and_keeps_the_old_config_on_error()
     )
     .unwrap();
     gw.signal("-HUP");
-    gw.wait_log("[[consumers]] changes take effect only after a restart");
+    gw.wait_log("they take effect only after a restart");
 
     let so_far = sent.load(std::sync::atomic::Ordering::SeqCst);
     traffic_reaches(so_far + 20).await;

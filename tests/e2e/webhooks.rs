@@ -19,6 +19,11 @@ const SLACK_SECRET: &str = "8f742231b10e8888abcd99yyyzzz85a5";
 /// `secret_env` variable made a file holding the test secret (tests share one process: they
 /// never set environment variables).
 async fn webhook_gateway(up: &Upstream) -> Running {
+    webhook_gateway_with(up, &[]).await
+}
+
+/// [`webhook_gateway`] with more settings (`path`, `value`) over the example's.
+async fn webhook_gateway_with(up: &Upstream, more: &[(&str, &str)]) -> Running {
     let dir = TempDir::new("webhook-secrets");
     let example = std::fs::read_to_string(concat!(
         env!("CARGO_MANIFEST_DIR"),
@@ -28,6 +33,9 @@ async fn webhook_gateway(up: &Upstream) -> Running {
     let mut config = TomlConfig::parse(&example)
         .set("server.listen", "127.0.0.1:0")
         .set("upstream.url", up.url());
+    for (path, value) in more {
+        config = config.set(path, *value);
+    }
     let secrets = [
         ("STANDARD_WEBHOOKS_SECRET", STANDARD_SECRET),
         ("GITHUB_WEBHOOK_SECRET", GITHUB_SECRET),
@@ -200,6 +208,41 @@ async fn standard_webhooks_by_webhook_id() {
         delivery("msg_2KWPBgLlAfxdpx2AI54pPJ85f5X", t),
     )
     .await;
+}
+
+/// The client header does not scope a signed route: a captured delivery sent again with an
+/// `Authorization` of its own (a scope of its own, on a route that scoped by it) finds its key
+/// and replays, instead of running again.
+#[tokio::test]
+async fn a_replay_with_a_client_header_of_its_own_finds_its_key() {
+    let up = Upstream::counting().await;
+    // Scoped by Authorization, as the routes of a config without the example's setting are.
+    let gw = webhook_gateway_with(&up, &[("defaults.client_header", "Authorization")]).await;
+    let http = Http::new(gw.addr());
+    let body = r#"{"action":"opened","number":7}"#;
+    let delivery = |authorization: Option<&str>| {
+        let mut headers = vec![
+            json(),
+            ("x-github-event", "pull_request".into()),
+            ("x-github-delivery", "d-replayed".into()),
+            ("x-hub-signature-256", github_signature(GITHUB_SECRET, body)),
+        ];
+        if let Some(a) = authorization {
+            headers.push(("authorization", a.into()));
+        }
+        Delivery {
+            path: "/webhooks/github",
+            headers,
+            body: body.into(),
+        }
+    };
+    let first = delivery(None).send(&http).await;
+    assert_eq!(first.status, 201, "{first:?}");
+    for forged in ["Bearer attacker", "Basic YTpi"] {
+        let again = delivery(Some(forged)).send(&http).await;
+        assert!(again.is_replay(), "{forged}: {again:?}");
+    }
+    assert_eq!(up.executions(), 1, "run once");
 }
 
 #[tokio::test]

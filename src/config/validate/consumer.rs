@@ -81,13 +81,22 @@ fn kafka_source(
     let brokers = source.brokers.unwrap_or_default();
     let well_formed = |b: &String| {
         b.rsplit_once(':').is_some_and(|(host, port)| {
-            !host.is_empty() && !host.contains('/') && port.parse::<u16>().is_ok_and(|p| p > 0)
+            !host.is_empty()
+                && !host.contains(['/', '@'])
+                && port.parse::<u16>().is_ok_and(|p| p > 0)
         })
     };
     if brokers.is_empty() || brokers.len() > 64 || !brokers.iter().all(well_formed) {
         return Err(ConfigError::invalid(
             at("source.brokers"),
-            format!("{brokers:?}"),
+            // A broker written with credentials (`u:pw@k:9092`) is refused, and not shown.
+            format!(
+                "{:?}",
+                brokers
+                    .iter()
+                    .map(|b| crate::config::redact_url(b))
+                    .collect::<Vec<_>>()
+            ),
             "1 to 64 brokers as \"host:port\", such as [\"kafka-1:9092\"]",
         ));
     }

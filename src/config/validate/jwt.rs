@@ -114,7 +114,7 @@ fn keys(f: &dyn Fn(&str) -> String, raw: &RawClientJwt) -> Result<JwtKeys, Confi
             }
             _ => Err(ConfigError::invalid(
                 f("jwks_url"),
-                url,
+                crate::config::redact_url(url),
                 "an http:// or https:// URL of the issuer's JWKS document",
             )),
         };
@@ -155,7 +155,7 @@ fn keys(f: &dyn Fn(&str) -> String, raw: &RawClientJwt) -> Result<JwtKeys, Confi
         let value = std::fs::read_to_string(&path).map_err(|e| {
             ConfigError::invalid(
                 &field,
-                &path,
+                crate::config::shown_name(&path),
                 format!("a readable file holding the HMAC secret ({})", e.kind()),
             )
         })?;

@@ -325,12 +325,12 @@ pub(super) fn pem_file(
         Ok(true) => Ok(std::path::PathBuf::from(path)),
         Err(pem::Error::Io(e)) => Err(ConfigError::invalid(
             field,
-            &path,
+            crate::config::shown_name(&path),
             format!("a readable PEM file ({})", e.kind()),
         )),
         Ok(false) | Err(_) => Err(ConfigError::invalid(
             field,
-            &path,
+            crate::config::shown_name(&path),
             format!("a PEM file with a {block} block"),
         )),
     }

@@ -205,15 +205,23 @@ fn apply_limits(
 fn reconcile(f: &dyn Fn(&str) -> String, r: &RawReconcile) -> Result<Reconcile, ConfigError> {
     let example = "an http:// or https:// URL with {key} where the client's key goes, such as \"http://payments:3000/payments/by-key/{key}\"";
     let filled = r.url.replace("{key}", "k");
+    // `{key}` only after the authority: a client's key never names a host to connect to (a
+    // connection slot per key, the key in connection errors), and no user info in a URL the
+    // gateway logs.
+    let authority_ok = |u: &http::Uri| {
+        u.authority().is_some_and(|a| !a.as_str().contains('@'))
+            && r.url.split_once("://").is_some_and(|(_, rest)| {
+                let end = rest.find(['/', '?']).unwrap_or(rest.len());
+                !rest[..end].contains("{key}")
+            })
+    };
     let valid = (r.url.starts_with("http://") || r.url.starts_with("https://"))
         && r.url.contains("{key}")
-        && filled
-            .parse::<http::Uri>()
-            .is_ok_and(|u| u.authority().is_some());
+        && filled.parse::<http::Uri>().is_ok_and(|u| authority_ok(&u));
     if !valid {
         return Err(ConfigError::invalid(
             f("reconcile.url"),
-            r.url.clone(),
+            crate::config::redact_url(&r.url),
             example,
         ));
     }

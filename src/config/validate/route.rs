@@ -68,23 +68,7 @@ pub(super) fn validate_route(
         None => None,
         Some(raw) => Some(validate_signature(&at("signature"), raw)?),
     };
-    if let Some(sig) = signature.as_ref().filter(|s| s.scheme.is_timestamped()) {
-        // A signed timestamp is accepted while it is within the tolerance of now, either way:
-        // stamped a tolerance ahead (a sender's clock running fast), a delivery stays
-        // acceptable for twice the tolerance after it first arrived. A record that expires
-        // before then would let it, sent again, run again.
-        let least = sig.tolerance.saturating_mul(2);
-        if policy.ttl < least {
-            return Err(ConfigError::invalid(
-                at("ttl"),
-                shown(policy.ttl),
-                format!(
-                    "at least twice the signature's tolerance ({}) on a signed route",
-                    humantime::format_duration(least)
-                ),
-            ));
-        }
-    }
+    outlives_its_tolerance(&at("ttl"), signature.as_ref(), policy.ttl)?;
     let check_fingerprint = own.check_fingerprint.unwrap_or(true);
     // A key a client picks, unchecked: any other request that reuses it gets the stored answer.
     if !check_fingerprint && key.pointers.is_empty() && own.unchecked_header_key != Some(true) {
@@ -249,6 +233,36 @@ pub(super) fn check_overlaps(routes: &[RouteConfig]) -> Result<(), ConfigError> 
                     example,
                 });
             }
+        }
+    }
+    Ok(())
+}
+
+/// A signed timestamp is accepted while it is within the tolerance of now, either way: stamped
+/// a tolerance ahead (a sender's clock running fast), a delivery stays acceptable for twice the
+/// tolerance after it first arrived. A record that expires before then would let it, sent
+/// again, run again.
+fn outlives_its_tolerance(
+    field: &str,
+    signature: Option<&crate::config::SignatureConfig>,
+    ttl: std::time::Duration,
+) -> Result<(), ConfigError> {
+    if let Some(sig) = signature.filter(|s| s.scheme.is_timestamped()) {
+        // Timestamps are whole seconds: one more covers the second a stamp is rounded down by.
+        let least = sig
+            .tolerance
+            .saturating_mul(2)
+            .saturating_add(std::time::Duration::from_secs(1));
+        if ttl < least {
+            return Err(ConfigError::invalid(
+                field.to_string(),
+                shown(ttl),
+                format!(
+                    "at least {} on a signed route: twice the signature's tolerance ({}) and a second",
+                    humantime::format_duration(least),
+                    humantime::format_duration(sig.tolerance)
+                ),
+            ));
         }
     }
     Ok(())

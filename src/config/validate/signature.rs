@@ -132,7 +132,7 @@ fn read_secrets(
         let value = std::env::var(&name).map_err(|_| {
             ConfigError::invalid(
                 &field,
-                &name,
+                crate::config::shown_name(&name),
                 "the name of an environment variable that is set (it holds the signing secret)",
             )
         })?;
@@ -143,7 +143,7 @@ fn read_secrets(
         let text = std::fs::read_to_string(&path).map_err(|e| {
             ConfigError::invalid(
                 &field,
-                &path,
+                crate::config::shown_name(&path),
                 format!("a readable file holding the signing secret ({})", e.kind()),
             )
         })?;

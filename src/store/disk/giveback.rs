@@ -45,6 +45,7 @@ impl GiveBackOnDrop {
                 ttl,
             },
             Replaced::Unknown(reason) => Change::MarkUnknown { owner, reason },
+            Replaced::Refusal => Change::Release { owner },
         };
         GiveBackOnDrop {
             armed: Some((store.shared.writer.clone(), *key, change)),
