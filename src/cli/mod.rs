@@ -21,6 +21,8 @@ use crate::telemetry::{self, LogFormat};
 pub const EXIT_BAD_CONFIG: u8 = 64;
 /// Exit status when the gateway cannot start, e.g. the port is taken (EX_UNAVAILABLE).
 pub const EXIT_CANNOT_START: u8 = 69;
+/// A second SIGTERM or SIGINT during shutdown: the drain was cut short.
+pub const EXIT_INTERRUPTED: u8 = 130;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -226,7 +228,22 @@ fn run(path: PathBuf) -> ExitCode {
             config,
             server.listener_tls(),
         ));
-        let served = server.run(shutdown_signal()).await;
+        let (first, signalled) = tokio::sync::oneshot::channel();
+        let impatient = tokio::spawn(async move {
+            shutdown_signal().await;
+            let _ = first.send(());
+            // An operator (or an orchestrator) that will not wait out the drain: as promptly
+            // as without the gateway's own handler.
+            shutdown_signal().await;
+            tracing::warn!("a second SIGTERM or SIGINT: exiting now, without waiting for the drain; calls still running leave their keys pending");
+            std::process::exit(i32::from(EXIT_INTERRUPTED));
+        });
+        let served = server
+            .run(async {
+                let _ = signalled.await;
+            })
+            .await;
+        impatient.abort();
         reloader.abort();
         if let Some(watcher) = watcher {
             watcher.abort();

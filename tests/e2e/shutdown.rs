@@ -101,3 +101,21 @@ async fn an_execution_cut_off_by_the_end_of_the_grace_is_named_in_the_log() {
     gw.wait_log("shut down");
     held.abort();
 }
+
+/// A second SIGTERM during the drain ends the process at once (exit 130), as an operator who
+/// will not wait expects.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_signal_ends_the_drain_at_once() {
+    let up = Upstream::counting().await;
+    let gw = GatewayProcess::start(&config(
+        &up.url(),
+        free_port(false),
+        "drain_delay = \"10m\"\nshutdown_grace = \"10m\"",
+    ));
+    gw.signal("-TERM");
+    gw.wait_log("still accepting for drain_delay");
+    let status = tokio::task::spawn_blocking(move || gw.signal_and_wait("-TERM"))
+        .await
+        .unwrap();
+    assert_eq!(status.code(), Some(130), "{status:?}");
+}
