@@ -232,9 +232,13 @@ fn run(path: PathBuf) -> ExitCode {
         let impatient = tokio::spawn(async move {
             shutdown_signal().await;
             let _ = first.send(());
-            // An operator (or an orchestrator) that will not wait out the drain: as promptly
-            // as without the gateway's own handler.
-            shutdown_signal().await;
+            // A second signal within a second is the same stop (a terminal's Ctrl-C and a
+            // supervisor's SIGTERM together); one after it is an operator, or an orchestrator,
+            // that will not wait out the drain: as prompt as without the gateway's own handler.
+            tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+            let second = shutdown_signal();
+            tracing::info!("a second SIGTERM or SIGINT now ends the process at once");
+            second.await;
             tracing::warn!("a second SIGTERM or SIGINT: exiting now, without waiting for the drain; calls still running leave their keys pending");
             std::process::exit(i32::from(EXIT_INTERRUPTED));
         });

@@ -40,9 +40,13 @@ impl KeyIdentity {
             named: route.named,
             path: route.pattern.to_string(),
             methods: route.methods.iter().map(|m| m.to_string()).collect(),
-            client_headers: match &route.policy.client_jwt {
-                Some(_) => Vec::new(),
-                None => (route.policy.client_headers.iter())
+            client_headers: match (&route.policy.client_jwt, &route.signature) {
+                (Some(_), _) => Vec::new(),
+                // A signed route's deliveries are its sender's, in one scope whatever header
+                // they carry: the anonymous one where clients are named, else the shared one.
+                (None, Some(_)) if route.policy.client_headers.is_empty() => Vec::new(),
+                (None, Some(_)) => vec!["(signed: one scope)".to_string()],
+                (None, None) => (route.policy.client_headers.iter())
                     .map(|h| h.as_str().to_string())
                     .collect(),
             },

@@ -221,9 +221,11 @@ pub(super) fn verdict(decision: Decision<HandlerCall>) -> Verdict {
                 reason: "another delivery of this key is still being handled".into(),
                 counted: false,
             },
+            // Counted: tried again with the growing backoff, and dead-lettered as an unknown
+            // outcome after max_attempts if the lookup never gets asked.
             Refusal::Reconciling(_) => Verdict::Retry {
                 reason: "an earlier delivery's outcome is unknown, and the handler's lookup is still to say".into(),
-                counted: false,
+                counted: true,
             },
             Refusal::StoreUnavailable | Refusal::StoreFull | Refusal::OverQuota { .. } => {
                 Verdict::Retry {

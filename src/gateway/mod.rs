@@ -80,12 +80,12 @@ fn harmless<B: http_body::Body>(req: &Request<B>) -> bool {
     // The headers, and the body itself: an HTTP/2 request may carry DATA frames with neither
     // `Content-Length` nor `Transfer-Encoding`; only one whose stream ended with its headers
     // has none.
+    // `Content-Length: 0` is enforced by HTTP/2 too, whenever its END_STREAM comes.
     let bodiless = !req.headers().contains_key(http::header::TRANSFER_ENCODING)
-        && req
-            .headers()
-            .get(http::header::CONTENT_LENGTH)
-            .is_none_or(|v| v.as_bytes() == b"0")
-        && req.body().is_end_stream();
+        && match req.headers().get(http::header::CONTENT_LENGTH) {
+            Some(length) => length.as_bytes() == b"0",
+            None => req.body().is_end_stream(),
+        };
     bodiless && matches!(*req.method(), Method::GET | Method::HEAD | Method::OPTIONS)
 }
 

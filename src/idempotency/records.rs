@@ -109,10 +109,12 @@ impl Records {
             }
         };
         let detached = super::detach::Detachable::new(taking, tasks.clone());
-        // Declared after `detached`, so dropped before it: the flag is set before the take-over
-        // moves to a task of its own and can look at it.
+        // Pinned here, so that it stays a local declared before `left` (an `.await` on it by
+        // value would move it into a temporary dropped first): `left` is dropped before it, and
+        // the flag is set before the take-over moves to a task of its own and can look at it.
+        tokio::pin!(detached);
         let mut left = LeftOnDrop(Some(gone));
-        let taken = detached.await;
+        let taken = (&mut detached).await;
         // Answered: nothing left to release.
         left.0 = None;
         taken

@@ -33,8 +33,9 @@ pub const MAX_TRIES: u32 = 5;
 const MAX_JOBS: usize = 10_000;
 /// Keys handed over and not yet taken in.
 const QUEUE: usize = 1024;
-/// Lookups at once.
-const MAX_INFLIGHT: usize = 8;
+/// Lookups at once: two fewer than the process may make ([`super::flights::MAX_LOOKUPS`]),
+/// which are left to retries.
+const MAX_INFLIGHT: usize = super::flights::MAX_LOOKUPS - 2;
 /// How often the store is swept for unknown outcomes nobody scheduled.
 pub const SWEEP_EVERY: Duration = Duration::from_secs(300);
 /// Records asked of the store per sweep page, and the pause between pages.

@@ -161,15 +161,25 @@ impl Reconciler {
         ttl: Duration,
         wait: bool,
     ) -> Reconciled {
-        // The background waits for a permit before it leads a key, never while leading it:
-        // retries of the key must not wait behind its wait.
-        let held = match wait {
-            true => self.flights.permit(true).await,
-            false => None,
-        };
-        let lead = match self.flights.join(key) {
-            Seat::Follow(answer) => return flights::follow(answer, lookup.timeout).await,
-            Seat::Lead(lead) => lead,
+        // The background never waits for a permit while it leads a key (retries of the key
+        // would wait behind its wait), nor holds one while it follows another's lookup.
+        let mut held = None;
+        let lead = loop {
+            match self.flights.join(key) {
+                Seat::Follow(answer) => {
+                    drop(held);
+                    return flights::follow(answer, lookup.timeout).await;
+                }
+                Seat::Lead(lead) if !wait || held.is_some() => break lead,
+                Seat::Lead(lead) => {
+                    held = self.flights.permit(false).await;
+                    if held.is_some() {
+                        break lead;
+                    }
+                    drop(lead);
+                    held = self.flights.permit(true).await;
+                }
+            }
         };
         let asker = Asker {
             tls: &self.tls,

@@ -510,9 +510,14 @@ pub(crate) enum Replaced {
 }
 
 impl Replaced {
-    pub(crate) fn of(replaced: &Record) -> Replaced {
+    /// What to write back of `replaced`, which a claim with `taker`'s fingerprint was taking
+    /// over: a refusal is released only when another request was taking it over (the core, on
+    /// a business-key route); an operator's take-over keeps the fingerprint, and gets it back.
+    pub(crate) fn of(replaced: &Record, taker: &Fingerprint) -> Replaced {
         match &replaced.state {
-            RecordState::Completed(response) if response.status.is_client_error() => {
+            RecordState::Completed(response)
+                if response.status.is_client_error() && *taker != replaced.fingerprint =>
+            {
                 Replaced::Refusal
             }
             RecordState::Completed(response) => Replaced::Completed(Arc::clone(response)),
@@ -529,12 +534,13 @@ impl Replaced {
 pub(crate) async fn give_back_replaced(
     store: &dyn Store,
     key: &StoreKey,
-    owner: OwnerToken,
+    (owner, taker): (OwnerToken, &Fingerprint),
     replaced: &Record,
     ttl: Duration,
     failed: StoreError,
 ) -> StoreError {
-    let given = match Replaced::of(replaced) {
+    let refusal = matches!(Replaced::of(replaced, taker), Replaced::Refusal);
+    let given = match Replaced::of(replaced, taker) {
         Replaced::Completed(response) => {
             let response = Arc::unwrap_or_clone(response);
             store.complete(key, owner, response, ttl).await
@@ -543,6 +549,7 @@ pub(crate) async fn give_back_replaced(
         Replaced::Refusal => store.release(key, owner).await,
     };
     let note = match given {
+        Ok(()) if refusal => "the refusal it replaced was released: the next request with the key runs",
         Ok(()) => "the record was left as it was",
         // Not landed (not ours), or not answered: if the take-over lands, its record reads as
         // in flight, then as abandoned.

@@ -114,6 +114,7 @@ async fn a_second_signal_ends_the_drain_at_once() {
     ));
     gw.signal("-TERM");
     gw.wait_log("still accepting for drain_delay");
+    gw.wait_log("a second SIGTERM or SIGINT now ends the process at once");
     let status = tokio::task::spawn_blocking(move || gw.signal_and_wait("-TERM"))
         .await
         .unwrap();

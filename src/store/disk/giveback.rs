@@ -7,6 +7,7 @@ use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
 
 use super::{Change, DiskStore, Job};
+use crate::fingerprint::Fingerprint;
 use crate::key::StoreKey;
 use crate::store::{OwnerToken, Record, Replaced};
 
@@ -34,11 +35,11 @@ impl GiveBackOnDrop {
     pub(super) fn restore(
         store: &DiskStore,
         key: &StoreKey,
-        owner: OwnerToken,
+        (owner, taker): (OwnerToken, &Fingerprint),
         replaced: &Record,
         ttl: Duration,
     ) -> Self {
-        let change = match Replaced::of(replaced) {
+        let change = match Replaced::of(replaced, taker) {
             Replaced::Completed(response) => Change::Complete {
                 owner,
                 response: Arc::unwrap_or_clone(response),

@@ -551,7 +551,7 @@ impl Store for DiskStore {
         ttl: Duration,
     ) -> Result<Option<OwnerToken>, StoreError> {
         let (owner, record) = super::pending(claim, lease);
-        let guard = GiveBackOnDrop::restore(self, key, owner, expected, ttl);
+        let guard = GiveBackOnDrop::restore(self, key, (owner, &claim.fingerprint), expected, ttl);
         let answer = self
             .submit(
                 key,

@@ -484,7 +484,15 @@ impl Store for PostgresStore {
             .await
         {
             Ok(changed) => Ok((changed == 1).then_some(owner)),
-            Err(e) => Err(super::give_back_replaced(self, key, owner, expected, ttl, e).await),
+            Err(e) => Err(super::give_back_replaced(
+                self,
+                key,
+                (owner, &claim.fingerprint),
+                expected,
+                ttl,
+                e,
+            )
+            .await),
         }
     }
 

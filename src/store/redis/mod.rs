@@ -584,14 +584,30 @@ impl Store for RedisStore {
         {
             Ok(answer) => answer,
             Err(e) => {
-                return Err(super::give_back_replaced(self, key, owner, expected, ttl, e).await)
+                return Err(super::give_back_replaced(
+                    self,
+                    key,
+                    (owner, &claim.fingerprint),
+                    expected,
+                    ttl,
+                    e,
+                )
+                .await)
             }
         };
         if done != 1 {
             return Ok(None);
         }
         if let Err(refused) = self.may_act(StoreOp::TakeOver, acked) {
-            return Err(super::give_back_replaced(self, key, owner, expected, ttl, refused).await);
+            return Err(super::give_back_replaced(
+                self,
+                key,
+                (owner, &claim.fingerprint),
+                expected,
+                ttl,
+                refused,
+            )
+            .await);
         }
         Ok(Some(owner))
     }
