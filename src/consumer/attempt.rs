@@ -12,7 +12,7 @@ use super::{Message, Source};
 use crate::config::OnUnknown;
 use crate::fingerprint::{fingerprint, IgnoredFields};
 use crate::idempotency::legacy::older_stored;
-use crate::idempotency::{Decision, Execute, Refusal, Rules, Settled, Sought};
+use crate::idempotency::{Decision, Execute, Keys, Refusal, Rules, Settled, Sought};
 use crate::key::{ClientScope, Sent, StoreKey};
 use crate::metrics::ConsumerOutcome;
 use crate::store::{Claim, Origin, OriginKind};
@@ -113,7 +113,7 @@ impl<S: Source> Consumer<S> {
         }
         let run = self.ctx.core.run(
             &self.ctx.store,
-            &store_key,
+            store_key,
             claim,
             // A message has no client to count records for.
             (rules, lookup.as_ref()),
@@ -140,17 +140,23 @@ impl<S: Source> Consumer<S> {
         key: String,
         older: Option<String>,
         sought: &Sought<'_>,
-    ) -> Option<(StoreKey, String)> {
+    ) -> Option<(Keys, String)> {
         let config = &self.config;
         let store_key = StoreKey::new(&ClientScope::shared(), &config.name, &key);
         let Some(older) = older.filter(|_| self.ctx.legacy.open(config.policy.ttl)) else {
-            return Some((store_key, key));
+            return Some((Keys::of(store_key), key));
         };
         let older_key = StoreKey::new(&ClientScope::shared(), &config.name, &older);
         let accept = (config.check_fingerprint, sought);
         match older_stored(&*self.ctx.store, store_key, &[older_key], accept).await {
-            Ok(found) if found == older_key => Some((found, older)),
-            Ok(_) => Some((store_key, key)),
+            Ok(found) if found == older_key => {
+                let keys = Keys {
+                    key: found,
+                    instead: Some(store_key),
+                };
+                Some((keys, older))
+            }
+            Ok(_) => Some((Keys::of(store_key), key)),
             Err(e) => {
                 tracing::warn!(error = %e, "a key's older derivation not read");
                 None

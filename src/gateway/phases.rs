@@ -13,7 +13,7 @@ use crate::body::{self, Body};
 use crate::config::{Policy, RouteConfig};
 use crate::conn::ClientBody;
 use crate::idempotency::legacy::older_stored;
-use crate::idempotency::{Decision, Execute, Refusal, Rules, Settled, Sought};
+use crate::idempotency::{Decision, Execute, Keys, Refusal, Rules, Settled, Sought};
 use crate::jwt::{Rejected, Verifier};
 use crate::key::{ClientScope, Identified, Sent, StoreKey};
 use crate::metrics::{Metrics, Outcome};
@@ -280,25 +280,29 @@ impl Gateway {
         let fp = forward.fingerprint(decoded.as_ref().map(|(content, _)| content));
         // Its memory given back before the upstream is waited on.
         drop(decoded);
-        let key = match legacy.is_empty() {
-            true => key,
+        let keys = match legacy.is_empty() {
+            true => Keys::of(key),
             false => {
                 let earlier = || forward.earlier_fingerprint();
                 let sought = Sought::new(fp, &earlier);
                 let older = self.older_key(conn, key, &legacy, (config.check_fingerprint, &sought));
                 match Box::pin(older).await {
-                    Ok(key) => key,
+                    Ok(chosen) => Keys {
+                        key: chosen,
+                        instead: (chosen != key).then_some(key),
+                    },
                     Err(problem) => return Answer::problem(problem),
                 }
             }
         };
+        let key = keys.key;
         let mut forward = forward;
         forward.key = key;
         // Boxed: inline, the core's future (several KB) is copied into this one and this one
         // into its caller's at every call.
         let decision = Box::pin(self.core.run(
             &conn.worker.store,
-            &key,
+            keys,
             Claim {
                 fingerprint: fp,
                 origin: Some(origin),

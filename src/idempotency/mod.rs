@@ -285,14 +285,21 @@ impl Core {
     /// handle ([`Store::for_worker`]).
     /// `lookup`: how to ask the upstream about this key when its outcome is unknown
     /// ([`crate::reconcile`]).
+    /// `keys`: the key, and for one found under an older derivation ([`legacy`]), this
+    /// version's key for the same request.
     pub async fn run<E: Execute>(
         &self,
         store: &Arc<dyn Store>,
-        key: &StoreKey,
+        keys: Keys,
         claim: Claim,
         (rules, lookup): (Rules, Option<&Lookup>),
         exec: E,
     ) -> Decision<E> {
+        let Keys {
+            key: mut current,
+            mut instead,
+        } = keys;
+        let key = &mut current;
         let records = Records {
             store: Arc::clone(store),
             shared: Arc::clone(&self.shared),
@@ -301,36 +308,18 @@ impl Core {
         let earlier = || exec.earlier_fingerprint();
         let sought = Sought::new(claim.fingerprint, &earlier);
         for _ in 0..MAX_RESERVE_ROUNDS {
-            let reserved = match self.over_quota(&rules, store) {
-                // A scope at its quota may still get its replays, but not a new key.
-                Some(retry_after) => match records.get(key).await {
-                    Ok(Some(record)) => Ok(Reservation::Existing(record)),
-                    Ok(None) => return Decision::Refused(Refusal::OverQuota { retry_after }),
-                    Err(e) => Err(e),
-                },
-                None => records.reserve(key, &claim, rules).await,
-            };
-            let reservation = match reserved {
+            let reservation = match self.reservation(&records, store, key, &claim, rules).await {
                 Ok(r) => r,
-                // A record that exists but cannot be read: its outcome is unknown, and it must
-                // never be run, whatever on_store_error says.
-                Err(StoreError::Corrupt(e)) => {
-                    tracing::error!(key = key.short(), error = %e, "unreadable record");
-                    return Decision::Refused(Refusal::OutcomeUnknown(UnknownReason::Interrupted));
-                }
-                // The operator asked for a store that keeps records, not for idempotency when
-                // convenient: a store that may not keep them is no reason to go without.
-                Err(e)
-                    if rules.on_store_error == OnStoreError::Pass
-                        && !matches!(e, StoreError::Unsafe(_)) =>
-                {
-                    // The operator chose availability over duplicates for this route.
-                    tracing::warn!(key = key.short(), error = %e, "store unavailable; forwarding without idempotency (on_store_error = \"pass\")");
-                    return Decision::Bypass(exec);
-                }
-                Err(e) => return Decision::Refused(store_refusal(key, e)),
+                Err(None) => return Decision::Bypass(exec),
+                Err(Some(refusal)) => return Decision::Refused(refusal),
             };
             let record = match reservation {
+                // An older key's record went before this call read it: given back at once.
+                Reservation::Owner(token) if instead.is_some() => {
+                    records.release(key, token).await;
+                    move_on(key, &mut instead);
+                    continue;
+                }
                 Reservation::Owner(token) => {
                     return self
                         .execute(records, *key, token, (rules, lookup), exec)
@@ -348,9 +337,17 @@ impl Core {
                         waited: false,
                     }
                 }
+                // Not under an older key: this version's takes its place.
+                Ok(Some(Resolved::TakeOver(_))) if instead.is_some() => {
+                    move_on(key, &mut instead);
+                    continue;
+                }
                 Ok(Some(Resolved::TakeOver(old))) => old,
                 // Released while we waited: this call may run it now.
-                Ok(None) => continue,
+                Ok(None) => {
+                    move_on(key, &mut instead);
+                    continue;
+                }
                 Err(Waited::Replay(response)) => {
                     return Decision::Replay {
                         response,
@@ -362,7 +359,10 @@ impl Core {
                     match Box::pin(self.reconciled(store, key, lookup, rules, reason)).await {
                         Some(decision) => return decision,
                         // The upstream says it did not happen: this call may run it now.
-                        None => continue,
+                        None => {
+                            move_on(key, &mut instead);
+                            continue;
+                        }
                     }
                 }
                 Err(Waited::Refused(r)) => return Decision::Refused(r),
@@ -378,6 +378,48 @@ impl Core {
             }
         }
         Decision::Refused(Refusal::InFlight)
+    }
+
+    /// Phase `reserve`: the key's reservation, or why this call stops: refused, or (`None`)
+    /// forwarded without idempotency (`on_store_error = "pass"`).
+    async fn reservation(
+        &self,
+        records: &Records,
+        store: &Arc<dyn Store>,
+        key: &StoreKey,
+        claim: &Claim,
+        rules: Rules,
+    ) -> Result<Reservation, Option<Refusal>> {
+        let reserved = match self.over_quota(&rules, store) {
+            // A scope at its quota may still get its replays, but not a new key.
+            Some(retry_after) => match records.get(key).await {
+                Ok(Some(record)) => Ok(Reservation::Existing(record)),
+                Ok(None) => return Err(Some(Refusal::OverQuota { retry_after })),
+                Err(e) => Err(e),
+            },
+            None => records.reserve(key, claim, rules).await,
+        };
+        let reservation = match reserved {
+            Ok(r) => r,
+            // A record that exists but cannot be read: its outcome is unknown, and it must
+            // never be run, whatever on_store_error says.
+            Err(StoreError::Corrupt(e)) => {
+                tracing::error!(key = key.short(), error = %e, "unreadable record");
+                return Err(Some(Refusal::OutcomeUnknown(UnknownReason::Interrupted)));
+            }
+            // The operator asked for a store that keeps records, not for idempotency when
+            // convenient: a store that may not keep them is no reason to go without.
+            Err(e)
+                if rules.on_store_error == OnStoreError::Pass
+                    && !matches!(e, StoreError::Unsafe(_)) =>
+            {
+                // The operator chose availability over duplicates for this route.
+                tracing::warn!(key = key.short(), error = %e, "store unavailable; forwarding without idempotency (on_store_error = \"pass\")");
+                return Err(None);
+            }
+            Err(e) => return Err(Some(store_refusal(key, e))),
+        };
+        Ok(reservation)
     }
 
     /// Takes `old` over for this call (`None`: it changed meanwhile). A stored refusal's
@@ -490,6 +532,29 @@ impl Core {
             Decision::Owned { settled, took }
         };
         Detachable::new(run, self.tasks.clone()).await
+    }
+}
+
+/// The key of one call ([`Core::run`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Keys {
+    pub key: StoreKey,
+    /// When `key` is an older derivation's, found holding this request's record: this
+    /// version's key, which the call moves to before anything would be written under the older
+    /// one (a record written there would outlive the window in which older keys are looked up).
+    pub instead: Option<StoreKey>,
+}
+
+impl Keys {
+    pub fn of(key: StoreKey) -> Keys {
+        Keys { key, instead: None }
+    }
+}
+
+/// Moves a call from an older key to this version's, where it has one.
+fn move_on(key: &mut StoreKey, instead: &mut Option<StoreKey>) {
+    if let Some(newer) = instead.take() {
+        *key = newer;
     }
 }
 

@@ -507,6 +507,54 @@ async fn key_parts_keep_their_type_and_find_what_the_previous_version_stored() {
     assert!(again.is_replay(), "numbers compare by value");
     assert_eq!(up.executions(), 4);
 
+    // The previous version's request still in flight under the older key: a retry waits on it,
+    // and when it is released (its upstream did not run it), the retry runs under this
+    // version's key, never writing under the older one (a record there would outlive the
+    // window in which older keys are looked up).
+    let in_flight = idemgate::operator::locate(
+        &config,
+        "typed",
+        &["ord_3".into(), "1e1".into()],
+        &Default::default(),
+    )
+    .unwrap();
+    let Reservation::Owner(previous) = store
+        .reserve(&in_flight, &claim, Duration::from_secs(30), ttl)
+        .await
+        .unwrap()
+    else {
+        panic!("a fresh key");
+    };
+    let retry = {
+        let http = Http::new(gw.addr());
+        tokio::spawn(async move {
+            (http.request("POST", "/orders"))
+                .json(r#"{"order":"ord_3","n":10}"#)
+                .send()
+                .await
+        })
+    };
+    let waiting = || async {
+        let m = gw.gateway().metrics().encode();
+        m.lines().any(|l| l == "idemgate_waiting_requests 1")
+    };
+    assert!(
+        eventually(waiting).await,
+        "the retry waits on the older key"
+    );
+    store.release(&in_flight, previous).await.unwrap();
+    let ran = retry.await.unwrap();
+    assert_eq!(
+        (ran.status.as_u16(), ran.is_replay()),
+        (201, false),
+        "{ran:?}"
+    );
+    assert_eq!(up.executions(), 5);
+    assert!(
+        store.get(&in_flight).await.unwrap().is_none(),
+        "nothing written under the older key"
+    );
+
     // Operators name a number part in JSON.
     let dir = TempDir::new("keys-typed");
     let path = dir.path.join("proxy.toml");
