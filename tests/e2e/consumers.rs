@@ -13,7 +13,9 @@ use crate::support::redis::RedisServer;
 mod failures;
 mod kafka;
 mod rabbitmq;
-use crate::support::{admin_get, eventually_within, scrape, GatewayProcess, Reply, Upstream};
+use crate::support::{
+    admin_get, eventually_within, scrape, store_completed, GatewayProcess, Reply, Upstream,
+};
 
 const STREAM: &str = "orders";
 const GROUP: &str = "idemgate";
@@ -872,7 +874,6 @@ async fn on_the_postgres_store_two_instances_apply_each_message_once() {
 /// not applied again; a new message with the same digits as a string is another key.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_stored_by_the_previous_version_under_a_number_part_is_not_applied_again() {
-    use idemgate::store::{Claim, Reservation, StoredResponse};
     let redis = RedisServer::start();
     let up = Upstream::counting().await;
     let admin = free_addr();
@@ -896,24 +897,7 @@ async fn a_message_stored_by_the_previous_version_under_a_number_part_is_not_app
     )
     .unwrap();
     let store = idemgate::operator::open_store(&config).await.unwrap();
-    let ttl = Duration::from_secs(3600);
-    let claim = Claim::from(idemgate::fingerprint::Fingerprint([9; 32]));
-    let Reservation::Owner(owner) = store
-        .reserve(&old_key, &claim, Duration::from_secs(30), ttl)
-        .await
-        .unwrap()
-    else {
-        panic!("a fresh key");
-    };
-    let answer = StoredResponse {
-        trailers: vec![],
-        status: http::StatusCode::CREATED,
-        headers: vec![],
-        body: bytes::Bytes::from_static(b"{}"),
-        body_kept: true,
-        completed_ms: 1,
-    };
-    store.complete(&old_key, owner, answer, ttl).await.unwrap();
+    store_completed(&*store, &old_key, b"{}", Duration::from_secs(3600)).await;
     drop(store);
 
     let _gw = GatewayProcess::start(&text);

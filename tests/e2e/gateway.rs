@@ -978,20 +978,10 @@ where
 /// upgrade is refused.
 #[tokio::test]
 async fn websocket_upgrades_pass_through_and_are_refused_on_idempotent_routes() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let echo = echo_upstream().await;
     let gw = gateway(&format!("http://{echo}"), PAYMENTS).await;
-    let mut s = tokio::net::TcpStream::connect(gw.addr()).await.unwrap();
-    s.write_all(b"GET /chat HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
-        .await
-        .unwrap();
-    let mut head = Vec::new();
-    let mut byte = [0u8; 1];
-    while !head.ends_with(b"\r\n\r\n") {
-        assert_eq!(s.read(&mut byte).await.unwrap(), 1, "closed during the 101");
-        head.push(byte[0]);
-    }
-    let head = String::from_utf8_lossy(&head).to_ascii_lowercase();
+    let (mut s, head) = websocket(gw.addr()).await;
+    let head = head.to_ascii_lowercase();
     assert!(head.starts_with("http/1.1 101"), "{head}");
     assert!(head.contains("upgrade: websocket"), "{head}");
     assert!(

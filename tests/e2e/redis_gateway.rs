@@ -446,7 +446,7 @@ async fn keys_get_finds_records_of_routes_keyed_by_body_fields() {
 /// text (its derivation) still answers that number's retry across the upgrade.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn key_parts_keep_their_type_and_find_what_the_previous_version_stored() {
-    use idemgate::store::{Claim, Reservation, StoredResponse};
+    use idemgate::store::{Claim, Reservation};
     let redis = RedisServer::start();
     let up = Upstream::counting().await;
     let routes = "[defaults]\nclient_header = \"\"\n[[routes]]\nname = \"typed\"\npath = \"/orders\"\nkey = { json = [\"/order\", \"/n\"] }\ncheck_fingerprint = false\n";
@@ -462,23 +462,8 @@ async fn key_parts_keep_their_type_and_find_what_the_previous_version_stored() {
     .unwrap();
     let store = idemgate::operator::open_store(&config).await.unwrap();
     let ttl = Duration::from_secs(3600);
+    store_completed(&*store, &old_key, b"stored by the previous version", ttl).await;
     let claim = Claim::from(idemgate::fingerprint::Fingerprint([9; 32]));
-    let Reservation::Owner(owner) = store
-        .reserve(&old_key, &claim, Duration::from_secs(30), ttl)
-        .await
-        .unwrap()
-    else {
-        panic!("a fresh key");
-    };
-    let stored = StoredResponse {
-        trailers: vec![],
-        status: http::StatusCode::CREATED,
-        headers: vec![],
-        body: bytes::Bytes::from_static(b"stored by the previous version"),
-        body_kept: true,
-        completed_ms: 1,
-    };
-    store.complete(&old_key, owner, stored, ttl).await.unwrap();
 
     let gw = in_process(&up.url(), &redis.url(), routes).await;
     let http = Http::new(gw.addr());

@@ -57,17 +57,8 @@ async fn an_open_websocket_does_not_hold_the_shutdown() {
         free_port(false),
         "shutdown_grace = \"10m\"",
     ));
-    let mut s = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
-    s.write_all(b"GET /chat HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
-        .await
-        .unwrap();
-    let mut head = Vec::new();
-    let mut byte = [0u8; 1];
-    while !head.ends_with(b"\r\n\r\n") {
-        assert_eq!(s.read(&mut byte).await.unwrap(), 1, "closed during the 101");
-        head.push(byte[0]);
-    }
-    assert!(head.starts_with(b"HTTP/1.1 101"));
+    let (mut s, head) = websocket(gw.addr).await;
+    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
     s.write_all(b"ping").await.unwrap();
     let mut back = [0u8; 4];
     s.read_exact(&mut back).await.unwrap();

@@ -578,38 +578,19 @@ impl Store for RedisStore {
         // No give-back guard: releasing the new record would free the key along with the
         // outcome it replaced. An uncertain answer writes that outcome back instead; a dropped
         // future leaves the new record to read as abandoned once its lease ends.
-        let (done, acked) = match self
+        let answered = self
             .script_acked(StoreOp::TakeOver, script, key, &args)
-            .await
-        {
-            Ok(answer) => answer,
-            Err(e) => {
-                return Err(super::give_back_replaced(
-                    self,
-                    key,
-                    (owner, &claim.fingerprint),
-                    expected,
-                    ttl,
-                    e,
-                )
-                .await)
-            }
+            .await;
+        let failed = match answered {
+            Ok((done, _)) if done != 1 => return Ok(None),
+            Ok((_, acked)) => match self.may_act(StoreOp::TakeOver, acked) {
+                Ok(()) => return Ok(Some(owner)),
+                Err(refused) => refused,
+            },
+            Err(e) => e,
         };
-        if done != 1 {
-            return Ok(None);
-        }
-        if let Err(refused) = self.may_act(StoreOp::TakeOver, acked) {
-            return Err(super::give_back_replaced(
-                self,
-                key,
-                (owner, &claim.fingerprint),
-                expected,
-                ttl,
-                refused,
-            )
-            .await);
-        }
-        Ok(Some(owner))
+        let taker = (owner, &claim.fingerprint);
+        Err(super::give_back_replaced(self, key, taker, expected, ttl, failed).await)
     }
 
     async fn delete(&self, key: &StoreKey) -> Result<bool, StoreError> {

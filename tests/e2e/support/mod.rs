@@ -199,3 +199,48 @@ impl TomlConfig {
         table
     }
 }
+
+/// Writes a completed `201` record with `body` under `key`, claimed with a made-up fingerprint,
+/// as a previous version of the gateway would have left it; kept `ttl`.
+pub async fn store_completed(
+    store: &dyn idemgate::store::Store,
+    key: &idemgate::key::StoreKey,
+    body: &'static [u8],
+    ttl: Duration,
+) {
+    use idemgate::store::{Claim, Reservation, StoredResponse};
+    let claim = Claim::from(idemgate::fingerprint::Fingerprint([9; 32]));
+    let Reservation::Owner(owner) = store
+        .reserve(key, &claim, Duration::from_secs(30), ttl)
+        .await
+        .unwrap()
+    else {
+        panic!("a fresh key");
+    };
+    let answer = StoredResponse {
+        trailers: vec![],
+        status: http::StatusCode::CREATED,
+        headers: vec![],
+        body: bytes::Bytes::from_static(body),
+        body_kept: true,
+        completed_ms: 1,
+    };
+    store.complete(key, owner, answer, ttl).await.unwrap();
+}
+
+/// Opens a WebSocket through the gateway at `addr` (an HTTP/1.1 upgrade of `GET /chat`) and
+/// returns the socket once the `101` head has been read, with the head.
+pub async fn websocket(addr: SocketAddr) -> (tokio::net::TcpStream, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(b"GET /chat HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+        .await
+        .unwrap();
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        assert_eq!(s.read(&mut byte).await.unwrap(), 1, "closed during the 101");
+        head.push(byte[0]);
+    }
+    (s, String::from_utf8_lossy(&head).into_owned())
+}
