@@ -342,7 +342,14 @@ impl Core {
                     move_on(key, &mut instead);
                     continue;
                 }
-                Ok(Some(Resolved::TakeOver(old))) => old,
+                // A take-over is a new execution: not past the scope's quota, which let this
+                // call read the record only to replay it.
+                Ok(Some(Resolved::TakeOver(old))) => match self.over_quota(&rules, store) {
+                    Some(retry_after) => {
+                        return Decision::Refused(Refusal::OverQuota { retry_after })
+                    }
+                    None => old,
+                },
                 // Released while we waited: this call may run it now.
                 Ok(None) => {
                     move_on(key, &mut instead);

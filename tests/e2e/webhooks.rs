@@ -392,6 +392,39 @@ async fn a_refused_event_does_not_answer_another_with_the_same_business_key() {
     assert_eq!(up.executions(), 2);
 }
 
+/// A scope at its quota still gets its replays, but another request's take-over of a stored
+/// refusal is a new execution: refused `429 key-quota` like a new key.
+#[tokio::test]
+async fn a_refusal_is_not_taken_over_past_the_clients_quota() {
+    let up = Upstream::start(|seen, n| {
+        match String::from_utf8_lossy(&seen.body).contains("\"amount\":1,") {
+            true => Reply::json(400, r#"{"error":"too small"}"#),
+            false => Reply::json(201, &format!("{{\"execution\":{n}}}")),
+        }
+    })
+    .await;
+    let gw = gateway(
+        &up.url(),
+        "[defaults]\nclient_header = \"X-Client\"\nmax_keys_per_client = 1\n[[routes]]\npath = \"/orders\"\nkey = { json = \"/order\" }\ncheck_fingerprint = false\n",
+    )
+    .await;
+    let http = Http::new(gw.addr());
+    let post = |body: &'static str| {
+        (http.request("POST", "/orders"))
+            .header("x-client", "c1")
+            .json(body)
+            .send()
+    };
+    let refused = post(r#"{"order":"o1","amount":1,"n":1}"#).await;
+    assert_eq!(refused.status, 400);
+    let again = post(r#"{"order":"o1","amount":1,"n":1}"#).await;
+    assert!(again.is_replay(), "its own replay: {again:?}");
+    let other = post(r#"{"order":"o1","amount":2,"n":1}"#).await;
+    assert_eq!(other.status, 429, "{other:?}");
+    assert_eq!(other.problem_type(), "key-quota");
+    assert_eq!(up.executions(), 1);
+}
+
 /// The example's business route: an event whose object has no id (Stripe's balance.available)
 /// reaches the handler, verified, instead of `400 missing-key` on every redelivery; unsigned, it
 /// does not.
