@@ -129,9 +129,10 @@ impl KeySource {
                 }
             }
         }
+        let (key, sent) = parts::key_and_sent(&parts);
         Ok(Some(Sent {
-            key: parts::combine(&parts),
-            sent: parts::sent(&parts),
+            key,
+            sent,
             older: parts::combine_untyped(&parts),
         }))
     }

@@ -26,6 +26,7 @@ pub(super) enum Waited {
 }
 
 /// The store as the core uses it: the worker's handle, every call timed and counted.
+#[derive(Clone)]
 pub(super) struct Records {
     pub(super) store: Arc<dyn Store>,
     pub(super) shared: Arc<Shared>,
@@ -93,10 +94,7 @@ impl Records {
     ) -> Result<Option<OwnerToken>, StoreError> {
         let gone = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let taking = {
-            let records = Records {
-                store: Arc::clone(&self.store),
-                shared: Arc::clone(&self.shared),
-            };
+            let records = self.clone();
             let (key, old, claim, gone) = (*key, old.clone(), claim.clone(), Arc::clone(&gone));
             async move {
                 let taken = records.take_over(&key, &old, &claim, rules).await;

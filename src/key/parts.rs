@@ -67,6 +67,11 @@ impl KeyPart {
 /// The key made of `parts`: a hash of them as a JSON array, unambiguous whatever they contain,
 /// and of fixed length.
 pub fn combine(parts: &[KeyPart]) -> String {
+    hex::encode(Sha256::digest(json_array(parts)))
+}
+
+/// The parts as a JSON array of their values (`["pi_1",1e1]`): what [`combine`] hashes.
+fn json_array(parts: &[KeyPart]) -> Vec<u8> {
     let mut joined = Vec::with_capacity(64);
     joined.push(b'[');
     for (i, part) in parts.iter().enumerate() {
@@ -76,7 +81,7 @@ pub fn combine(parts: &[KeyPart]) -> String {
         part.write_json(&mut joined);
     }
     joined.push(b']');
-    hex::encode(Sha256::digest(&joined))
+    joined
 }
 
 /// The key the version before issue 45 made of `parts` (every part as text), where it differs
@@ -91,23 +96,17 @@ pub(super) fn combine_untyped(parts: &[KeyPart]) -> Option<String> {
     Some(hex::encode(Sha256::digest(&joined)))
 }
 
-/// The key as its sender knows it: one part's text, or several as a JSON array of their values.
-pub(super) fn sent(parts: &[KeyPart]) -> String {
-    match parts {
+/// [`combine`]'s key, and the key as its sender knows it: one part's text, or several as the
+/// JSON array the key is a hash of.
+pub(super) fn key_and_sent(parts: &[KeyPart]) -> (String, String) {
+    let joined = json_array(parts);
+    let key = hex::encode(Sha256::digest(&joined));
+    let sent = match parts {
         [one] => one.untyped().into_owned(),
-        several => {
-            let mut out = vec![b'['];
-            for (i, part) in several.iter().enumerate() {
-                if i > 0 {
-                    out.push(b',');
-                }
-                part.write_json(&mut out);
-            }
-            out.push(b']');
-            // Strings serde_json wrote and ASCII digits: always UTF-8.
-            String::from_utf8_lossy(&out).into_owned()
-        }
-    }
+        // Strings serde_json wrote, digits and `true`/`false`: always UTF-8.
+        _ => String::from_utf8_lossy(&joined).into_owned(),
+    };
+    (key, sent)
 }
 
 #[cfg(test)]
@@ -138,11 +137,13 @@ mod tests {
         let yes = [KeyPart::Bool(true)];
         assert_ne!(combine(&yes), combine(&[text("true")]));
         assert_eq!(combine_untyped(&yes), Some(combine(&[text("true")])));
+        let sent = |parts: &[KeyPart]| key_and_sent(parts).1;
         assert_eq!(
             sent(&[text("pi_1"), KeyPart::Number("1e1".into())]),
             r#"["pi_1",1e1]"#
         );
         assert_eq!(sent(&number), "1e1");
+        assert_eq!(key_and_sent(&number).0, combine(&number));
     }
 
     #[test]

@@ -539,8 +539,9 @@ pub(crate) async fn give_back_replaced(
     ttl: Duration,
     failed: StoreError,
 ) -> StoreError {
-    let refusal = matches!(Replaced::of(replaced, taker), Replaced::Refusal);
-    let given = match Replaced::of(replaced, taker) {
+    let replacing = Replaced::of(replaced, taker);
+    let refusal = matches!(replacing, Replaced::Refusal);
+    let given = match replacing {
         Replaced::Completed(response) => {
             let response = Arc::unwrap_or_clone(response);
             store.complete(key, owner, response, ttl).await
