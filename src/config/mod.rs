@@ -6,6 +6,7 @@
 //! default listed in [`Policy::builtin`]. Every rejection is a [`ConfigError`] naming the field, the
 //! bad value and what is allowed, and happens before anything listens.
 
+pub mod answers;
 pub mod client;
 pub mod identity;
 mod raw;
@@ -506,6 +507,9 @@ pub struct Policy {
     pub on_unknown: OnUnknown,
     /// How to ask the upstream whether an unknown outcome happened (`reconcile`).
     pub reconcile: Option<Reconcile>,
+    /// How the gateway's own answers hint at retrying and shape their bodies
+    /// (`retry_hint_headers`, `error_body`).
+    pub answers: answers::Answers,
 }
 
 /// A route's `reconcile`: the upstream's lookup by idempotency key.
@@ -545,6 +549,7 @@ impl Policy {
             on_store_error: OnStoreError::Reject,
             on_unknown: OnUnknown::Reject,
             reconcile: None,
+            answers: answers::Answers::builtin(),
         }
     }
 }
@@ -688,6 +693,8 @@ impl Config {
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_answers;
 #[cfg(test)]
 mod tests_client;
 #[cfg(test)]

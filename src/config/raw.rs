@@ -228,6 +228,16 @@ pub(super) struct RawPolicy {
     pub(super) on_store_error: Option<OnStoreError>,
     #[serde(default, deserialize_with = "typed")]
     pub(super) on_unknown: Option<OnUnknown>,
+    pub(super) retry_hint_headers: Option<Vec<String>>,
+    pub(super) error_body: Option<RawErrorBody>,
+}
+
+/// An `error_body` table, as written.
+#[derive(Debug, Default, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawErrorBody {
+    pub(super) content_type: Option<String>,
+    pub(super) template: String,
 }
 
 /// A `client_jwt` table, as written.

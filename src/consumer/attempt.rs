@@ -219,7 +219,7 @@ pub(super) fn verdict(decision: Decision<HandlerCall>) -> Verdict {
             Refusal::KeyReused => Verdict::DeadLetter(
                 "key-reused: a message with this key and other content was handled before".into(),
             ),
-            Refusal::OutcomeUnknown(reason) => Verdict::DeadLetter(format!(
+            Refusal::OutcomeUnknown(reason) | Refusal::LookupDue { reason, .. } => Verdict::DeadLetter(format!(
                 "outcome-unknown: an earlier delivery called the handler and its outcome is not known ({})",
                 reason.as_str()
             )),

@@ -41,6 +41,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::body::{self, Body, Budget};
+use crate::config::answers::Answers;
 use crate::config::identity::KeyIdentity;
 use crate::config::{
     Policy, RouteConfig, ServerConfig, UpstreamUrl, CLIENT_SUBJECT_HEADER, CLIENT_URI_HEADER,
@@ -123,6 +124,8 @@ pub struct Routing {
     default_timeout: Duration,
     /// `server.method_override_header`.
     method_override: Option<HeaderName>,
+    /// `[defaults]`' hint headers and error body, for answers outside any route.
+    answers: Answers,
 }
 
 impl Routing {
@@ -149,6 +152,7 @@ impl Routing {
             default_upstream,
             default_timeout: defaults.upstream_timeout,
             method_override: server.method_override_header.clone(),
+            answers: defaults.answers.clone(),
         }
     }
 }
@@ -417,13 +421,14 @@ impl Gateway {
         // Boxed, as the upgrade below: rare paths that would otherwise make every request's
         // future larger, and costlier to move.
         if req.method() == Method::CONNECT {
-            return Box::pin(self.connect(req, conn)).await;
+            let resp = Box::pin(self.connect(req, conn)).await;
+            return problem::restyle(resp, &self.routing.load().answers);
         }
         let routing = self.routing.load_full();
         let upgrade = wants_upgrade(&req);
         let (found, over) = match self.route_of(&routing, &req) {
             Ok(routed) => routed,
-            Err(refused) => return refused.into_response(),
+            Err(refused) => return problem::restyle(refused.into_response(), &routing.answers),
         };
         let Some(route) = found else {
             if upgrade {
@@ -436,7 +441,7 @@ impl Gateway {
                 .await;
                 self.metrics
                     .request(self.metrics.unrouted(), Outcome::Passthrough);
-                return resp;
+                return problem::restyle(resp, &routing.answers);
             }
             let resp = self
                 .pass_through(
@@ -449,12 +454,13 @@ impl Gateway {
                 .await;
             self.metrics
                 .request(self.metrics.unrouted(), Outcome::Passthrough);
-            return resp;
+            return problem::restyle(resp, &routing.answers);
         };
         drop(routing);
+        let answers = &route.config.policy.answers;
         if upgrade {
             self.metrics.request(&route.metrics, Outcome::BadRequest);
-            return Problem::UpgradeRefused.into_response();
+            return problem::restyle(Problem::UpgradeRefused.into_response(), answers);
         }
         match over {
             Override::None => {}
@@ -463,7 +469,7 @@ impl Gateway {
             }
             Override::Unreadable => {
                 self.metrics.request(&route.metrics, Outcome::BadRequest);
-                return Problem::InvalidMethodOverride.into_response();
+                return problem::restyle(Problem::InvalidMethodOverride.into_response(), answers);
             }
         }
         let started = Instant::now();
@@ -482,7 +488,7 @@ impl Gateway {
             upstream_ms = resp.extensions().get::<UpstreamTime>().map(|t| t.0.as_millis() as u64),
             "idempotent request"
         );
-        resp
+        problem::restyle(resp, &route.config.policy.answers)
     }
 
     /// The routing decision of `classify`: the route the request belongs to (none: pass-through)

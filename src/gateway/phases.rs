@@ -21,7 +21,7 @@ use crate::problem::Problem;
 use crate::quota::{Quota, QuotaId, Share};
 use crate::reconcile::Lookup;
 use crate::signature;
-use crate::store::{Claim, Origin, OriginKind};
+use crate::store::{now_ms, Claim, Origin, OriginKind};
 
 /// Marks an answer forwarded without idempotency because the store could not be used
 /// (`on_store_error = "pass"`): its retry may run again.
@@ -313,7 +313,7 @@ impl Gateway {
         .await;
         let mut answer = match decision {
             Decision::Owned { settled, took } => {
-                let mut answer = settled_answer(settled);
+                let mut answer = settled_answer(settled, lookup.as_ref().map(|l| l.after));
                 // For the request's log line; extensions never go on the wire.
                 answer.response.extensions_mut().insert(UpstreamTime(took));
                 answer
@@ -512,7 +512,8 @@ fn extract_key(
 }
 
 /// The answer to the owner of a key, once the core has settled what its execution means.
-fn settled_answer(settled: Settled<Response<Body>>) -> Answer {
+/// `lookup_in`: the route's `reconcile` wait, when it has one.
+fn settled_answer(settled: Settled<Response<Body>>, lookup_in: Option<Duration>) -> Answer {
     match settled {
         // Not stored: the client still gets the real answer; its retries find the pending
         // record, then an unknown outcome.
@@ -522,7 +523,12 @@ fn settled_answer(settled: Settled<Response<Body>>) -> Answer {
         Settled::Released(r) => Answer::of(r, Outcome::Released),
         Settled::NotSent(e) => Answer::problem(not_sent_problem(&*e)),
         Settled::Unknown { reason, retryable } => Answer::of(
-            Problem::OutcomeUnknown { reason, retryable }.into_response(),
+            Problem::OutcomeUnknown {
+                reason,
+                retryable,
+                lookup_in,
+            }
+            .into_response(),
             Outcome::Unknown,
         ),
         // The upstream's own answer (a proxy's 502 or 504), passed on as it came.
@@ -539,9 +545,21 @@ fn refusal_problem(policy: &Policy, refusal: Refusal) -> Problem {
         Refusal::InFlight => Problem::InFlight {
             retry_after: Duration::from_secs(1),
         },
-        Refusal::OutcomeUnknown(reason) | Refusal::Reconciling(reason) => Problem::OutcomeUnknown {
+        Refusal::OutcomeUnknown(reason) => Problem::OutcomeUnknown {
             reason,
             retryable: false,
+            lookup_in: None,
+        },
+        // The background asks as soon as a lookup is free.
+        Refusal::Reconciling(reason) => Problem::OutcomeUnknown {
+            reason,
+            retryable: false,
+            lookup_in: Some(Duration::ZERO),
+        },
+        Refusal::LookupDue { reason, due_ms } => Problem::OutcomeUnknown {
+            reason,
+            retryable: false,
+            lookup_in: Some(Duration::from_millis(due_ms.saturating_sub(now_ms()))),
         },
         Refusal::StoreUnavailable => Problem::StoreUnavailable,
         Refusal::StoreFull => Problem::StoreFull,

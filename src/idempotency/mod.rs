@@ -207,6 +207,12 @@ pub enum Refusal {
     InFlight,
     /// An earlier attempt's outcome is unknown: never executed again automatically.
     OutcomeUnknown(UnknownReason),
+    /// As `OutcomeUnknown`, on a route whose upstream is asked (`reconcile`): its next lookup
+    /// is due at this time (ms since the Unix epoch), in the background if no retry comes.
+    LookupDue {
+        reason: UnknownReason,
+        due_ms: u64,
+    },
     /// As `OutcomeUnknown`, but the upstream's lookup (`reconcile`) was not asked for this
     /// call (every lookup was taken, or the one it waited for was not answered): it may say
     /// soon, so a message is tried again rather than dead-lettered.
@@ -471,9 +477,8 @@ impl Core {
         rules: Rules,
         reason: UnknownReason,
     ) -> Option<Decision<E>> {
-        let unknown = Decision::Refused(Refusal::OutcomeUnknown(reason));
         let Some(lookup) = lookup else {
-            return Some(unknown);
+            return Some(Decision::Refused(Refusal::OutcomeUnknown(reason)));
         };
         let reconciler = &self.shared.reconciler;
         match reconciler.settle(&**store, key, lookup, rules.ttl).await {
@@ -483,9 +488,9 @@ impl Core {
             }),
             // It did not happen, or it was settled meanwhile: read the record again.
             Reconciled::Released | Reconciled::Settled => None,
-            Reconciled::TooEarly(due) => {
-                reconciler.schedule(*key, lookup, rules.ttl, due);
-                Some(unknown)
+            Reconciled::TooEarly(due_ms) => {
+                reconciler.schedule(*key, lookup, rules.ttl, due_ms);
+                Some(Decision::Refused(Refusal::LookupDue { reason, due_ms }))
             }
             // Not asked (every lookup was taken, or the shared one went unanswered): the
             // background asks as soon as it can.
@@ -495,9 +500,9 @@ impl Core {
             }
             Reconciled::Unknown => {
                 // The background asks again, with backoff.
-                let due = now_ms().saturating_add(lookup.after.as_millis() as u64);
-                reconciler.schedule(*key, lookup, rules.ttl, due);
-                Some(unknown)
+                let due_ms = now_ms().saturating_add(lookup.after.as_millis() as u64);
+                reconciler.schedule(*key, lookup, rules.ttl, due_ms);
+                Some(Decision::Refused(Refusal::LookupDue { reason, due_ms }))
             }
         }
     }

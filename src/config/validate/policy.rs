@@ -7,6 +7,7 @@ use std::time::Duration;
 use http::StatusCode;
 
 use super::{parse_header_name, shown, size_at_most};
+use crate::config::answers::ErrorBody;
 use crate::config::raw::{OneOrMany, RawPolicy, RawReconcile};
 use crate::config::{ConfigError, Policy, Reconcile, ServerStatuses};
 
@@ -28,6 +29,7 @@ pub(super) fn apply_policy(
     apply_identity(&f, &mut p, raw)?;
     apply_timing(&f, &mut p, raw)?;
     apply_limits(&f, &mut p, raw)?;
+    apply_answers(&f, &mut p, raw)?;
     check_policy(&f, &p)?;
     Ok(p)
 }
@@ -126,6 +128,56 @@ fn apply_timing(
                 ))
             }
         };
+    }
+    Ok(())
+}
+
+/// Headers a hint may not take: the gateway sets them to something else on the same answers.
+const NOT_HINTS: [&str; 10] = [
+    "content-type",
+    "content-length",
+    "transfer-encoding",
+    "connection",
+    "cache-control",
+    "retry-after",
+    "retry-after-ms",
+    "allow",
+    "www-authenticate",
+    "accept-encoding",
+];
+
+/// How the gateway's own answers hint at retrying and what their bodies look like.
+fn apply_answers(
+    f: &dyn Fn(&str) -> String,
+    p: &mut Policy,
+    raw: &RawPolicy,
+) -> Result<(), ConfigError> {
+    if let Some(names) = &raw.retry_hint_headers {
+        let bad = || {
+            ConfigError::invalid(
+                f("retry_hint_headers"),
+                format!("{names:?}"),
+                "a list of up to 8 distinct header names the SDKs read, such as [\"x-should-retry\", \"stripe-should-retry\"] ([] for none); not one the gateway sets itself (Content-Type, Retry-After, retry-after-ms, ...)",
+            )
+        };
+        let mut hints: Vec<http::HeaderName> = Vec::with_capacity(names.len());
+        for name in names {
+            let h = parse_header_name(&f("retry_hint_headers"), name)?;
+            if hints.contains(&h) || NOT_HINTS.contains(&h.as_str()) || h == p.replay_header {
+                return Err(bad());
+            }
+            hints.push(h);
+        }
+        if hints.len() > 8 {
+            return Err(bad());
+        }
+        p.answers.with_hints(hints);
+    }
+    if let Some(body) = &raw.error_body {
+        let content_type = body.content_type.as_deref().unwrap_or("application/json");
+        let parsed = ErrorBody::parse(content_type, &body.template)
+            .map_err(|why| ConfigError::invalid(f("error_body"), "(the table)", why))?;
+        p.answers.with_error_body(Some(std::sync::Arc::new(parsed)));
     }
     Ok(())
 }

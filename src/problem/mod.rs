@@ -1,18 +1,21 @@
 //! Every response the gateway makes itself: RFC 9457 `application/problem+json`, or for a
 //! gRPC client the same problem as a gRPC status ([`for_grpc`]).
 //!
-//! This is the one place that decides the status, `type` URI, gRPC code and wording for each
-//! cause. Bodies
-//! never carry internal details (addresses, store errors, keys); those go to the log.
+//! This is the one place that decides the status, `type` URI, gRPC code, wording and retry hint
+//! for each cause; [`render`] makes the response (problem+json or the route's `error_body`, and
+//! the hint headers SDKs obey). Bodies never carry internal details (addresses, store errors,
+//! keys); those go to the log.
+
+mod render;
+pub use render::restyle;
 
 use std::time::Duration;
 
-use crate::body::{self, Body};
-use crate::grpc::{self, Code};
+use crate::body::Body;
+use crate::grpc::Code;
 use crate::key::KeyError;
 use crate::store::UnknownReason;
-use bytes::Bytes;
-use http::{header, HeaderValue, Response, StatusCode};
+use http::{Response, StatusCode};
 
 /// Base of every problem `type` URI; `docs/problems.md` documents each one.
 pub const TYPE_BASE: &str = "https://idemgate.dev/problems/";
@@ -119,6 +122,9 @@ pub enum Problem {
     OutcomeUnknown {
         reason: UnknownReason,
         retryable: bool,
+        /// The route asks the upstream about such outcomes (`reconcile`): a retry after this
+        /// long finds the lookup due (or done in the background).
+        lookup_in: Option<Duration>,
     },
     /// The operator API's own refusals on the admin listener (`unauthorized`, `no-record`,
     /// `record-live`, `record-changed`, `bad-operator-request`): made in [`crate::admin`].
@@ -319,7 +325,9 @@ impl Problem {
             Problem::UpstreamUnreachable => "The upstream service could not be reached; the request was not sent. Retrying with the same key will try again.".into(),
             Problem::UpstreamTimeout => "The upstream service did not answer in time.".into(),
             Problem::UpstreamFailed => "The connection to the upstream service failed before a complete response arrived.".into(),
-            Problem::OutcomeUnknown { reason, retryable } => {
+            Problem::OutcomeUnknown {
+                reason, retryable, ..
+            } => {
                 let why = match reason {
                     UnknownReason::Timeout => "the upstream did not answer in time",
                     UnknownReason::Interrupted => "the connection to the upstream failed after the request was sent",
@@ -339,72 +347,64 @@ impl Problem {
         }
     }
 
-    fn retry_after(&self) -> Option<Duration> {
+    /// Whether the same request can succeed later, and when: what the retry hint headers say
+    /// (docs/problems.md lists each type's).
+    fn hint(&self) -> Hint {
+        const SOON: Duration = Duration::from_secs(1);
         match self {
-            Problem::InFlight { retry_after } => Some(*retry_after),
-            Problem::KeyQuota { retry_after } => Some(*retry_after),
-            Problem::StoreUnavailable
+            // Only another request (a new key, another body, a token, a signature) can pass.
+            Problem::MissingKey { .. }
+            | Problem::InvalidKey { .. }
+            | Problem::KeyReused { .. }
+            | Problem::BodyTooLarge { .. }
+            | Problem::UnsupportedEncoding { .. }
+            | Problem::UndecodableBody { .. }
+            | Problem::InvalidMethodOverride
+            | Problem::MethodNotAllowed
+            | Problem::GuardedPath { .. }
+            | Problem::UpgradeRefused
+            | Problem::SignatureRejected { .. }
+            | Problem::ClientRequired { .. }
+            | Problem::ClientUnverified { .. } => Hint::Final,
+            Problem::InFlight { retry_after } | Problem::KeyQuota { retry_after } => {
+                Hint::Retry(*retry_after)
+            }
+            // Nothing was forwarded: the same request, sent again, runs once the way is clear.
+            Problem::BadRequestBody
+            | Problem::BodyTimeout
+            | Problem::ClientKeysUnavailable
+            | Problem::StoreUnavailable
             | Problem::StoreFull
             | Problem::Overloaded { .. }
-            | Problem::ClientKeysUnavailable => Some(Duration::from_secs(1)),
-            _ => None,
-        }
-    }
-
-    /// The problem+json response.
-    pub fn into_response(self) -> Response<Body> {
-        let status = self.status();
-        let body = ProblemJson {
-            kind: format!("{TYPE_BASE}{}", self.slug()),
-            title: self.title(),
-            status: status.as_u16(),
-            detail: self.detail(),
-        };
-        let bytes = serde_json::to_vec(&body).unwrap_or_default();
-        let mut resp = Response::new(body::full(Bytes::from(bytes)));
-        *resp.status_mut() = status;
-        let h = resp.headers_mut();
-        h.insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("application/problem+json"),
-        );
-        h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
-        if let Some(after) = self.retry_after() {
-            h.insert(
-                header::RETRY_AFTER,
-                // Rounded up: a client that waits exactly this long must find the way clear.
-                HeaderValue::from(after.as_millis().div_ceil(1000).max(1) as u64),
-            );
-        }
-        if let Problem::GuardedPath { allow } = &self {
-            if let Ok(allow) = HeaderValue::from_str(allow) {
-                h.insert(header::ALLOW, allow);
+            | Problem::UpstreamUnreachable => Hint::Retry(SOON),
+            // On an idempotent route only, so the gateway knows what a retry does: runs it again
+            // (on_unknown = "retry"), finds what the lookup said, or only an operator settles it.
+            Problem::OutcomeUnknown {
+                retryable: true, ..
+            } => Hint::Retry(SOON),
+            Problem::OutcomeUnknown {
+                lookup_in: Some(wait),
+                ..
+            } => Hint::Retry((*wait).max(SOON)),
+            Problem::OutcomeUnknown { .. } => Hint::Final,
+            // A pass-through request's upstream failed: whether it ran, and whether it may run
+            // again, is the client's and the upstream's business, as without the gateway.
+            Problem::UpstreamTimeout | Problem::UpstreamFailed | Problem::Operator { .. } => {
+                Hint::Unsaid
             }
         }
-        if let Problem::UnsupportedEncoding { accepted, .. } = self {
-            // RFC 9110, 12.5.3: what a 415 for a content coding lists.
-            h.insert(header::ACCEPT_ENCODING, HeaderValue::from_static(accepted));
-        }
-        if let Problem::ClientUnverified { .. } = self {
-            // RFC 6750 section 3.1: what OAuth clients read to refresh their token.
-            h.insert(
-                header::WWW_AUTHENTICATE,
-                HeaderValue::from_static("Bearer error=\"invalid_token\""),
-            );
-        }
-        // Kept beside the response, for [`for_grpc`]; extensions never go on the wire.
-        resp.extensions_mut().insert(self);
-        resp
     }
+}
 
-    /// The Trailers-Only gRPC answer: the code, and `title: detail` as the message.
-    fn into_grpc_response(self) -> Response<Body> {
-        let message = format!("{}: {}", self.title(), self.detail());
-        let pushback = self
-            .retry_after()
-            .map(|after| u64::try_from(after.as_millis()).unwrap_or(u64::MAX));
-        grpc::trailers_only(self.grpc_code(), &message, pushback).map(|()| body::full(Bytes::new()))
-    }
+/// What the retry hint headers say of a problem.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Hint {
+    /// `true`: the same request can succeed after this long (`Retry-After`, `retry-after-ms`).
+    Retry(Duration),
+    /// `false`: retrying the same request gets the same answer.
+    Final,
+    /// No hint header: the client's own rules decide.
+    Unsaid,
 }
 
 /// A response for a gRPC client: a problem the gateway made becomes its gRPC status; anything
@@ -419,6 +419,10 @@ pub fn for_grpc(mut resp: Response<Body>) -> Response<Body> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::body;
+    use crate::grpc;
+    use bytes::Bytes;
+    use http::header;
     use http_body_util::BodyExt;
 
     #[tokio::test]
@@ -445,6 +449,7 @@ mod tests {
         let unknown = Problem::OutcomeUnknown {
             reason: UnknownReason::Timeout,
             retryable: false,
+            lookup_in: None,
         };
         assert_eq!(
             unknown.grpc_code(),
