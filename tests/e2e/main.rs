@@ -28,6 +28,7 @@ mod postgres_gateway;
 mod reconcile;
 mod redis_failover;
 mod redis_gateway;
+mod sdks;
 mod shutdown;
 mod store_contract;
 mod tls;

@@ -1,7 +1,9 @@
 //! A TCP relay between two real parts that a test can stall (everything held in both
-//! directions, as in a partition) or point elsewhere (as a failover moves a virtual IP).
+//! directions, as in a partition), point elsewhere (as a failover moves a virtual IP), or have
+//! lose an answer (the connection cut as the server's first bytes arrive).
 #![allow(dead_code)]
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -20,6 +22,8 @@ struct Shared {
     stalled: watch::Sender<bool>,
     /// Bumped by [`Relay::retarget`]: every connection relayed before it is cut.
     generation: watch::Sender<u64>,
+    /// Set by [`Relay::cut_next_answer`]: the next bytes from a server end their connection.
+    cut_answer: AtomicBool,
 }
 
 impl Relay {
@@ -31,6 +35,7 @@ impl Relay {
             target: Mutex::new(target),
             stalled: watch::channel(false).0,
             generation: watch::channel(0).0,
+            cut_answer: AtomicBool::new(false),
         });
         let s = Arc::clone(&shared);
         let task = tokio::spawn(async move {
@@ -56,6 +61,17 @@ impl Relay {
         self.shared.stalled.send_replace(false);
     }
 
+    /// The next answer a server sends is lost: its connection is closed both ways as its first
+    /// bytes arrive, none passed on (the server answered; the client never hears it).
+    pub fn cut_next_answer(&self) {
+        self.shared.cut_answer.store(true, Ordering::SeqCst);
+    }
+
+    /// Whether the answer [`Relay::cut_next_answer`] asked for was cut.
+    pub fn answer_cut(&self) -> bool {
+        !self.shared.cut_answer.load(Ordering::SeqCst)
+    }
+
     /// Cuts every connection relayed so far; new ones go to `target`.
     pub fn retarget(&self, target: u16) {
         *self.shared.target.lock().unwrap() = target;
@@ -75,8 +91,13 @@ async fn relay(client: TcpStream, server: TcpStream, shared: &Shared) {
     cut.mark_unchanged();
     let (client_read, client_write) = client.into_split();
     let (server_read, server_write) = server.into_split();
-    let up = pipe(client_read, server_write, shared.stalled.subscribe());
-    let down = pipe(server_read, client_write, shared.stalled.subscribe());
+    let up = pipe(client_read, server_write, shared.stalled.subscribe(), None);
+    let down = pipe(
+        server_read,
+        client_write,
+        shared.stalled.subscribe(),
+        Some(&shared.cut_answer),
+    );
     tokio::select! {
         _ = up => {}
         _ = down => {}
@@ -88,6 +109,7 @@ async fn pipe(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
     mut stalled: watch::Receiver<bool>,
+    cut: Option<&AtomicBool>,
 ) {
     let mut buf = vec![0u8; 16 * 1024];
     loop {
@@ -95,6 +117,9 @@ async fn pipe(
             Ok(0) | Err(_) => return,
             Ok(n) => n,
         };
+        if cut.is_some_and(|c| c.swap(false, Ordering::SeqCst)) {
+            return;
+        }
         if stalled.wait_for(|s| !*s).await.is_err() {
             return;
         }
