@@ -138,3 +138,20 @@ fn a_refused_template_s_message_says_why_without_echoing_it() {
         "{err}"
     );
 }
+
+#[test]
+fn every_envelope_example_in_the_docs_loads() {
+    let docs = include_str!("../../docs/problems.md");
+    let examples: Vec<&str> = docs
+        .split("```toml\n")
+        .skip(1)
+        .filter_map(|block| block.split("```").next())
+        .filter(|block| block.contains("error_body"))
+        .collect();
+    assert_eq!(examples.len(), 3, "Stripe, Stainless and GoCardless");
+    for example in examples {
+        let c = parse(&format!("{example}[[routes]]\npath = \"/p\"\n"))
+            .unwrap_or_else(|e| panic!("{example}: {e}"));
+        assert!(c.routes[0].policy.answers.error_body().is_some());
+    }
+}

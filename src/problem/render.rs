@@ -323,3 +323,85 @@ mod tests {
         assert_eq!(resp.headers()["retry-after-ms"], "12300");
     }
 }
+
+#[cfg(test)]
+mod documented {
+    use super::*;
+    use crate::key::KeyError;
+    use crate::store::UnknownReason;
+
+    /// One of each type (every way an unknown outcome can be), and its hint as the table of
+    /// docs/problems.md says it.
+    #[test]
+    fn every_type_s_hint_is_the_documented_one() {
+        let docs = include_str!("../../docs/problems.md");
+        let unknown = |retryable, lookup_in| Problem::OutcomeUnknown {
+            reason: UnknownReason::Timeout,
+            retryable,
+            lookup_in,
+        };
+        let all = [
+            Problem::MissingKey { what: "k".into() },
+            Problem::InvalidKey {
+                what: "k".into(),
+                reason: KeyError::Empty,
+            },
+            Problem::KeyReused {
+                status: http::StatusCode::CONFLICT,
+            },
+            Problem::InFlight {
+                retry_after: Duration::from_secs(1),
+            },
+            Problem::BodyTooLarge {
+                limit: 1,
+                decoded: false,
+            },
+            Problem::UnsupportedEncoding {
+                what: "x".into(),
+                accepted: "gzip",
+            },
+            Problem::InvalidMethodOverride,
+            Problem::UndecodableBody { what: "x" },
+            Problem::BadRequestBody,
+            Problem::BodyTimeout,
+            Problem::MethodNotAllowed,
+            Problem::GuardedPath {
+                allow: "POST".into(),
+            },
+            Problem::UpgradeRefused,
+            Problem::SignatureRejected { why: "invalid" },
+            Problem::ClientRequired { what: "x".into() },
+            Problem::ClientUnverified { reason: "expired" },
+            Problem::ClientKeysUnavailable,
+            Problem::StoreUnavailable,
+            Problem::StoreFull,
+            Problem::KeyQuota {
+                retry_after: Duration::from_secs(60),
+            },
+            Problem::Overloaded { what: "memory" },
+            Problem::UpstreamUnreachable,
+            Problem::UpstreamTimeout,
+            Problem::UpstreamFailed,
+            unknown(false, None),
+            unknown(true, None),
+            unknown(false, Some(Duration::from_secs(5))),
+        ];
+        for problem in all {
+            let row = docs
+                .lines()
+                .find(|l| l.starts_with(&format!("| `{}` |", problem.slug())))
+                .unwrap_or_else(|| panic!("no row for {}", problem.slug()));
+            let cell = row.split(" | ").nth(3).unwrap();
+            let said = match problem.hint() {
+                Hint::Retry(_) => "`true`",
+                Hint::Final => "`false`",
+                Hint::Unsaid => "none",
+            };
+            assert!(
+                cell.contains(said),
+                "{}: {cell:?} should say {said}",
+                problem.slug()
+            );
+        }
+    }
+}
