@@ -134,11 +134,13 @@ impl ErrorBody {
             content_type,
             pieces,
         };
+        // Every text value starts with a quote: a template that puts a placeholder after a
+        // backslash or a partial `\u` escape (which a letter could complete) renders invalid.
         let sample = body.render(&Fields {
-            code: "key-reused",
-            type_uri: "https://idemgate.dev/problems/key-reused",
-            title: "A \"title\" \\ with\tescapes",
-            detail: "A detail with \"quotes\", a backslash \\, a newline\n and </script> é",
+            code: "\"key-reused",
+            type_uri: "\"https://idemgate.dev/problems/key-reused",
+            title: "\"A title\" \\ with\tescapes",
+            detail: "\"A detail\" with a backslash \\, a newline\n and </script> é",
             status: 409,
         });
         serde_json::from_slice::<serde_json::Value>(&sample).map_err(|e| {
@@ -256,6 +258,8 @@ mod tests {
             (r#"{"m": "{detail}""#, "valid JSON"),
             (r#"{"m": "x"}"#, "no placeholder"),
             (r#"{"code": "{code}", "x": "{_}"}"#, "is not a placeholder"),
+            (r#"{"m": "\u000{title}"}"#, "valid JSON"),
+            (r#"{"m": "\{detail}"}"#, "valid JSON"),
         ] {
             let err = ErrorBody::parse("application/json", template).unwrap_err();
             assert!(err.contains(why), "{template}: {err}");

@@ -507,8 +507,7 @@ pub struct Policy {
     pub on_unknown: OnUnknown,
     /// How to ask the upstream whether an unknown outcome happened (`reconcile`).
     pub reconcile: Option<Reconcile>,
-    /// How the gateway's own answers hint at retrying and shape their bodies
-    /// (`retry_hint_headers`, `error_body`).
+    /// The gateway's own answers' retry hints and body (`retry_hint_headers`, `error_body`).
     pub answers: answers::Answers,
 }
 

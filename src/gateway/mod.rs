@@ -90,15 +90,24 @@ fn harmless<B: http_body::Body>(req: &Request<B>) -> bool {
     bodiless && matches!(*req.method(), Method::GET | Method::HEAD | Method::OPTIONS)
 }
 
-/// `405 method-not-allowed` for a request to `guard`'s path that is not its own.
-fn guarded_path(guard: &Route) -> Problem {
+/// A refusal made before a request has its route: boxed, as it is rare and a response is large.
+type Refused = Box<Response<Body>>;
+
+/// `405 method-not-allowed` for a request to `guard`'s path that is not its own, in that
+/// route's answers.
+fn guarded_path(guard: &Route) -> Response<Body> {
     let allow: Vec<&str> = guard.config.methods.iter().map(Method::as_str).collect();
-    Problem::GuardedPath {
+    guard.refuse(Problem::GuardedPath {
         allow: allow.join(", "),
-    }
+    })
 }
 
 impl Route {
+    /// The route's answer to `problem`: its hint headers and error body.
+    fn refuse(&self, problem: Problem) -> Response<Body> {
+        problem::restyle(problem.into_response(), &self.config.policy.answers)
+    }
+
     /// Whether the route protects its path against other methods and spellings: it verifies
     /// its sender (`signature`) or requires its client (`require_client`).
     fn guards_its_path(&self) -> bool {
@@ -428,7 +437,7 @@ impl Gateway {
         let upgrade = wants_upgrade(&req);
         let (found, over) = match self.route_of(&routing, &req) {
             Ok(routed) => routed,
-            Err(refused) => return problem::restyle(refused.into_response(), &routing.answers),
+            Err(refused) => return *refused,
         };
         let Some(route) = found else {
             if upgrade {
@@ -457,10 +466,9 @@ impl Gateway {
             return problem::restyle(resp, &routing.answers);
         };
         drop(routing);
-        let answers = &route.config.policy.answers;
         if upgrade {
             self.metrics.request(&route.metrics, Outcome::BadRequest);
-            return problem::restyle(Problem::UpgradeRefused.into_response(), answers);
+            return route.refuse(Problem::UpgradeRefused);
         }
         match over {
             Override::None => {}
@@ -469,7 +477,7 @@ impl Gateway {
             }
             Override::Unreadable => {
                 self.metrics.request(&route.metrics, Outcome::BadRequest);
-                return problem::restyle(Problem::InvalidMethodOverride.into_response(), answers);
+                return route.refuse(Problem::InvalidMethodOverride);
             }
         }
         let started = Instant::now();
@@ -493,12 +501,13 @@ impl Gateway {
 
     /// The routing decision of `classify`: the route the request belongs to (none: pass-through)
     /// and what its override header says, or the refusal when the override would loosen the
-    /// POST's own route, or the path is a guarded route's that this request is not.
+    /// POST's own route, or the path is a guarded route's that this request is not (in the
+    /// answers of the route it concerns).
     fn route_of<B: http_body::Body>(
         &self,
         routing: &Routing,
         req: &Request<B>,
-    ) -> Result<(Option<Arc<Route>>, Override), Problem> {
+    ) -> Result<(Option<Arc<Route>>, Override), Refused> {
         let over = method_override::of(
             req.method(),
             req.headers(),
@@ -514,7 +523,7 @@ impl Gateway {
                     if own.is_some_and(|own| !method_override::keeps_guards(named, own)) =>
                 {
                     self.metrics.request(&named.metrics, Outcome::BadRequest);
-                    return Err(Problem::InvalidMethodOverride);
+                    return Err(Box::new(named.refuse(Problem::InvalidMethodOverride)));
                 }
                 named => named.or(own),
             },
@@ -528,7 +537,7 @@ impl Gateway {
             if let Some(guard) = routing.router.guarded(path, Route::guards_its_path, found) {
                 if !harmless(req) {
                     self.metrics.request(&guard.metrics, Outcome::BadRequest);
-                    return Err(guarded_path(guard));
+                    return Err(Box::new(guarded_path(guard)));
                 }
             }
         }

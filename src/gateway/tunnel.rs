@@ -39,14 +39,14 @@ impl Gateway {
         let routing = self.routing.load_full();
         if let Some(route) = routing.router.find(&Method::GET, req.uri().path()) {
             self.metrics.request(&route.metrics, Outcome::BadRequest);
-            return Problem::UpgradeRefused.into_response();
+            return route.refuse(Problem::UpgradeRefused);
         }
         // A tunnel to a signed or client-checked route's path would pass it unchecked.
         if let Some(guard) =
             (routing.router).guarded(req.uri().path(), Route::guards_its_path, None)
         {
             self.metrics.request(&guard.metrics, Outcome::BadRequest);
-            return super::guarded_path(guard).into_response();
+            return super::guarded_path(guard);
         }
         let target = routing.default_upstream.clone();
         let timeout = routing.default_timeout;

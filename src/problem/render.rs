@@ -152,10 +152,15 @@ fn seconds(after: Duration) -> HeaderValue {
 /// A response in the way `answers` says: the gateway's own answer (the one with its
 /// [`Problem`] beside it) made again with the route's hint headers and body; anything else
 /// (the upstream's answer, a replay) as it is. Costs one flag test where nothing is configured.
+#[inline]
 pub fn restyle(resp: Response<Body>, answers: &Answers) -> Response<Body> {
-    if answers.is_builtin() {
-        return resp;
+    match answers.is_builtin() {
+        true => resp,
+        false => restyled(resp, answers),
     }
+}
+
+fn restyled(resp: Response<Body>, answers: &Answers) -> Response<Body> {
     let (mut parts, body) = resp.into_parts();
     let Some(problem) = parts.extensions.remove::<Problem>() else {
         return Response::from_parts(parts, body);

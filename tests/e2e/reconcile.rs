@@ -392,3 +392,34 @@ async fn a_storm_of_retries_shares_one_lookup() {
     assert_eq!(lookups(&up, "paid-storm"), 1, "one lookup");
     assert_eq!(posts(&up, "paid-storm"), 1, "never executed again");
 }
+
+/// An unknown outcome tells SDKs to retry the same key where a lookup will settle it (with
+/// `Retry-After` when it is due), and not to retry where only an operator can: no SDK repeats
+/// a request into the same answer, none gives up on one a retry would recover.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unknown_outcome_hints_a_retry_only_where_a_lookup_will_settle_it() {
+    let up = upstream().await;
+    let routes = format!(
+        "{}[[routes]]\nname = \"plain\"\npath = \"/plain\"\nmethods = [\"POST\"]\nupstream_timeout = \"500ms\"\nwait = \"0s\"\n",
+        route(&up)
+    );
+    let gw = Running::start(config(&up.url(), &routes)).await.unwrap();
+    let http = Http::new(gw.addr());
+    for got in [
+        http.post("/payments", "err-hint", "{}").await,
+        http.post("/payments", "err-hint", "{}").await,
+    ] {
+        assert_eq!(got.problem_type(), "outcome-unknown", "{got:?}");
+        assert_eq!(got.header("x-should-retry"), Some("true"), "{got:?}");
+        assert_eq!(got.header("retry-after"), Some("1"), "{got:?}");
+        assert_eq!(got.header("retry-after-ms"), Some("1000"), "{got:?}");
+    }
+    for got in [
+        http.post("/plain", "plain-hint", "{}").await,
+        http.post("/plain", "plain-hint", "{}").await,
+    ] {
+        assert_eq!(got.problem_type(), "outcome-unknown", "{got:?}");
+        assert_eq!(got.header("x-should-retry"), Some("false"), "{got:?}");
+        assert_eq!(got.header("retry-after"), None, "{got:?}");
+    }
+}

@@ -475,6 +475,9 @@ pub(super) fn validate_consumer(
         super::policy::apply_policy(&format!("consumers[{index}]"), defaults, &policy_raw)?;
     // A message is never handled without its key being kept: there is no client to tell.
     policy.on_store_error = OnStoreError::Reject;
+    // A consumer answers no HTTP client: `[defaults]`' answers are not its settings (and a
+    // change to them is no consumer's change on reload).
+    policy.answers = crate::config::answers::Answers::builtin();
     policy.require_key = true;
     Ok(ConsumerConfig {
         name,

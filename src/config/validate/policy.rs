@@ -132,9 +132,19 @@ fn apply_timing(
     Ok(())
 }
 
-/// Headers a hint may not take: the gateway sets them to something else on the same answers.
-const NOT_HINTS: [&str; 10] = [
+/// Headers a hint may not take: the gateway sets them to something else on the same answers,
+/// or they mean something to the connection.
+const NOT_HINTS: [&str; 19] = [
     "content-type",
+    "content-encoding",
+    "date",
+    "set-cookie",
+    "upgrade",
+    "te",
+    "trailer",
+    "keep-alive",
+    "proxy-connection",
+    "idempotency-bypassed",
     "content-length",
     "transfer-encoding",
     "connection",
