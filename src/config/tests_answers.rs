@@ -83,7 +83,11 @@ fn bad_hints_and_templates_are_refused_at_load_naming_the_field() {
         ),
         (
             "retry_hint_headers = [\"idempotent-replayed\"]",
-            "routes[0].retry_hint_headers",
+            "routes[0].replay_header",
+        ),
+        (
+            "replay_header = \"x-should-retry\"",
+            "routes[0].replay_header",
         ),
         (
             "error_body = { template = '{\"m\": \"{message}\"}' }",

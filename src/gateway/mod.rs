@@ -430,8 +430,8 @@ impl Gateway {
         // Boxed, as the upgrade below: rare paths that would otherwise make every request's
         // future larger, and costlier to move.
         if req.method() == Method::CONNECT {
-            let resp = Box::pin(self.connect(req, conn)).await;
-            return problem::restyle(resp, &self.routing.load().answers);
+            // In the answers of the config it was decided by (restyled there).
+            return Box::pin(self.connect(req, conn)).await;
         }
         let routing = self.routing.load_full();
         let upgrade = wants_upgrade(&req);

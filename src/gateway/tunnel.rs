@@ -14,7 +14,7 @@ use crate::body::{self, Body};
 use crate::config::UpstreamUrl;
 use crate::conn::{ClientBody, Hold, StreamHold};
 use crate::metrics::Outcome;
-use crate::problem::Problem;
+use crate::problem::{self, Problem};
 use crate::upstream::{prepare_request, UpstreamBody};
 
 impl Gateway {
@@ -31,12 +31,14 @@ impl Gateway {
             .extensions()
             .get::<hyper::ext::Protocol>()
             .is_some_and(|p| p.as_str().eq_ignore_ascii_case("websocket"));
+        // One config for the whole decision, and its answers: `[defaults]`' outside the
+        // routes, a route's about its own path.
+        let routing = self.routing.load_full();
         if !websocket {
             self.metrics
                 .request(self.metrics.unrouted(), Outcome::BadRequest);
-            return Problem::MethodNotAllowed.into_response();
+            return problem::restyle(Problem::MethodNotAllowed.into_response(), &routing.answers);
         }
-        let routing = self.routing.load_full();
         if let Some(route) = routing.router.find(&Method::GET, req.uri().path()) {
             self.metrics.request(&route.metrics, Outcome::BadRequest);
             return route.refuse(Problem::UpgradeRefused);
@@ -50,11 +52,12 @@ impl Gateway {
         }
         let target = routing.default_upstream.clone();
         let timeout = routing.default_timeout;
+        let answers = routing.answers.clone();
         drop(routing);
         let resp = self.tunnel_h2(req, conn, &target, timeout).await;
         self.metrics
             .request(self.metrics.unrouted(), Outcome::Passthrough);
-        resp
+        problem::restyle(resp, &answers)
     }
 
     /// An HTTP/2 WebSocket: its stream relayed to an HTTP/1.1 WebSocket upgrade of the upstream.

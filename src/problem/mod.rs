@@ -326,7 +326,9 @@ impl Problem {
             Problem::UpstreamTimeout => "The upstream service did not answer in time.".into(),
             Problem::UpstreamFailed => "The connection to the upstream service failed before a complete response arrived.".into(),
             Problem::OutcomeUnknown {
-                reason, retryable, ..
+                reason,
+                retryable,
+                lookup_in,
             } => {
                 let why = match reason {
                     UnknownReason::Timeout => "the upstream did not answer in time",
@@ -336,6 +338,12 @@ impl Problem {
                 if *retryable {
                     format!(
                         "The request with this idempotency key reached the upstream, but {why}, so it may or may not have been executed. This endpoint is configured as safe to run again: retrying with the same key executes it again."
+                    )
+                } else if let Some(wait) = lookup_in {
+                    // Never "a new key": that could run it twice while the lookup would settle it.
+                    format!(
+                        "The request with this idempotency key reached the upstream, but {why}, so it may or may not have been executed. The gateway asks the upstream whether it was: retry with the same key, not a new one, in {} seconds to get its result (or to run it, once, if it was not).",
+                        wait.as_millis().div_ceil(1000).max(1)
                     )
                 } else {
                     format!(

@@ -160,8 +160,16 @@ pub fn restyle(resp: Response<Body>, answers: &Answers) -> Response<Body> {
     }
 }
 
+/// Marks an answer already made in a route's way: the first way stands (a second would leave
+/// the first's hint names beside its own).
+#[derive(Clone, Copy)]
+struct Restyled;
+
 fn restyled(resp: Response<Body>, answers: &Answers) -> Response<Body> {
     let (mut parts, body) = resp.into_parts();
+    if parts.extensions.get::<Restyled>().is_some() {
+        return Response::from_parts(parts, body);
+    }
     let Some(problem) = parts.extensions.remove::<Problem>() else {
         return Response::from_parts(parts, body);
     };
@@ -180,6 +188,7 @@ fn restyled(resp: Response<Body>, answers: &Answers) -> Response<Body> {
     }
     parts.headers = headers;
     parts.extensions.extend(fresh_parts.extensions);
+    parts.extensions.insert(Restyled);
     Response::from_parts(parts, fresh_body)
 }
 
@@ -297,9 +306,46 @@ mod tests {
             .as_str()
             .unwrap()
             .contains("different request"));
+        // Made in one route's way, an answer is not made again in another's.
+        let again = restyle(
+            restyle(Problem::StoreUnavailable.into_response(), &stripe),
+            &answers(&["x-should-retry", "other-should-retry"], None),
+        );
+        assert_eq!(
+            again
+                .headers()
+                .get_all("stripe-should-retry")
+                .iter()
+                .count(),
+            1
+        );
+        assert!(again.headers().get("other-should-retry").is_none());
+        assert_eq!(again.headers()["content-type"], "application/json");
         // The upstream's own answers are never touched.
         let upstream = Response::new(body::full(Bytes::from_static(b"{}")));
         assert_eq!(names(&restyle(upstream, &stripe)).len(), 0);
+    }
+
+    #[test]
+    fn an_unknown_outcome_a_lookup_settles_never_says_to_use_a_new_key() {
+        let unknown = |lookup_in| {
+            Problem::OutcomeUnknown {
+                reason: UnknownReason::Timeout,
+                retryable: false,
+                lookup_in,
+            }
+            .detail()
+        };
+        let settled = unknown(Some(Duration::from_millis(300)));
+        assert!(
+            settled.contains("retry with the same key, not a new one, in 1 seconds"),
+            "{settled}"
+        );
+        let operator = unknown(None);
+        assert!(
+            operator.contains("before retrying with a new key"),
+            "{operator}"
+        );
     }
 
     #[test]

@@ -440,6 +440,7 @@ name = "hooks"
 path = "/hooks"
 methods = ["POST"]
 require_client = true
+error_body = { template = '{"errors": [{"code": "{code}"}]}' }
 [[routes]]
 name = "quiet"
 path = "/quiet"
@@ -460,9 +461,11 @@ retry_hint_headers = []
         assert_eq!(v["error"]["type"], "idempotency_error");
         v["error"]["code"].as_str().unwrap().to_string()
     };
+    // A refusal about a route's path is in that route's envelope, with the hints it inherits.
     let guarded = http.request("DELETE", "/hooks").send().await;
     assert_eq!(guarded.status, 405);
-    assert_eq!(envelope(&guarded), "method-not-allowed");
+    let v: Value = serde_json::from_slice(&guarded.body).unwrap();
+    assert_eq!(v["errors"][0]["code"], "method-not-allowed", "{guarded:?}");
     assert_eq!(guarded.header("stripe-should-retry"), Some("false"));
     let unrouted = http.post("/elsewhere", "k1", "{}").await;
     assert_eq!(unrouted.status, 502);

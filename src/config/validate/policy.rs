@@ -173,7 +173,7 @@ fn apply_answers(
         let mut hints: Vec<http::HeaderName> = Vec::with_capacity(names.len());
         for name in names {
             let h = parse_header_name(&f("retry_hint_headers"), name)?;
-            if hints.contains(&h) || NOT_HINTS.contains(&h.as_str()) || h == p.replay_header {
+            if hints.contains(&h) || NOT_HINTS.contains(&h.as_str()) {
                 return Err(bad());
             }
             hints.push(h);
@@ -359,6 +359,15 @@ fn check_policy(f: &dyn Fn(&str) -> String, p: &Policy) -> Result<(), ConfigErro
             f("upstream_timeout"),
             "0s",
             "a duration above zero such as \"30s\"",
+        ));
+    }
+    // Checked on the merged policy: a replay header set in one table and the hints in another
+    // would mark every replay `true`, which Stainless SDKs obey over the status.
+    if p.answers.hints().contains(&p.replay_header) {
+        return Err(ConfigError::invalid(
+            f("replay_header"),
+            p.replay_header.as_str(),
+            "a header other than the retry hint headers (retry_hint_headers): a replay is not a hint",
         ));
     }
     if p.key_header == p.replay_header {
