@@ -155,6 +155,28 @@ fn route(out: &mut String, r: &RouteConfig) {
     );
     fingerprint(out, r);
     signature(out, r);
+    answers(out, r);
+}
+
+/// How the route's own answers speak to SDKs, where they are not the built-in ones.
+fn answers(out: &mut String, r: &RouteConfig) {
+    let a = &r.policy.answers;
+    if a.is_builtin() {
+        return;
+    }
+    let hints: Vec<&str> = a.hints().iter().map(HeaderName::as_str).collect();
+    let hints = match hints.is_empty() {
+        true => "none".to_string(),
+        false => hints.join(", "),
+    };
+    let body = match a.error_body() {
+        Some(b) => format!(
+            "error_body {}",
+            b.content_type.to_str().unwrap_or("(not text)")
+        ),
+        None => "problem+json".to_string(),
+    };
+    let _ = writeln!(out, "  answers: retry hints {hints}; {body}");
 }
 
 /// What besides method, path, query and body tells this route's requests apart, and whether
@@ -253,6 +275,26 @@ mod tests {
         );
         assert!(text.contains("ttl 1day"), "{text}");
         assert!(text.contains("store memory"), "{text}");
+    }
+
+    #[test]
+    fn a_route_s_own_answers_are_shown() {
+        let text = describe(&parsed(
+            "[[routes]]\npath = \"/a\"\nretry_hint_headers = [\"x-should-retry\", \"stripe-should-retry\"]\nerror_body = { template = '{\"error\": {\"code\": \"{code}\"}}' }\n[[routes]]\npath = \"/b\"\nretry_hint_headers = []\n[[routes]]\npath = \"/c\"\n",
+        ));
+        assert!(
+            text.contains("  answers: retry hints x-should-retry, stripe-should-retry; error_body application/json"),
+            "{text}"
+        );
+        assert!(
+            text.contains("  answers: retry hints none; problem+json"),
+            "{text}"
+        );
+        assert_eq!(
+            text.matches("answers:").count(),
+            2,
+            "none for the built-in: {text}"
+        );
     }
 
     #[test]
