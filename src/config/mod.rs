@@ -13,6 +13,7 @@ mod raw;
 mod redact;
 pub use redact::{redact_url, shown_name};
 mod store;
+pub mod telemetry;
 
 pub use store::{
     DiskSettings, PostgresSettings, RedisSettings, RedisTarget, ReplicaAcks, StoreConfig, SyncMode,
@@ -90,6 +91,8 @@ pub struct Config {
     pub routes: Vec<RouteConfig>,
     /// `[[consumers]]`: broker messages delivered to a handler through the same core.
     pub consumers: Vec<ConsumerConfig>,
+    /// `[telemetry]`: traces over OTLP; `None`, the default, exports nothing.
+    pub telemetry: Option<telemetry::Telemetry>,
 }
 
 /// One `[[consumers]]` entry, validated ([`crate::consumer`]).

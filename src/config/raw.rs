@@ -27,6 +27,7 @@ pub(super) struct RawConfig {
     pub(super) routes: Vec<toml::Table>,
     #[serde(default)]
     pub(super) consumers: Vec<RawConsumer>,
+    pub(super) telemetry: Option<super::telemetry::RawTelemetry>,
 }
 
 /// One `[[consumers]]` entry.

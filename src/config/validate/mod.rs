@@ -72,6 +72,10 @@ impl RawConfig {
         check_body_budget(&server, &routes, &consumers)?;
         check_ttl_margin(&store, &routes, &consumers)?;
         let upstream_tls = validate_upstream_tls(raw_upstream)?;
+        let telemetry = self
+            .telemetry
+            .map(crate::config::telemetry::Telemetry::validate)
+            .transpose()?;
         check_tls_server_name(&upstream_tls, &upstream, &routes)?;
         Ok(Config {
             server,
@@ -83,6 +87,7 @@ impl RawConfig {
             defaults,
             routes,
             consumers,
+            telemetry,
         })
     }
 }

@@ -1,4 +1,7 @@
-//! Logging: `tracing` to stderr, as text or JSON lines, filtered by `RUST_LOG` (default `info`).
+//! Logging: `tracing` to stderr, as text or JSON lines, filtered by `RUST_LOG` (default `info`);
+//! and [`traces`]: OpenTelemetry spans over OTLP (`[telemetry]`).
+
+pub mod traces;
 
 use std::io::IsTerminal;
 

@@ -1,0 +1,138 @@
+//! Traces: OpenTelemetry spans exported over OTLP/HTTP (`[telemetry]`), the caller's W3C trace
+//! context continued and the gateway's own sent on to the upstream. Off (no [`Traces`]) unless
+//! configured: then the request path tests one `Option`.
+
+use std::time::Duration;
+
+use http::{HeaderMap, HeaderName, HeaderValue};
+use opentelemetry::propagation::{Extractor, Injector, TextMapPropagator};
+use opentelemetry::trace::{SpanKind, Status, TraceContextExt, Tracer as _, TracerProvider as _};
+use opentelemetry::{Context, KeyValue};
+use opentelemetry_otlp::{Protocol, WithExportConfig};
+use opentelemetry_sdk::propagation::TraceContextPropagator;
+use opentelemetry_sdk::trace::{
+    BatchConfigBuilder, BatchSpanProcessor, Sampler, SdkTracer, SdkTracerProvider,
+};
+use opentelemetry_sdk::Resource;
+
+use crate::config::telemetry::Resolved;
+
+/// Spans waiting for export; past it they are dropped, never waited for.
+const MAX_QUEUE: usize = 2048;
+/// One export's deadline: a slow collector delays the exporter's thread, not a request.
+const EXPORT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Why traces could not be set up.
+#[derive(Debug, thiserror::Error)]
+#[error("telemetry: the OTLP exporter could not be built: {0}")]
+pub struct TracesError(String);
+
+/// The process's tracer and its exporter.
+pub struct Traces {
+    provider: SdkTracerProvider,
+    tracer: SdkTracer,
+    propagator: TraceContextPropagator,
+    /// Spans for pass-through requests too.
+    pub pass_through: bool,
+}
+
+impl Traces {
+    pub fn start(settings: &Resolved, pass_through: bool) -> Result<Traces, TracesError> {
+        let exporter = opentelemetry_otlp::SpanExporter::builder()
+            .with_http()
+            .with_protocol(Protocol::HttpBinary)
+            .with_endpoint(format!("{}/v1/traces", settings.otlp_endpoint))
+            .with_timeout(EXPORT_TIMEOUT)
+            .build()
+            .map_err(|e| TracesError(e.to_string()))?;
+        let batches = BatchSpanProcessor::builder(exporter)
+            .with_batch_config(BatchConfigBuilder::default().with_max_queue_size(MAX_QUEUE).build())
+            .build();
+        let resource = Resource::builder()
+            .with_service_name(settings.service_name.clone())
+            .with_attributes(
+                settings
+                    .resource_attributes
+                    .iter()
+                    .map(|(k, v)| KeyValue::new(k.clone(), v.clone())),
+            )
+            .build();
+        let provider = SdkTracerProvider::builder()
+            .with_span_processor(batches)
+            .with_sampler(Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(
+                settings.sample_ratio,
+            ))))
+            .with_resource(resource)
+            .build();
+        let tracer = provider.tracer("idemgate");
+        Ok(Traces {
+            provider,
+            tracer,
+            propagator: TraceContextPropagator::new(),
+            pass_through,
+        })
+    }
+
+    /// A server span for a request, continuing the caller's `traceparent` if it sent one.
+    pub fn server_span(&self, name: String, headers: &HeaderMap, attributes: Vec<KeyValue>) -> Context {
+        let parent = self.propagator.extract(&Headers(headers));
+        let span = self
+            .tracer
+            .span_builder(name)
+            .with_kind(SpanKind::Server)
+            .with_attributes(attributes)
+            .start_with_context(&self.tracer, &parent);
+        parent.with_span(span)
+    }
+
+    /// Puts `cx`'s span in `headers` as the `traceparent` (and `tracestate`) the upstream gets,
+    /// in place of the caller's.
+    pub fn inject(&self, cx: &Context, headers: &mut HeaderMap) {
+        headers.remove(TRACEPARENT);
+        headers.remove(TRACESTATE);
+        self.propagator.inject_context(cx, &mut HeadersMut(headers));
+    }
+
+    /// Sends what is queued, within `grace`.
+    pub fn shutdown(&self, grace: Duration) {
+        let _ = self.provider.shutdown_with_timeout(grace);
+    }
+}
+
+const TRACEPARENT: HeaderName = HeaderName::from_static("traceparent");
+const TRACESTATE: HeaderName = HeaderName::from_static("tracestate");
+
+/// Ends a request's span with what became of it.
+pub fn finish(cx: &Context, status: u16, attributes: Vec<KeyValue>) {
+    let span = cx.span();
+    span.set_attribute(KeyValue::new("http.response.status_code", i64::from(status)));
+    for a in attributes {
+        span.set_attribute(a);
+    }
+    if status >= 500 {
+        span.set_status(Status::error(""));
+    }
+    span.end();
+}
+
+struct Headers<'a>(&'a HeaderMap);
+
+impl Extractor for Headers<'_> {
+    fn get(&self, key: &str) -> Option<&str> {
+        self.0.get(key).and_then(|v| v.to_str().ok())
+    }
+
+    fn keys(&self) -> Vec<&str> {
+        self.0.keys().map(HeaderName::as_str).collect()
+    }
+}
+
+struct HeadersMut<'a>(&'a mut HeaderMap);
+
+impl Injector for HeadersMut<'_> {
+    fn set(&mut self, key: &str, value: String) {
+        if let (Ok(name), Ok(value)) = (HeaderName::from_bytes(key.as_bytes()), HeaderValue::from_str(&value)) {
+            self.0.insert(name, value);
+        }
+    }
+}
