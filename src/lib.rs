@@ -52,7 +52,7 @@
 //! - [`admin`] - the admin listener: `/healthz`, `/readyz`, `/metrics`, and the operator API
 //!   (`/keys`, `/keys/{id}`, with a token). A new endpoint is one more arm of its path `match`.
 //! - [`metrics`] - the Prometheus metrics and the outcome names they count.
-//! - [`telemetry`] - logging.
+//! - [`telemetry`] - logging, and traces: OpenTelemetry spans over OTLP (`[telemetry]`).
 //!
 //! Public: what the binary, the tests and an embedder use ([`cli`], [`config`], [`server`], and
 //! the parts the store contract tests drive: [`store`], [`key`], [`fingerprint`], [`route`]);

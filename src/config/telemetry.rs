@@ -19,7 +19,6 @@ pub(super) struct RawTelemetry {
     sample_ratio: Option<f64>,
     service_name: Option<String>,
     resource_attributes: Option<BTreeMap<String, String>>,
-    pass_through: Option<bool>,
 }
 
 /// `[telemetry]`, validated; `None` fields are left to the environment, then the defaults.
@@ -29,8 +28,6 @@ pub struct Telemetry {
     sample_ratio: Option<f64>,
     service_name: Option<String>,
     resource_attributes: BTreeMap<String, String>,
-    /// Spans for requests outside the idempotent routes too.
-    pub pass_through: bool,
 }
 
 /// What the exporter runs with, once the environment was read.
@@ -78,7 +75,6 @@ impl Telemetry {
             sample_ratio: raw.sample_ratio,
             service_name: raw.service_name,
             resource_attributes: attributes,
-            pass_through: raw.pass_through.unwrap_or(false),
         })
     }
 
@@ -205,7 +201,10 @@ mod tests {
                 ("OTEL_SERVICE_NAME", "payments-gateway"),
                 ("OTEL_TRACES_SAMPLER", "parentbased_traceidratio"),
                 ("OTEL_TRACES_SAMPLER_ARG", "0.25"),
-                ("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=prod, team=pay"),
+                (
+                    "OTEL_RESOURCE_ATTRIBUTES",
+                    "deployment.environment=prod, team=pay",
+                ),
             ]))
             .unwrap();
         assert_eq!(from_env.otlp_endpoint, "http://collector:4318");
@@ -223,7 +222,6 @@ mod tests {
             sample_ratio: Some(0.5),
             service_name: Some("edge".into()),
             resource_attributes: Some(attributes),
-            pass_through: None,
         })
         .unwrap();
         let got = file
@@ -265,9 +263,15 @@ mod tests {
             Err(ConfigError::Invalid { field, .. }) => field,
             other => panic!("{other:?}"),
         };
-        assert_eq!(from_env(&[("OTEL_TRACES_SAMPLER", "jaeger_remote")]), "OTEL_TRACES_SAMPLER");
         assert_eq!(
-            from_env(&[("OTEL_TRACES_SAMPLER", "traceidratio"), ("OTEL_TRACES_SAMPLER_ARG", "2")]),
+            from_env(&[("OTEL_TRACES_SAMPLER", "jaeger_remote")]),
+            "OTEL_TRACES_SAMPLER"
+        );
+        assert_eq!(
+            from_env(&[
+                ("OTEL_TRACES_SAMPLER", "traceidratio"),
+                ("OTEL_TRACES_SAMPLER_ARG", "2")
+            ]),
             "OTEL_TRACES_SAMPLER_ARG"
         );
         assert_eq!(

@@ -57,6 +57,7 @@ use crate::problem::{self, Problem};
 use crate::reconcile::Reconciler;
 use crate::route::{RoutePattern, Routed, Router};
 use crate::store::Store;
+use crate::telemetry::traces::{self, Traces};
 use crate::tls::CertificateIds;
 use crate::upstream::{
     prepare_request, ClientAddr, ConnectionLimits, PoolTimeouts, UpstreamPool, UpstreamTlsConnector,
@@ -242,6 +243,8 @@ pub struct Gateway {
     verifiers: Arc<Verifiers>,
     /// When keys of older derivations (client scope, typed key parts) are looked up too.
     legacy: LegacyWindow,
+    /// Spans over OTLP (`[telemetry]`); `None`: none made.
+    traces: Option<Arc<Traces>>,
 }
 
 /// What a gateway is made of; [`Gateway::new`] takes it.
@@ -261,6 +264,8 @@ pub struct GatewayParts {
     pub verifiers: Arc<Verifiers>,
     /// Whether the store keeps records across restarts (all but `memory`).
     pub durable_store: bool,
+    /// `[telemetry]`'s spans, when configured.
+    pub traces: Option<Arc<Traces>>,
 }
 
 impl Gateway {
@@ -275,6 +280,7 @@ impl Gateway {
             max_buffered,
             verifiers,
             durable_store,
+            traces,
         } = parts;
         let legacy = LegacyWindow::new(durable_store);
         let reconciler = Reconciler::new(
@@ -297,6 +303,7 @@ impl Gateway {
             tunnels: CancellationToken::new(),
             verifiers,
             legacy,
+            traces,
         }
     }
 
@@ -397,6 +404,11 @@ impl Gateway {
         )
     }
 
+    /// The spans exporter, when `[telemetry]` is configured.
+    pub fn traces(&self) -> Option<&Arc<Traces>> {
+        self.traces.as_ref()
+    }
+
     /// Owner executions still running (detached from their clients).
     pub fn tasks(&self) -> &TaskTracker {
         self.core.tasks()
@@ -484,8 +496,15 @@ impl Gateway {
         // Boxed: the idempotent path's future is many times the size of the pass-through one,
         // and every future of a request is moved a few times (into hyper's connection state,
         // into the deadline wrapper): unboxed, every pass-through request paid to copy it.
+        let span = self
+            .traces
+            .as_deref()
+            .map(|t| request_span(t, &route, &mut req, conn));
         let answer = Box::pin(self.idempotent(&route, req, conn)).await;
         self.metrics.request(&route.metrics, answer.outcome);
+        if let Some(cx) = &span {
+            end_span(cx, &answer);
+        }
         let resp = answer.response;
         tracing::info!(
             route = %route.config.name,
@@ -588,6 +607,51 @@ impl Gateway {
             }
         }
     }
+}
+
+/// A keyed request's server span (`{method} {route}`), continuing the caller's trace; the
+/// upstream gets the span's context as its `traceparent`.
+fn request_span(
+    traces: &Traces,
+    route: &Route,
+    req: &mut Request<ClientBody>,
+    conn: &ClientConn,
+) -> opentelemetry::Context {
+    use opentelemetry::KeyValue;
+    let pattern = route.config.pattern.to_string();
+    let version = match req.version() {
+        http::Version::HTTP_2 => "2",
+        http::Version::HTTP_10 => "1.0",
+        _ => "1.1",
+    };
+    let attributes = vec![
+        KeyValue::new("http.request.method", req.method().as_str().to_string()),
+        KeyValue::new("http.route", pattern.clone()),
+        KeyValue::new("url.path", req.uri().path().to_string()),
+        KeyValue::new("client.address", conn.addr.ip().to_string()),
+        KeyValue::new("network.protocol.version", version),
+        KeyValue::new("idemgate.route", route.config.name.clone()),
+    ];
+    let name = format!("{} {pattern}", req.method());
+    let cx = traces.server_span(name, req.headers(), attributes);
+    traces.inject(&cx, req.headers_mut());
+    cx
+}
+
+/// Ends a request's span with its outcome: never the key, only its id's first 16 hex digits.
+fn end_span(cx: &opentelemetry::Context, answer: &phases::Answer) {
+    use opentelemetry::KeyValue;
+    let mut attributes = vec![
+        KeyValue::new("idemgate.outcome", answer.outcome.as_str()),
+        KeyValue::new(
+            "idemgate.replayed",
+            matches!(answer.outcome, Outcome::Replayed | Outcome::Waited),
+        ),
+    ];
+    if let Some(key) = &answer.key {
+        attributes.push(KeyValue::new("idemgate.key.id", key.short()));
+    }
+    traces::finish(cx, answer.response.status().as_u16(), attributes);
 }
 
 /// The certificate headers are the gateway's alone: whatever a client sent under those names

@@ -56,7 +56,12 @@ pub enum ServerError {
     Consumer(#[from] ConsumerError),
     #[error("{0}")]
     AdminToken(#[from] crate::admin::TokenError),
+    #[error("{0}")]
+    Traces(#[from] crate::telemetry::traces::TracesError),
 }
+
+/// How long the spans still queued at shutdown may take to reach the collector.
+const TRACES_FLUSH: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// A bound, not yet serving gateway.
 pub struct Server {
@@ -99,6 +104,10 @@ impl Server {
             Arc::clone(&upstream_tls),
             Arc::clone(&metrics),
         ));
+        let traces = match &config.telemetry {
+            Some(t) => Some(Arc::new(crate::telemetry::traces::Traces::from_config(t)?)),
+            None => None,
+        };
         let routing = Routing::new(
             config.routes,
             config.upstream,
@@ -119,6 +128,7 @@ impl Server {
             max_buffered: config.server.max_buffered,
             verifiers,
             durable_store: !matches!(config.store, StoreConfig::Memory { .. }),
+            traces,
         }));
         let sources = consumers::sources(&config.consumers)?;
         let consumers = config.consumers.into_iter().zip(sources).collect();
@@ -239,6 +249,11 @@ impl Server {
         }
         if let Some(t) = reconciling {
             t.abort();
+        }
+        if let Some(traces) = gateway.traces() {
+            // On a thread of its own: the exporter blocks while it sends.
+            let traces = Arc::clone(traces);
+            let _ = tokio::task::spawn_blocking(move || traces.shutdown(TRACES_FLUSH)).await;
         }
         tracing::info!("shut down");
         Ok(())

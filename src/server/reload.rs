@@ -86,8 +86,9 @@ pub async fn reload_on_sighup(
                 || new.upstream_max_connections != running.upstream_max_connections
                 || new.upstream_idle_timeout != running.upstream_idle_timeout
                 || new.upstream_tls != running.upstream_tls
+                || new.telemetry != running.telemetry
             {
-                tracing::warn!("[store], [server], upstream.max_connections, upstream.idle_timeout and upstream.tls_* changes take effect only after a restart; reloading routes, defaults and upstream only");
+                tracing::warn!("[store], [server], [telemetry], upstream.max_connections, upstream.idle_timeout and upstream.tls_* changes take effect only after a restart; reloading routes, defaults and upstream only");
             }
             // The body budget stays the running one: a route whose bodies could never fit in it
             // would answer 503 to each of them.

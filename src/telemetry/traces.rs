@@ -1,6 +1,8 @@
 //! Traces: OpenTelemetry spans exported over OTLP/HTTP (`[telemetry]`), the caller's W3C trace
 //! context continued and the gateway's own sent on to the upstream. Off (no [`Traces`]) unless
-//! configured: then the request path tests one `Option`.
+//! configured: then the request path tests one `Option`. Spans are queued (at most
+//! `MAX_QUEUE`) and sent in batches by the SDK's own thread: a slow or absent collector drops
+//! spans, never holds a request.
 
 use std::time::Duration;
 
@@ -19,12 +21,14 @@ use crate::config::telemetry::Resolved;
 
 /// Spans waiting for export; past it they are dropped, never waited for.
 const MAX_QUEUE: usize = 2048;
+/// How often queued spans are sent: soon enough for an engineer watching a trace.
+const EXPORT_EVERY: Duration = Duration::from_secs(1);
 /// One export's deadline: a slow collector delays the exporter's thread, not a request.
 const EXPORT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Why traces could not be set up.
 #[derive(Debug, thiserror::Error)]
-#[error("telemetry: the OTLP exporter could not be built: {0}")]
+#[error("telemetry: {0}")]
 pub struct TracesError(String);
 
 /// The process's tracer and its exporter.
@@ -32,21 +36,34 @@ pub struct Traces {
     provider: SdkTracerProvider,
     tracer: SdkTracer,
     propagator: TraceContextPropagator,
-    /// Spans for pass-through requests too.
-    pub pass_through: bool,
 }
 
 impl Traces {
-    pub fn start(settings: &Resolved, pass_through: bool) -> Result<Traces, TracesError> {
+    /// `[telemetry]` with the environment's settings where it has none.
+    pub fn from_config(
+        config: &crate::config::telemetry::Telemetry,
+    ) -> Result<Traces, TracesError> {
+        let resolved = config
+            .with_env(|name| std::env::var(name).ok())
+            .map_err(|e| TracesError(e.to_string()))?;
+        Traces::start(&resolved)
+    }
+
+    pub fn start(settings: &Resolved) -> Result<Traces, TracesError> {
         let exporter = opentelemetry_otlp::SpanExporter::builder()
             .with_http()
             .with_protocol(Protocol::HttpBinary)
             .with_endpoint(format!("{}/v1/traces", settings.otlp_endpoint))
             .with_timeout(EXPORT_TIMEOUT)
             .build()
-            .map_err(|e| TracesError(e.to_string()))?;
+            .map_err(|e| TracesError(format!("the OTLP exporter could not be built: {e}")))?;
         let batches = BatchSpanProcessor::builder(exporter)
-            .with_batch_config(BatchConfigBuilder::default().with_max_queue_size(MAX_QUEUE).build())
+            .with_batch_config(
+                BatchConfigBuilder::default()
+                    .with_max_queue_size(MAX_QUEUE)
+                    .with_scheduled_delay(EXPORT_EVERY)
+                    .build(),
+            )
             .build();
         let resource = Resource::builder()
             .with_service_name(settings.service_name.clone())
@@ -69,12 +86,16 @@ impl Traces {
             provider,
             tracer,
             propagator: TraceContextPropagator::new(),
-            pass_through,
         })
     }
 
     /// A server span for a request, continuing the caller's `traceparent` if it sent one.
-    pub fn server_span(&self, name: String, headers: &HeaderMap, attributes: Vec<KeyValue>) -> Context {
+    pub fn server_span(
+        &self,
+        name: String,
+        headers: &HeaderMap,
+        attributes: Vec<KeyValue>,
+    ) -> Context {
         let parent = self.propagator.extract(&Headers(headers));
         let span = self
             .tracer
@@ -105,7 +126,10 @@ const TRACESTATE: HeaderName = HeaderName::from_static("tracestate");
 /// Ends a request's span with what became of it.
 pub fn finish(cx: &Context, status: u16, attributes: Vec<KeyValue>) {
     let span = cx.span();
-    span.set_attribute(KeyValue::new("http.response.status_code", i64::from(status)));
+    span.set_attribute(KeyValue::new(
+        "http.response.status_code",
+        i64::from(status),
+    ));
     for a in attributes {
         span.set_attribute(a);
     }
@@ -131,7 +155,10 @@ struct HeadersMut<'a>(&'a mut HeaderMap);
 
 impl Injector for HeadersMut<'_> {
     fn set(&mut self, key: &str, value: String) {
-        if let (Ok(name), Ok(value)) = (HeaderName::from_bytes(key.as_bytes()), HeaderValue::from_str(&value)) {
+        if let (Ok(name), Ok(value)) = (
+            HeaderName::from_bytes(key.as_bytes()),
+            HeaderValue::from_str(&value),
+        ) {
             self.0.insert(name, value);
         }
     }

@@ -21,6 +21,11 @@ pub struct ClientAddr {
 }
 
 impl ClientAddr {
+    /// The peer's address as text (what `X-Forwarded-For` gets).
+    pub fn ip(&self) -> &str {
+        self.ip.to_str().unwrap_or("")
+    }
+
     pub fn new(addr: SocketAddr, trusted: bool) -> Self {
         // An IP address always formats to a valid header value; the fallback is unreachable.
         let ip = HeaderValue::from_str(&addr.ip().to_canonical().to_string())

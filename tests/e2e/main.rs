@@ -32,6 +32,7 @@ mod sdks;
 mod shutdown;
 mod store_contract;
 mod tls;
+mod traces;
 mod uncertain;
 mod webhooks;
 mod wire_fuzz;

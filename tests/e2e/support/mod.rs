@@ -10,6 +10,7 @@ pub mod kafka;
 pub mod kafka_raw;
 pub mod nats;
 pub mod nginx;
+pub mod otlp;
 pub mod postgres;
 mod process;
 pub mod rabbitmq;
