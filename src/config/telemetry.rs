@@ -81,17 +81,31 @@ impl Telemetry {
     /// The settings with the environment's where the file has none: `OTEL_EXPORTER_OTLP_ENDPOINT`,
     /// `OTEL_SERVICE_NAME`, `OTEL_TRACES_SAMPLER` (`always_on`, `always_off`, `traceidratio` and
     /// their `parentbased_` forms) with `OTEL_TRACES_SAMPLER_ARG`, `OTEL_RESOURCE_ATTRIBUTES`
-    /// (`k=v,k=v`; the file's attributes win per name). A value the environment gets wrong is
-    /// refused, as the file's would be.
-    pub fn with_env(&self, env: impl Fn(&str) -> Option<String>) -> Result<Resolved, ConfigError> {
+    /// (`k=v,k=v`; the file's attributes win per name).
+    ///
+    /// As the OpenTelemetry spec says, an empty variable is unset, and one it cannot use is
+    /// left for the default with a warning (returned, for the log): variables set for a whole
+    /// cluster must not stop the gateway.
+    pub fn with_env(&self, env: impl Fn(&str) -> Option<String>) -> (Resolved, Vec<String>) {
+        let env = |name: &str| env(name).filter(|v| !v.trim().is_empty());
+        let mut warnings = Vec::new();
+        let mut warn = |e: ConfigError| warnings.push(format!("{e}; the default is used"));
         let otlp_endpoint = match (&self.otlp_endpoint, env("OTEL_EXPORTER_OTLP_ENDPOINT")) {
             (Some(url), _) => url.clone(),
-            (None, Some(url)) => endpoint("OTEL_EXPORTER_OTLP_ENDPOINT", &url)?,
+            (None, Some(url)) => {
+                endpoint("OTEL_EXPORTER_OTLP_ENDPOINT", &url).unwrap_or_else(|e| {
+                    warn(e);
+                    DEFAULT_ENDPOINT.into()
+                })
+            }
             (None, None) => DEFAULT_ENDPOINT.into(),
         };
         let sample_ratio = match self.sample_ratio {
             Some(r) => r,
-            None => sampler_from_env(&env)?,
+            None => sampler_from_env(&env).unwrap_or_else(|e| {
+                warn(e);
+                1.0
+            }),
         };
         let service_name = self
             .service_name
@@ -109,22 +123,26 @@ impl Telemetry {
             })
             .unwrap_or_default();
         resource_attributes.extend(self.resource_attributes.clone());
-        Ok(Resolved {
+        // The service's name is `service_name`'s alone, whatever the attributes say.
+        resource_attributes.remove("service.name");
+        let resolved = Resolved {
             otlp_endpoint: otlp_endpoint.trim_end_matches('/').to_string(),
             sample_ratio,
             service_name,
             resource_attributes,
-        })
+        };
+        (resolved, warnings)
     }
 }
 
-/// An `http://` or `https://` base URL, without credentials shown in errors.
+/// An `http://` base URL without credentials (none shown in errors): the exporter has no TLS
+/// yet, and would send no credentials written in a URL.
 fn endpoint(field: &str, url: &str) -> Result<String, ConfigError> {
     let parsed: Result<http::Uri, _> = url.parse();
     match parsed {
         Ok(uri)
-            if matches!(uri.scheme_str(), Some("http" | "https"))
-                && uri.authority().is_some()
+            if uri.scheme_str() == Some("http")
+                && uri.authority().is_some_and(|a| !a.as_str().contains('@'))
                 && uri.query().is_none() =>
         {
             Ok(url.to_string())
@@ -132,7 +150,7 @@ fn endpoint(field: &str, url: &str) -> Result<String, ConfigError> {
         _ => Err(ConfigError::invalid(
             field,
             super::redact_url(url),
-            "the OTLP/HTTP receiver's base URL, such as \"http://otel-collector:4318\" (spans go to /v1/traces under it)",
+            "the OTLP/HTTP receiver's base URL, such as \"http://otel-collector:4318\" (spans go to /v1/traces under it): http:// without credentials (a collector beside the gateway; https:// is not supported yet)",
         )),
     }
 }
@@ -191,7 +209,8 @@ mod tests {
 
     #[test]
     fn the_environment_fills_what_the_file_leaves_unset() {
-        let none = empty().with_env(env(&[])).unwrap();
+        let (none, warnings) = empty().with_env(env(&[]));
+        assert!(warnings.is_empty());
         assert_eq!(none.otlp_endpoint, "http://localhost:4318");
         assert_eq!(none.sample_ratio, 1.0);
         assert_eq!(none.service_name, "idemgate");
@@ -206,7 +225,7 @@ mod tests {
                     "deployment.environment=prod, team=pay",
                 ),
             ]))
-            .unwrap();
+            .0;
         assert_eq!(from_env.otlp_endpoint, "http://collector:4318");
         assert_eq!(from_env.service_name, "payments-gateway");
         assert_eq!(from_env.sample_ratio, 0.25);
@@ -218,7 +237,7 @@ mod tests {
         let mut attributes = BTreeMap::new();
         attributes.insert("team".to_string(), "core".to_string());
         let file = Telemetry::validate(RawTelemetry {
-            otlp_endpoint: Some("https://otel.example:4318".into()),
+            otlp_endpoint: Some("http://otel.example:4318".into()),
             sample_ratio: Some(0.5),
             service_name: Some("edge".into()),
             resource_attributes: Some(attributes),
@@ -229,10 +248,14 @@ mod tests {
                 ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://other:4318"),
                 ("OTEL_SERVICE_NAME", "other"),
                 ("OTEL_TRACES_SAMPLER", "always_off"),
-                ("OTEL_RESOURCE_ATTRIBUTES", "team=pay,region=eu"),
+                (
+                    "OTEL_RESOURCE_ATTRIBUTES",
+                    "team=pay,region=eu,service.name=other",
+                ),
             ]))
-            .unwrap();
-        assert_eq!(got.otlp_endpoint, "https://otel.example:4318");
+            .0;
+        assert_eq!(got.otlp_endpoint, "http://otel.example:4318");
+        assert!(!got.resource_attributes.contains_key("service.name"));
         assert_eq!(got.sample_ratio, 0.5);
         assert_eq!(got.service_name, "edge");
         assert_eq!(got.resource_attributes["team"], "core");
@@ -259,24 +282,35 @@ mod tests {
             }),
             "telemetry.otlp_endpoint"
         );
-        let from_env = |pairs: &[(&str, &str)]| match empty().with_env(env(pairs)) {
-            Err(ConfigError::Invalid { field, .. }) => field,
-            other => panic!("{other:?}"),
-        };
-        assert_eq!(
-            from_env(&[("OTEL_TRACES_SAMPLER", "jaeger_remote")]),
-            "OTEL_TRACES_SAMPLER"
-        );
-        assert_eq!(
-            from_env(&[
-                ("OTEL_TRACES_SAMPLER", "traceidratio"),
-                ("OTEL_TRACES_SAMPLER_ARG", "2")
-            ]),
-            "OTEL_TRACES_SAMPLER_ARG"
-        );
-        assert_eq!(
-            from_env(&[("OTEL_EXPORTER_OTLP_ENDPOINT", "ftp://x")]),
-            "OTEL_EXPORTER_OTLP_ENDPOINT"
-        );
+        for url in ["https://collector:4318", "http://user:pw@collector:4318"] {
+            assert_eq!(
+                bad(RawTelemetry {
+                    otlp_endpoint: Some(url.into()),
+                    ..Default::default()
+                }),
+                "telemetry.otlp_endpoint"
+            );
+        }
+        // The environment's mistakes are warned about and left for the defaults; empty is unset.
+        let from_env = |pairs: &[(&str, &str)]| empty().with_env(env(pairs));
+        let (got, warnings) = from_env(&[("OTEL_TRACES_SAMPLER", "jaeger_remote")]);
+        assert_eq!((got.sample_ratio, warnings.len()), (1.0, 1), "{warnings:?}");
+        assert!(warnings[0].contains("OTEL_TRACES_SAMPLER"), "{warnings:?}");
+        let (got, warnings) = from_env(&[
+            ("OTEL_TRACES_SAMPLER", "traceidratio"),
+            ("OTEL_TRACES_SAMPLER_ARG", "2"),
+        ]);
+        assert_eq!((got.sample_ratio, warnings.len()), (1.0, 1));
+        let (got, warnings) = from_env(&[("OTEL_EXPORTER_OTLP_ENDPOINT", "ftp://x")]);
+        assert_eq!(got.otlp_endpoint, "http://localhost:4318");
+        assert_eq!(warnings.len(), 1);
+        let (got, warnings) = from_env(&[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", ""),
+            ("OTEL_TRACES_SAMPLER", " "),
+            ("OTEL_SERVICE_NAME", ""),
+        ]);
+        assert!(warnings.is_empty(), "{warnings:?}");
+        assert_eq!(got.otlp_endpoint, "http://localhost:4318");
+        assert_eq!(got.service_name, "idemgate");
     }
 }

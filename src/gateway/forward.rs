@@ -92,6 +92,7 @@ impl Execute for Forward {
             _lease,
         } = self;
         let policy = &route.config.policy;
+        crate::telemetry::traces::hand_on(&parts.extensions, &mut parts.headers);
         if let Err(e) = prepare_request(&mut parts, &route.config.upstream, &conn.addr) {
             tracing::error!(key = key.short(), error = %e, "cannot build upstream request");
             return Attempt::NotSent(Box::new(e));

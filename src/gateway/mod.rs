@@ -588,6 +588,7 @@ impl Gateway {
         metrics: &RouteMetrics,
     ) -> Response<Body> {
         let (mut parts, body) = req.into_parts();
+        traces::hand_on(&parts.extensions, &mut parts.headers);
         if prepare_request(&mut parts, target, &conn.addr).is_err() {
             return Problem::UpstreamUnreachable.into_response();
         }
@@ -610,7 +611,7 @@ impl Gateway {
 }
 
 /// A keyed request's server span (`{method} {route}`), continuing the caller's trace; the
-/// upstream gets the span's context as its `traceparent`.
+/// upstream gets the span's context as its `traceparent` ([`traces::hand_on`]).
 fn request_span(
     traces: &Traces,
     route: &Route,
@@ -627,16 +628,23 @@ fn request_span(
     let attributes = vec![
         KeyValue::new("http.request.method", req.method().as_str().to_string()),
         KeyValue::new("http.route", pattern.clone()),
-        KeyValue::new("url.path", req.uri().path().to_string()),
+        // Capped: a path as long as the header limit would ride in every export.
+        KeyValue::new(
+            "url.path",
+            (req.uri().path().chars().take(MAX_PATH_ATTRIBUTE)).collect::<String>(),
+        ),
         KeyValue::new("client.address", conn.addr.ip().to_string()),
         KeyValue::new("network.protocol.version", version),
         KeyValue::new("idemgate.route", route.config.name.clone()),
     ];
     let name = format!("{} {pattern}", req.method());
     let cx = traces.server_span(name, req.headers(), attributes);
-    traces.inject(&cx, req.headers_mut());
+    req.extensions_mut().insert(traces::Handed(cx.clone()));
     cx
 }
+
+/// The longest `url.path` a span carries.
+const MAX_PATH_ATTRIBUTE: usize = 256;
 
 /// Ends a request's span with its outcome: never the key, only its id's first 16 hex digits.
 fn end_span(cx: &opentelemetry::Context, answer: &phases::Answer) {

@@ -43,10 +43,18 @@ impl Traces {
     pub fn from_config(
         config: &crate::config::telemetry::Telemetry,
     ) -> Result<Traces, TracesError> {
-        let resolved = config
-            .with_env(|name| std::env::var(name).ok())
-            .map_err(|e| TracesError(e.to_string()))?;
-        Traces::start(&resolved)
+        let (resolved, warnings) = config.with_env(|name| std::env::var(name).ok());
+        for warning in warnings {
+            tracing::warn!(%warning, "telemetry: an OpenTelemetry environment variable is not used");
+        }
+        let traces = Traces::start(&resolved)?;
+        tracing::info!(
+            endpoint = %format!("{}/v1/traces", resolved.otlp_endpoint),
+            sample_ratio = resolved.sample_ratio,
+            service = %resolved.service_name,
+            "traces exported over OTLP/HTTP"
+        );
+        Ok(traces)
     }
 
     pub fn start(settings: &Resolved) -> Result<Traces, TracesError> {
@@ -65,14 +73,16 @@ impl Traces {
                     .build(),
             )
             .build();
-        let resource = Resource::builder()
-            .with_service_name(settings.service_name.clone())
+        // Empty: the SDK's own reading of the environment would undo the file's precedence
+        // (`[telemetry]` already merged it); the service's name last, so nothing overrides it.
+        let resource = Resource::builder_empty()
             .with_attributes(
                 settings
                     .resource_attributes
                     .iter()
                     .map(|(k, v)| KeyValue::new(k.clone(), v.clone())),
             )
+            .with_service_name(settings.service_name.clone())
             .build();
         let provider = SdkTracerProvider::builder()
             .with_span_processor(batches)
@@ -106,14 +116,6 @@ impl Traces {
         parent.with_span(span)
     }
 
-    /// Puts `cx`'s span in `headers` as the `traceparent` (and `tracestate`) the upstream gets,
-    /// in place of the caller's.
-    pub fn inject(&self, cx: &Context, headers: &mut HeaderMap) {
-        headers.remove(TRACEPARENT);
-        headers.remove(TRACESTATE);
-        self.propagator.inject_context(cx, &mut HeadersMut(headers));
-    }
-
     /// Sends what is queued, within `grace`.
     pub fn shutdown(&self, grace: Duration) {
         let _ = self.provider.shutdown_with_timeout(grace);
@@ -122,6 +124,26 @@ impl Traces {
 
 const TRACEPARENT: HeaderName = HeaderName::from_static("traceparent");
 const TRACESTATE: HeaderName = HeaderName::from_static("tracestate");
+/// A caller's `tracestate` longer than W3C's 512 characters or with more than its 32 members is
+/// not kept: it would ride in every span and every export.
+const MAX_TRACESTATE: usize = 512;
+const MAX_TRACESTATE_MEMBERS: usize = 32;
+
+/// A request's span, kept in its extensions until its upstream call is made.
+#[derive(Clone)]
+pub struct Handed(pub Context);
+
+/// Puts the request's span (if it has one) in `headers` as the `traceparent` (and `tracestate`)
+/// the upstream gets, in place of the caller's: done as the upstream request is made, after
+/// every phase read the caller's headers as they came.
+pub fn hand_on(extensions: &http::Extensions, headers: &mut HeaderMap) {
+    let Some(Handed(cx)) = extensions.get::<Handed>() else {
+        return;
+    };
+    headers.remove(TRACEPARENT);
+    headers.remove(TRACESTATE);
+    TraceContextPropagator::new().inject_context(cx, &mut HeadersMut(headers));
+}
 
 /// Ends a request's span with what became of it.
 pub fn finish(cx: &Context, status: u16, attributes: Vec<KeyValue>) {
@@ -143,7 +165,10 @@ struct Headers<'a>(&'a HeaderMap);
 
 impl Extractor for Headers<'_> {
     fn get(&self, key: &str) -> Option<&str> {
-        self.0.get(key).and_then(|v| v.to_str().ok())
+        let value = self.0.get(key).and_then(|v| v.to_str().ok())?;
+        let oversized = key == TRACESTATE.as_str()
+            && (value.len() > MAX_TRACESTATE || value.split(',').count() > MAX_TRACESTATE_MEMBERS);
+        (!oversized).then_some(value)
     }
 
     fn keys(&self) -> Vec<&str> {

@@ -22,6 +22,7 @@ async fn a_keyed_request_continues_the_callers_trace_and_hands_its_own_span_on()
         .header("idempotency-key", "order-secret-key-1")
         .header("authorization", "Bearer sekrit-token")
         .header("traceparent", &format!("00-{TRACE}-{CALLER_SPAN}-01"))
+        .header("tracestate", &format!("big={}", "x".repeat(600)))
         .json("{\"amount\":1}")
         .send()
         .await;
@@ -36,6 +37,8 @@ async fn a_keyed_request_continues_the_callers_trace_and_hands_its_own_span_on()
         "the caller's span is its parent"
     );
     assert_eq!(server.name, "POST /payments");
+    assert_eq!(server.kind, 2, "SPAN_KIND_SERVER");
+    assert!(collector.services().iter().all(|s| s == "idemgate-test"));
     for (key, value) in [
         ("http.request.method", "POST"),
         ("http.route", "/payments"),
@@ -55,6 +58,28 @@ async fn a_keyed_request_continues_the_callers_trace_and_hands_its_own_span_on()
     let seen = up.seen();
     let sent = seen[0].headers["traceparent"].to_str().unwrap().to_string();
     assert_eq!(sent, format!("00-{TRACE}-{}-01", hex(&server.span_id)));
+    // An oversized tracestate is not kept, nor sent on.
+    assert!(
+        !seen[0].headers.contains_key("tracestate") || seen[0].headers["tracestate"].is_empty()
+    );
+    assert!(server.trace_state.is_empty(), "{}", server.trace_state);
+    // The retry's span: replayed.
+    let retry = http
+        .request("POST", "/payments")
+        .header("idempotency-key", "order-secret-key-1")
+        .header("authorization", "Bearer sekrit-token")
+        .json("{\"amount\":1}")
+        .send()
+        .await;
+    assert!(retry.is_replay());
+    let replayed = collector
+        .span(|s| attribute(s, "idemgate.outcome").as_deref() == Some("replayed"))
+        .await;
+    assert_eq!(
+        attribute(&replayed, "idemgate.replayed").as_deref(),
+        Some("true")
+    );
+    assert_eq!(up.executions(), 1);
     // Nothing of the key or the credential in any span.
     let dump = format!("{:?}", collector.spans());
     assert!(
@@ -63,12 +88,20 @@ async fn a_keyed_request_continues_the_callers_trace_and_hands_its_own_span_on()
     );
 }
 
-/// A collector that is down costs no request anything: every answer comes as without traces.
+/// A collector that takes the connection and never answers costs no request anything, and
+/// shutdown still ends (its last export is bounded).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_collector_down_never_holds_a_request() {
-    let closed = closed_port().await;
+async fn a_collector_that_never_answers_never_holds_a_request() {
+    let hung = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = hung.local_addr().unwrap();
+    let _held = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((conn, _)) = hung.accept().await {
+            held.push(conn);
+        }
+    });
     let up = Upstream::counting().await;
-    let text = format!("[telemetry]\notlp_endpoint = \"http://{closed}\"\n{PAYMENTS}");
+    let text = format!("[telemetry]\notlp_endpoint = \"http://{addr}\"\n{PAYMENTS}");
     let gw = Running::start(config(&up.url(), &text)).await.unwrap();
     let http = Http::new(gw.addr());
     for i in 0..50 {
@@ -80,6 +113,6 @@ async fn a_collector_down_never_holds_a_request() {
             .is_replay());
     }
     assert_eq!(up.executions(), 50);
-    // The last spans' export is bounded too: shutdown ends.
-    gw.shutdown().await;
+    let ended = tokio::time::timeout(std::time::Duration::from_secs(30), gw.shutdown()).await;
+    assert!(ended.is_ok(), "shutdown waited on the collector");
 }

@@ -20,6 +20,8 @@ use tokio::net::TcpListener;
 pub struct Collector {
     pub url: String,
     spans: Arc<Mutex<Vec<Span>>>,
+    /// Each export's resource `service.name`.
+    services: Arc<Mutex<Vec<String>>>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -28,19 +30,31 @@ impl Collector {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
         let spans = Arc::new(Mutex::new(Vec::new()));
+        let services = Arc::new(Mutex::new(Vec::new()));
         let kept = Arc::clone(&spans);
+        let named = Arc::clone(&services);
         let task = tokio::spawn(async move {
             while let Ok((stream, _)) = listener.accept().await {
                 let kept = Arc::clone(&kept);
+                let named = Arc::clone(&named);
                 tokio::spawn(async move {
                     let svc = service_fn(move |req: Request<Incoming>| {
                         let kept = Arc::clone(&kept);
+                        let named = Arc::clone(&named);
                         async move {
                             let path = req.uri().path().to_string();
                             let body = req.into_body().collect().await.unwrap().to_bytes();
                             assert_eq!(path, "/v1/traces");
                             let export = ExportTraceServiceRequest::decode(body).unwrap();
                             for resource in export.resource_spans {
+                                let service = resource.resource.as_ref().and_then(|r| {
+                                    r.attributes.iter().find(|kv| kv.key == "service.name")
+                                });
+                                if let Some(AnyValue::StringValue(name)) =
+                                    service.and_then(|kv| kv.value.as_ref()?.value.clone())
+                                {
+                                    named.lock().unwrap().push(name);
+                                }
                                 for scope in resource.scope_spans {
                                     kept.lock().unwrap().extend(scope.spans);
                                 }
@@ -56,7 +70,16 @@ impl Collector {
                 });
             }
         });
-        Collector { url, spans, task }
+        Collector {
+            url,
+            spans,
+            services,
+            task,
+        }
+    }
+
+    pub fn services(&self) -> Vec<String> {
+        self.services.lock().unwrap().clone()
     }
 
     pub fn spans(&self) -> Vec<Span> {
