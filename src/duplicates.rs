@@ -290,6 +290,7 @@ mod tests {
             body: bytes::Bytes::from_static(b"{}"),
             body_kept: true,
             completed_ms: 1,
+            link: None,
         };
         store.complete(&key, owner, answer, ttl).await.unwrap();
         let seen = tokio::time::timeout(Duration::from_secs(5), seat.next()).await;

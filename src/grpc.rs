@@ -159,6 +159,7 @@ mod tests {
             body: Bytes::new(),
             body_kept: true,
             completed_ms: 0,
+            link: None,
         }
     }
 

@@ -430,6 +430,7 @@ mod tests {
             body: bytes::Bytes::from_static(b"ok"),
             body_kept: true,
             completed_ms: 1,
+            link: None,
         }
     }
 

@@ -24,6 +24,8 @@ use base64::Engine;
 use bytes::Bytes;
 use http::{header, HeaderName, HeaderValue, Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Limited};
+use opentelemetry::trace::SpanKind;
+use opentelemetry::KeyValue;
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
@@ -34,6 +36,8 @@ use crate::key::StoreKey;
 use crate::operator::{self, Change, Filter};
 use crate::problem::Problem;
 use crate::store::{now_ms, OriginKind, Store, StoreError, StoredResponse};
+use crate::telemetry::span::Trace;
+use crate::telemetry::traces::Traces;
 
 /// The largest `PUT` body: a stored response the operator types in.
 const MAX_RESOLUTION: usize = 1 << 20;
@@ -175,6 +179,37 @@ pub(super) async fn handle(
         },
         _ => bad("Use GET, PUT or DELETE.".into()),
     }
+}
+
+/// An operator change's server span (`DELETE /keys/{id}`, `PUT /keys/{id}`) when traces are
+/// on, continuing the operator's `traceparent`; reads are not traced.
+pub(super) fn change_span(traces: &Traces, req: &Request<ClientBody>) -> Option<Trace> {
+    if !matches!(*req.method(), Method::DELETE | Method::PUT) {
+        return None;
+    }
+    let mut attributes = vec![
+        KeyValue::new("http.request.method", req.method().as_str().to_owned()),
+        KeyValue::new("http.route", "/keys/{id}"),
+    ];
+    if let Some(key) = req
+        .uri()
+        .path()
+        .strip_prefix("/keys/")
+        .and_then(StoreKey::from_hex)
+    {
+        attributes.push(KeyValue::new("idemgate.key.id", key.short()));
+    }
+    let name = format!("{} /keys/{{id}}", req.method());
+    Some(traces.span(name, SpanKind::Server, req.headers(), attributes))
+}
+
+pub(super) fn end_change_span(span: &Trace, resp: &Response<Body>) {
+    let status = resp.status().as_u16();
+    span.set(KeyValue::new(
+        "http.response.status_code",
+        i64::from(status),
+    ));
+    span.end((status >= 500).then_some(""));
 }
 
 /// The status a change's answer has (a change made is 200 even if the follow-up read of the
@@ -344,6 +379,7 @@ pub fn resolution_of(bytes: &[u8]) -> Result<StoredResponse, String> {
         body,
         body_kept: true,
         completed_ms: now_ms(),
+        link: None,
     })
 }
 

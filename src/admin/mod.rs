@@ -90,7 +90,12 @@ pub async fn serve(
                         // A reload may have made a route's ttl longer than at startup.
                         let ttl = gw.routes().iter().map(|r| r.config.policy.ttl).max();
                         let store = &**gw.store();
-                        return keys::handle(operator.as_deref(), (store, ttl), req, peer).await;
+                        let span = gw.traces().and_then(|t| keys::change_span(t, &req));
+                        let resp = keys::handle(operator.as_deref(), (store, ttl), req, peer).await;
+                        if let Some(span) = span {
+                            keys::end_change_span(&span, &resp);
+                        }
+                        return resp;
                     }
                     handle(&gw, &brokers, req).await
                 }
@@ -150,6 +155,9 @@ async fn handle(
             let metrics = gw.metrics();
             metrics.set_store_stats(gw.store().stats());
             metrics.set_store_fill(gw.store().fill());
+            if let Some(traces) = gw.traces() {
+                metrics.set_spans_dropped(traces.dropped());
+            }
             let mut resp = Response::new(body::full(Bytes::from(metrics.encode())));
             resp.headers_mut().insert(
                 header::CONTENT_TYPE,

@@ -19,6 +19,7 @@ pub(super) struct RawTelemetry {
     sample_ratio: Option<f64>,
     service_name: Option<String>,
     resource_attributes: Option<BTreeMap<String, String>>,
+    trace_passthrough: Option<bool>,
 }
 
 /// `[telemetry]`, validated; `None` fields are left to the environment, then the defaults.
@@ -28,6 +29,7 @@ pub struct Telemetry {
     sample_ratio: Option<f64>,
     service_name: Option<String>,
     resource_attributes: BTreeMap<String, String>,
+    trace_passthrough: bool,
 }
 
 /// What the exporter runs with, once the environment was read.
@@ -39,6 +41,9 @@ pub struct Resolved {
     pub sample_ratio: f64,
     pub service_name: String,
     pub resource_attributes: BTreeMap<String, String>,
+    /// A span for every request outside the idempotent routes too (off by default: they are
+    /// most of the traffic, and the gateway decides nothing about them).
+    pub trace_passthrough: bool,
 }
 
 impl Telemetry {
@@ -75,6 +80,7 @@ impl Telemetry {
             sample_ratio: raw.sample_ratio,
             service_name: raw.service_name,
             resource_attributes: attributes,
+            trace_passthrough: raw.trace_passthrough.unwrap_or(false),
         })
     }
 
@@ -130,6 +136,7 @@ impl Telemetry {
             sample_ratio,
             service_name,
             resource_attributes,
+            trace_passthrough: self.trace_passthrough,
         };
         (resolved, warnings)
     }
@@ -241,6 +248,7 @@ mod tests {
             sample_ratio: Some(0.5),
             service_name: Some("edge".into()),
             resource_attributes: Some(attributes),
+            trace_passthrough: None,
         })
         .unwrap();
         let got = file

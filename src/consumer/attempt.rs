@@ -5,9 +5,11 @@
 use std::convert::Infallible;
 
 use http::{HeaderName, HeaderValue};
+use tracing::Instrument as _;
 
 use super::handler::HandlerCall;
 use super::message::Consumer;
+use super::spans;
 use super::{Message, Source};
 use crate::config::OnUnknown;
 use crate::fingerprint::{fingerprint, IgnoredFields};
@@ -16,6 +18,7 @@ use crate::idempotency::{Decision, Execute, Keys, Refusal, Rules, Settled, Sough
 use crate::key::{ClientScope, Sent, StoreKey};
 use crate::metrics::ConsumerOutcome;
 use crate::store::{Claim, Origin, OriginKind};
+use crate::telemetry::span::Trace;
 
 /// What to do with a message after one attempt.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -33,8 +36,23 @@ pub(super) enum Verdict {
 }
 
 impl<S: Source> Consumer<S> {
-    /// One attempt at a message: key, fingerprint, the core.
+    /// One attempt at a message, in a span of its own when traces are on.
     pub(super) async fn attempt(&self, message: &Message) -> Verdict {
+        let Some(traces) = &self.ctx.traces else {
+            return self.attempt_in(message, None).await;
+        };
+        let trace = spans::message_span(traces, &self.config, message);
+        let (trace_id, span_id) = trace.ids();
+        let logs = tracing::info_span!("message", trace_id = %trace_id, span_id = %span_id);
+        let verdict = (self.attempt_in(message, Some(&trace)))
+            .instrument(logs)
+            .await;
+        spans::end_message_span(&trace, &verdict);
+        verdict
+    }
+
+    /// One attempt at a message: key, fingerprint, the core.
+    async fn attempt_in(&self, message: &Message, trace: Option<&Trace>) -> Verdict {
         let config = &self.config;
         if let Some(why) = &message.invalid {
             return Verdict::DeadLetter(format!("invalid-message: {why}"));
@@ -87,6 +105,7 @@ impl<S: Source> Consumer<S> {
             policy: config.policy.clone(),
             headers,
             body: body.clone(),
+            trace: trace.cloned(),
         };
         // Of the body and its media type (no fingerprint headers): the key is not part of it.
         let fp = fingerprint(&call.fingerprinted(), &IgnoredFields::default());
@@ -127,6 +146,9 @@ impl<S: Source> Consumer<S> {
         };
         if let Decision::Owned { took, .. } = &decision {
             self.metrics.handler(*took);
+        }
+        if let Some(trace) = trace {
+            spans::note_decision(trace, &decision, &store_key.key);
         }
         verdict(decision)
     }
@@ -289,6 +311,7 @@ mod tests {
                 body: bytes::Bytes::new(),
                 body_kept: true,
                 completed_ms: 0,
+                link: None,
             }),
             waited: false,
         };

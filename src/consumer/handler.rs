@@ -9,7 +9,10 @@ use crate::config::{Policy, UpstreamUrl};
 use crate::fingerprint::{earlier_fingerprint, Fingerprint, IgnoredFields, RequestParts};
 use crate::idempotency::{Attempt, Execute};
 use crate::store::{StoredResponse, UnknownReason};
+use crate::telemetry::span::Trace;
 use crate::upstream::{whole, CloseDelimited, UpstreamError, UpstreamPool};
+
+use super::spans;
 
 /// One message's call to the handler.
 pub struct HandlerCall {
@@ -20,6 +23,8 @@ pub struct HandlerCall {
     pub policy: Policy,
     pub headers: HeaderMap,
     pub body: Bytes,
+    /// The attempt's span, when traced: the handler's call is its child.
+    pub trace: Option<Trace>,
 }
 
 impl HandlerCall {
@@ -70,7 +75,24 @@ impl Execute for HandlerCall {
         earlier_fingerprint(&self.fingerprinted(), &IgnoredFields::default())
     }
 
-    async fn execute(self) -> Attempt<u16> {
+    fn trace(&self) -> Option<&Trace> {
+        self.trace.as_ref()
+    }
+
+    async fn execute(mut self) -> Attempt<u16> {
+        let Some(trace) = self.trace.take() else {
+            return self.call().await;
+        };
+        let (call, link) = spans::handler_call(&trace, &mut self.headers);
+        let mut attempt = self.call().await;
+        attempt.end_span(&call, link);
+        attempt
+    }
+}
+
+impl HandlerCall {
+    /// The POST, once, and its answer.
+    async fn call(self) -> Attempt<u16> {
         let req = match self.request() {
             Ok(r) => r,
             Err(e) => return Attempt::NotSent(Box::new(e)),
@@ -127,6 +149,7 @@ impl Execute for HandlerCall {
             body,
             body_kept,
             completed_ms: 0,
+            link: None,
         };
         Attempt::Answered {
             // A gRPC handler's answer is judged by its grpc-status, as on a route.

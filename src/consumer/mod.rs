@@ -45,6 +45,7 @@ pub mod nats;
 pub mod rabbitmq;
 pub mod redis_stream;
 pub mod source;
+mod spans;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -90,6 +91,8 @@ pub struct Context {
     pub pool: UpstreamPool,
     /// When keys of older derivations are looked up too.
     pub legacy: crate::idempotency::legacy::LegacyWindow,
+    /// `[telemetry]`'s spans, when configured: one per attempt at a message.
+    pub traces: Option<Arc<crate::telemetry::traces::Traces>>,
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -19,6 +19,7 @@ use crate::key::StoreKey;
 use crate::metrics::Metrics;
 use crate::problem::Problem;
 use crate::store::{StoredResponse, UnknownReason};
+use crate::telemetry::span::Trace;
 use crate::upstream::{
     prepare_request, whole, CloseDelimited, NoConnectionSlot, UpstreamBody, UpstreamError,
     UpstreamPool,
@@ -81,7 +82,23 @@ impl Execute for Forward {
         earlier_fingerprint(&parts, &self.route.config.fingerprint_ignore)
     }
 
-    async fn execute(self) -> Attempt<Response<Body>> {
+    fn trace(&self) -> Option<&Trace> {
+        self.parts.extensions.get::<Trace>()
+    }
+
+    async fn execute(mut self) -> Attempt<Response<Body>> {
+        let call = super::spans::upstream_call(&mut self.parts);
+        let mut attempt = self.send().await;
+        if let Some(call) = call {
+            super::spans::end_upstream_call(call, &mut attempt);
+        }
+        attempt
+    }
+}
+
+impl Forward {
+    /// Sends the request upstream once and captures the answer.
+    async fn send(self) -> Attempt<Response<Body>> {
         let Forward {
             route,
             mut parts,
@@ -92,7 +109,6 @@ impl Execute for Forward {
             _lease,
         } = self;
         let policy = &route.config.policy;
-        crate::telemetry::traces::hand_on(&parts.extensions, &mut parts.headers);
         if let Err(e) = prepare_request(&mut parts, &route.config.upstream, &conn.addr) {
             tracing::error!(key = key.short(), error = %e, "cannot build upstream request");
             return Attempt::NotSent(Box::new(e));
@@ -146,6 +162,7 @@ impl Execute for Forward {
             },
             body_kept: kept,
             completed_ms: 0,
+            link: None,
         };
         if grpc::ended_without_status(&response) {
             return Attempt::Unknown {

@@ -58,14 +58,16 @@ use crate::problem::{self, Problem};
 use crate::reconcile::Reconciler;
 use crate::route::{RoutePattern, Routed, Router};
 use crate::store::Store;
-use crate::telemetry::traces::{self, Traces};
+use crate::telemetry::span::Trace;
+use crate::telemetry::traces::Traces;
 use crate::tls::CertificateIds;
 use crate::upstream::{
     prepare_request, ClientAddr, ConnectionLimits, PoolTimeouts, UpstreamPool, UpstreamTlsConnector,
 };
 use forward::{upstream_problem, UpstreamTime};
 use method_override::{Overridden, Override};
-use spans::{end_span, request_span};
+use spans::{end_span, log_span, request_span};
+use tracing::Instrument as _;
 use tunnel::wants_upgrade;
 
 /// A route as the gateway runs it: its config, and its live metric series beside it.
@@ -502,12 +504,19 @@ impl Gateway {
             .traces
             .as_deref()
             .map(|t| request_span(t, &route, &mut req, conn));
-        let answer = Box::pin(self.idempotent(&route, req, conn)).await;
+        // With traces on, the request's log lines carry its trace_id and span_id.
+        let logs = span.as_ref().map(log_span);
+        let idempotent = self.idempotent(&route, req, conn);
+        let answer = match &logs {
+            Some(logs) => Box::pin(idempotent.instrument(logs.clone())).await,
+            None => Box::pin(idempotent).await,
+        };
         self.metrics.request(&route.metrics, answer.outcome);
-        if let Some(cx) = &span {
-            end_span(cx, &answer);
+        if let Some(trace) = &span {
+            end_span(trace, &answer);
         }
         let resp = answer.response;
+        let _logs = logs.as_ref().map(tracing::Span::enter);
         tracing::info!(
             route = %route.config.name,
             key = %answer.key.as_ref().map(StoreKey::short).unwrap_or_else(|| "-".into()),
@@ -590,7 +599,17 @@ impl Gateway {
         metrics: &RouteMetrics,
     ) -> Response<Body> {
         let (mut parts, body) = req.into_parts();
-        traces::hand_on(&parts.extensions, &mut parts.headers);
+        let span = match parts.extensions.get::<Trace>() {
+            // A keyed request sent on without idempotency (`on_store_error = "pass"`): its
+            // span is the upstream's parent, and ends with it.
+            Some(trace) => {
+                trace.hand_on(&mut parts.headers);
+                None
+            }
+            None => (self.traces.as_deref())
+                .filter(|t| t.passthrough())
+                .map(|t| spans::passthrough_span(t, &mut parts, conn)),
+        };
         if prepare_request(&mut parts, target, &conn.addr).is_err() {
             return Problem::UpstreamUnreachable.into_response();
         }
@@ -602,13 +621,17 @@ impl Gateway {
             .send(req, target.protocol, timeout)
             .await;
         self.metrics.upstream(metrics, started.elapsed());
-        match sent {
+        let resp = match sent {
             Ok(resp) => resp.map(body::boxed),
             Err(e) => {
                 tracing::warn!(error = %e, "pass-through request failed");
                 upstream_problem(e).into_response()
             }
+        };
+        if let Some(span) = span {
+            spans::end_passthrough_span(&span, resp.status().as_u16());
         }
+        resp
     }
 }
 

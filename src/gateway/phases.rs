@@ -21,7 +21,7 @@ use crate::problem::Problem;
 use crate::quota::{Quota, QuotaId, Share};
 use crate::reconcile::Lookup;
 use crate::signature;
-use crate::store::{now_ms, Claim, Origin, OriginKind};
+use crate::store::{now_ms, Claim, Origin, OriginKind, TraceLink};
 
 /// Marks an answer forwarded without idempotency because the store could not be used
 /// (`on_store_error = "pass"`): its retry may run again.
@@ -32,6 +32,8 @@ pub(super) struct Answer {
     pub(super) response: Response<Body>,
     pub(super) outcome: Outcome,
     pub(super) key: Option<StoreKey>,
+    /// A replay's: the span of the execution whose answer it is.
+    pub(super) link: Option<TraceLink>,
 }
 
 impl Answer {
@@ -40,6 +42,7 @@ impl Answer {
             outcome: outcome_of(&p),
             response: p.into_response(),
             key: None,
+            link: None,
         }
     }
 
@@ -48,6 +51,7 @@ impl Answer {
             response,
             outcome,
             key: None,
+            link: None,
         }
     }
 }
@@ -318,14 +322,17 @@ impl Gateway {
                 answer.response.extensions_mut().insert(UpstreamTime(took));
                 answer
             }
-            Decision::Replay { response, waited } => Answer::of(
-                replay(&config.policy, &response),
-                if waited {
-                    Outcome::Waited
-                } else {
-                    Outcome::Replayed
-                },
-            ),
+            Decision::Replay { response, waited } => Answer {
+                link: response.link,
+                ..Answer::of(
+                    replay(&config.policy, &response),
+                    if waited {
+                        Outcome::Waited
+                    } else {
+                        Outcome::Replayed
+                    },
+                )
+            },
             Decision::Refused(refusal) => Answer::problem(refusal_problem(&config.policy, refusal)),
             Decision::Bypass(Forward {
                 route, parts, body, ..

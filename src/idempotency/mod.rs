@@ -31,6 +31,9 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 
+use opentelemetry::trace::SpanKind;
+use opentelemetry::KeyValue;
+
 use crate::config::{OnStoreError, OnUnknown, Policy, ServerStatuses};
 use crate::duplicates::Rooms;
 use crate::error::BoxError;
@@ -41,8 +44,9 @@ use crate::quota::{Quota, Quotas, Share, SHARE_RETRY};
 use crate::reconcile::{Lookup, Reconciled, Reconciler};
 use crate::store::{
     now_ms, Claim, OwnerToken, Record, RecordState, Reservation, Store, StoreError, StoredResponse,
-    UnknownReason,
+    TraceLink, UnknownReason,
 };
+use crate::telemetry::span::Trace;
 use detach::Detachable;
 use records::{Records, Waited};
 
@@ -107,6 +111,12 @@ pub trait Execute: Send + Sync + 'static {
     /// ([`crate::fingerprint::earlier_fingerprint`]): asked only when an existing record's
     /// fingerprint is not the claim's, to find a record that version stored.
     fn earlier_fingerprint(&self) -> Option<Fingerprint>;
+
+    /// The span of the request or message, when it is traced: the core's phases are its
+    /// children.
+    fn trace(&self) -> Option<&Trace> {
+        None
+    }
 }
 
 /// What became of an execution.
@@ -127,6 +137,28 @@ pub enum Attempt<R> {
         reason: UnknownReason,
         error: BoxError,
     },
+}
+
+impl<R> Attempt<R> {
+    /// Ends the span of the call that made this attempt (`[telemetry]`); an answer keeps
+    /// `link`, the span of the request or message it answers, for the replays that will link to
+    /// it.
+    pub fn end_span(&mut self, call: &Trace, link: Option<TraceLink>) {
+        match self {
+            Attempt::Answered {
+                response, status, ..
+            } => {
+                call.set(KeyValue::new(
+                    "http.response.status_code",
+                    i64::from(response.status.as_u16()),
+                ));
+                response.link = link;
+                call.end((*status >= 500).then_some(""));
+            }
+            Attempt::NotSent(_) => call.end(Some("not sent")),
+            Attempt::Unknown { reason, .. } => call.end(Some(reason.as_str())),
+        }
+    }
 }
 
 /// The core's answer for one operation.
@@ -309,6 +341,7 @@ impl Core {
         let records = Records {
             store: Arc::clone(store),
             shared: Arc::clone(&self.shared),
+            trace: exec.trace().cloned(),
         };
         let wait_until = Instant::now() + rules.wait;
         let earlier = || exec.earlier_fingerprint();
@@ -369,7 +402,7 @@ impl Core {
                 }
                 Err(Waited::Refused(Refusal::OutcomeUnknown(reason))) => {
                     // Boxed: the upstream's lookup is rare, and inline it would size every call.
-                    match Box::pin(self.reconciled(store, key, lookup, rules, reason)).await {
+                    match Box::pin(self.reconciled(&records, key, lookup, rules, reason)).await {
                         Some(decision) => return decision,
                         // The upstream says it did not happen: this call may run it now.
                         None => {
@@ -471,7 +504,7 @@ impl Core {
     /// one. `None`: it did not happen and the key is free again.
     async fn reconciled<E: Execute>(
         &self,
-        store: &Arc<dyn Store>,
+        records: &Records,
         key: &StoreKey,
         lookup: Option<&Lookup>,
         rules: Rules,
@@ -481,7 +514,15 @@ impl Core {
             return Some(Decision::Refused(Refusal::OutcomeUnknown(reason)));
         };
         let reconciler = &self.shared.reconciler;
-        match reconciler.settle(&**store, key, lookup, rules.ttl).await {
+        let span =
+            (records.trace.as_ref()).map(|t| t.phase("reconcile", SpanKind::Internal, Vec::new()));
+        let settled = reconciler.settle(&*records.store, key, lookup, rules.ttl, span.as_ref());
+        let settled = settled.await;
+        if let Some(span) = &span {
+            span.set(KeyValue::new("idemgate.reconciliation", settled.as_str()));
+            span.end(None);
+        }
+        match settled {
             Reconciled::Replay(response) => Some(Decision::Replay {
                 response,
                 waited: false,

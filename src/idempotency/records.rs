@@ -18,6 +18,9 @@ use crate::store::{
     now_ms, Claim, OwnerToken, Record, Reservation, Store, StoreError, StoreOp, StoredResponse,
     UnknownReason,
 };
+use crate::telemetry::span::Trace;
+use opentelemetry::trace::SpanKind;
+use opentelemetry::KeyValue;
 
 /// The outcome of waiting on a pending record, when it is an answer.
 pub(super) enum Waited {
@@ -30,6 +33,8 @@ pub(super) enum Waited {
 pub(super) struct Records {
     pub(super) store: Arc<dyn Store>,
     pub(super) shared: Arc<Shared>,
+    /// The call's span when it is traced: each store call a child of it.
+    pub(super) trace: Option<Trace>,
 }
 
 impl Records {
@@ -38,13 +43,29 @@ impl Records {
         op: StoreOp,
         call: impl Future<Output = Result<T, StoreError>>,
     ) -> Result<T, StoreError> {
+        let span = self.trace.as_ref().map(|t| self.store_span(t, op));
         let started = Instant::now();
         let result = call.await;
         let failed = result.as_ref().is_err_and(StoreError::is_failure);
         self.shared
             .metrics
             .store_call(op, started.elapsed(), failed);
+        if let Some(span) = span {
+            span.end(failed.then_some("the store failed"));
+        }
         result
+    }
+
+    /// A store call's client span (`store reserve`, ...), with the store's `db.system`.
+    fn store_span(&self, trace: &Trace, op: StoreOp) -> Trace {
+        trace.phase(
+            op.span_name(),
+            SpanKind::Client,
+            vec![
+                KeyValue::new("db.system", self.store.system()),
+                KeyValue::new("db.operation.name", op.as_str()),
+            ],
+        )
     }
 
     pub(super) async fn get(&self, key: &StoreKey) -> Result<Option<Record>, StoreError> {
@@ -137,6 +158,9 @@ impl Records {
         }
         // The read that found the record pending counts as none here: the room's reader reads
         // again, so a change since then is not missed.
+        // Its span ends however the wait does: dropped with this future.
+        let _waiting =
+            (self.trace.as_ref()).map(|t| t.phase("wait", SpanKind::Internal, Vec::new()));
         let Ok(mut seat) =
             self.shared
                 .rooms

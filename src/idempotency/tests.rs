@@ -59,6 +59,7 @@ fn answered(status: http::StatusCode) -> Record {
         body: bytes::Bytes::from_static(b"{}"),
         body_kept: true,
         completed_ms: 2,
+        link: None,
     })))
 }
 

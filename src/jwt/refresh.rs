@@ -195,7 +195,9 @@ impl KeySource {
     async fn document(&self) -> Result<Vec<u8>, String> {
         match &self.keys {
             JwtKeys::Url(url) => {
-                let response = oneshot::get(url, &self.tls, oneshot::Peer::Other).await?;
+                let response =
+                    oneshot::get(url, &self.tls, oneshot::Peer::Other, http::HeaderMap::new())
+                        .await?;
                 let (parts, body) = response.into_parts();
                 if parts.status != StatusCode::OK {
                     return Err(format!("answered {}", parts.status));

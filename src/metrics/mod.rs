@@ -17,6 +17,8 @@
 //! - `idemgate_store_fill_ratio`: how full an embedded store is (0 for Redis and Postgres).
 //! - `idemgate_store_replica_acks_missed_total{op}`: Redis writes acknowledged by fewer
 //!   replicas than `store.min_replicas` ([`crate::store::redis`]).
+//! - `idemgate_trace_spans_dropped_total{reason}`: spans the trace exporter dropped
+//!   (`queue_full`, `export_failed`), while `[telemetry]` is on.
 //! - `idemgate_store_syncs_total`: durable commits (fsyncs) of the disk store; divided by the
 //!   requests, the fsyncs per request (below 1 under concurrent load: group commit).
 //! - the broker consumers' series ([`crate::consumer`]), in [`consumer`].
@@ -197,6 +199,7 @@ pub struct Metrics {
     eviction_risk: Family<PolicyLabel, Gauge>,
     store_fill: Gauge<f64, std::sync::atomic::AtomicU64>,
     replica_acks_missed: Family<OpLabel, Counter>,
+    spans_dropped: Family<ReasonLabel, Counter>,
     consumers: consumer::ConsumerFamilies,
     /// Requests outside any route.
     unrouted: RouteMetrics,
@@ -296,6 +299,11 @@ impl Metrics {
             "store_replica_acks_missed",
             "Redis writes acknowledged by fewer replicas than store.min_replicas within replica_timeout, by store call; absent until the first",
         );
+        let spans_dropped: Family<ReasonLabel, Counter> = registered(
+            r,
+            "trace_spans_dropped",
+            "Trace spans dropped instead of exported ([telemetry]): queue_full (the collector slower than the traffic, or down), export_failed (an export refused or unanswered); absent while traces are off",
+        );
         let consumers = consumer::ConsumerFamilies::new(r);
         let client = client::ClientMetrics::new(r);
         Metrics {
@@ -319,6 +327,7 @@ impl Metrics {
             records_purged,
             store_syncs,
             replica_acks_missed,
+            spans_dropped,
             unrouted: RouteMetrics::new(""),
             store_ops: Default::default(),
         }
@@ -453,6 +462,16 @@ impl Metrics {
             self.eviction_risk
                 .get_or_create(&PolicyLabel { policy })
                 .set(risk);
+        }
+    }
+
+    /// The trace exporter's running totals of dropped spans: (queue full, export failed).
+    pub fn set_spans_dropped(&self, (queue_full, export_failed): (u64, u64)) {
+        for (reason, n) in [("queue_full", queue_full), ("export_failed", export_failed)] {
+            self.spans_dropped
+                .get_or_create(&ReasonLabel { reason })
+                .inner()
+                .store(n, Ordering::Relaxed);
         }
     }
 

@@ -231,7 +231,7 @@ pub async fn run(
                     let (reconciler, store) = (Arc::clone(&reconciler), Arc::clone(&store));
                     let key = job.key;
                     let task = asking.spawn(async move {
-                        let result = reconciler.settle_as(&*store, &job.key, &job.lookup, job.ttl, true).await;
+                        let result = reconciler.settle_as(&*store, &job.key, &job.lookup, job.ttl, (true, None)).await;
                         (job, result)
                     });
                     tasks.insert(task.id(), key);

@@ -23,6 +23,8 @@ use std::time::Duration;
 
 use http::{HeaderName, HeaderValue, StatusCode, Uri};
 use http_body_util::{BodyExt, Limited};
+use opentelemetry::trace::SpanKind;
+use opentelemetry::KeyValue;
 
 use percent_encoding::{utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
 
@@ -31,6 +33,7 @@ use crate::key::StoreKey;
 use crate::metrics::Metrics;
 use crate::operator::{self, Change};
 use crate::store::{now_ms, RecordState, Store, StoredResponse};
+use crate::telemetry::span::Trace;
 use crate::upstream::{oneshot, ConnectionLimits, UpstreamTlsConnector};
 use background::Queue;
 pub use background::{run as run_background, Backlog, Sources};
@@ -95,7 +98,7 @@ pub enum Reconciled {
 }
 
 impl Reconciled {
-    fn as_str(&self) -> &'static str {
+    pub fn as_str(&self) -> &'static str {
         match self {
             Reconciled::Replay(_) => "reconciled",
             Reconciled::Released => "released",
@@ -148,18 +151,21 @@ impl Reconciler {
         key: &StoreKey,
         lookup: &Lookup,
         ttl: Duration,
+        trace: Option<&Trace>,
     ) -> Reconciled {
-        self.settle_as(store, key, lookup, ttl, false).await
+        self.settle_as(store, key, lookup, ttl, (false, trace))
+            .await
     }
 
-    /// [`Self::settle`]; `wait`: for a free lookup rather than `Busy` (the background).
+    /// [`Self::settle`]; `wait`: for a free lookup rather than `Busy` (the background);
+    /// `trace`: the retry's reconciliation span, the lookup's parent.
     async fn settle_as(
         &self,
         store: &dyn Store,
         key: &StoreKey,
         lookup: &Lookup,
         ttl: Duration,
-        wait: bool,
+        (wait, trace): (bool, Option<&Trace>),
     ) -> Reconciled {
         // The background never waits for a permit while it leads a key (retries of the key
         // would wait behind its wait), nor holds one while it follows another's lookup.
@@ -186,6 +192,7 @@ impl Reconciler {
             limits: &self.limits,
             flights: &self.flights,
             held,
+            trace,
         };
         let (settled, why) = ask(store, key, lookup, ttl, asker).await;
         lead.answer(&settled);
@@ -245,6 +252,8 @@ struct Asker<'a> {
     /// The background's permit, taken before it led the key; a retry takes one at once or
     /// gets `Busy`.
     held: Option<tokio::sync::SemaphorePermit<'a>>,
+    /// The span the lookup's is a child of (a retry's; the background's lookups have none).
+    trace: Option<&'a Trace>,
 }
 
 async fn ask(
@@ -278,7 +287,15 @@ async fn ask(
     let Some(_permit) = permit else {
         return (Reconciled::Busy, None);
     };
-    let changed = match get(lookup, asker.tls, asker.limits).await {
+    let span = (asker.trace).map(|t| {
+        let attributes = vec![KeyValue::new("http.request.method", "GET")];
+        t.phase("reconcile lookup", SpanKind::Client, attributes)
+    });
+    let got = get(lookup, asker.tls, asker.limits, span.as_ref()).await;
+    if let Some(span) = &span {
+        span.end(got.as_ref().err().map(String::as_str));
+    }
+    let changed = match got {
         Ok(Some(response)) => {
             let stored = Arc::new(response.clone());
             match operator::resolve(store, (key, Some(&record)), response, false, ttl).await {
@@ -305,7 +322,12 @@ async fn get(
     lookup: &Lookup,
     tls: &UpstreamTlsConnector,
     limits: &ConnectionLimits,
+    span: Option<&Trace>,
 ) -> Result<Option<StoredResponse>, String> {
+    let mut headers = http::HeaderMap::new();
+    if let Some(span) = span {
+        span.hand_on(&mut headers);
+    }
     let deadline = tokio::time::Instant::now() + lookup.timeout;
     let answer = async {
         // Held until the answer is read: the lookup's connection counts in the upstream's cap.
@@ -319,7 +341,7 @@ async fn get(
             ),
             None => None,
         };
-        let response = oneshot::get(&lookup.url, tls, oneshot::Peer::Upstream).await?;
+        let response = oneshot::get(&lookup.url, tls, oneshot::Peer::Upstream, headers).await?;
         let (parts, body) = response.into_parts();
         if parts.status == StatusCode::NOT_FOUND {
             return Ok(None);
@@ -346,6 +368,7 @@ async fn get(
             body,
             body_kept: true,
             completed_ms: now_ms(),
+            link: None,
         }))
     };
     tokio::time::timeout(lookup.timeout, answer)

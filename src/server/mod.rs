@@ -335,6 +335,7 @@ fn start_consumers(
             metrics: Arc::clone(gateway.metrics()),
             pool: gateway.upstream_pool(),
             legacy: gateway.legacy(),
+            traces: gateway.traces().cloned(),
         };
         tasks.push(tokio::spawn(consumers::supervise(
             config,

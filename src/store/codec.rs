@@ -24,6 +24,8 @@
 //! unknown:      42..50 since_ms  50 reason (1 timeout, 2 interrupted, 3 abandoned)
 //!               51.. (optional): the origin, carried over from the pending record
 //! origin:       kind (1 route, 2 consumer), name length (u16), name, key length (u16), key
+//! link:         a completed record of a traced execution: its span's ids, as a `traceparent`
+//!               value in a first `content-length` field (see `LINK_FIELD`)
 //! ```
 //! The origin ([`super::Origin`]) came after the first gateways that wrote this version:
 //! they ignore the bytes after a pending or unknown record's fixed part, and a record they
@@ -38,7 +40,8 @@ use bytes::{BufMut, Bytes, BytesMut};
 use http::{HeaderName, HeaderValue, StatusCode};
 
 use super::{
-    Origin, OriginKind, OwnerToken, Record, RecordState, StoreError, StoredResponse, UnknownReason,
+    Origin, OriginKind, OwnerToken, Record, RecordState, StoreError, StoredResponse, TraceLink,
+    UnknownReason,
 };
 use crate::fingerprint::Fingerprint;
 
@@ -157,6 +160,34 @@ fn put_fields(fields: &[(HeaderName, HeaderValue)], out: &mut BytesMut) {
     }
 }
 
+/// How a completed record keeps the span that made it ([`StoredResponse::link`]): as a
+/// `traceparent` value in a first `content-length` field. Every version of the gateway sets a
+/// replay's `content-length` itself, replacing any stored one, so a gateway from before the
+/// link replays such a record as it always did; and no stored `content-length` of an answer is
+/// anything but digits (hyper refuses any other), so the field is never mistaken.
+const LINK_FIELD: HeaderName = http::header::CONTENT_LENGTH;
+
+/// The link a completed record is written with, as its field's value (`None`: no link, or no
+/// room for one more field).
+fn linked(r: &StoredResponse) -> Option<HeaderValue> {
+    let link = r.link.filter(|_| r.headers.len() < u16::MAX as usize)?;
+    HeaderValue::from_str(&link.traceparent()).ok()
+}
+
+/// The headers as stored, less the link's field ([`LINK_FIELD`]), and the link.
+fn unlinked(
+    mut headers: Vec<(HeaderName, HeaderValue)>,
+) -> (Vec<(HeaderName, HeaderValue)>, Option<TraceLink>) {
+    let link = match headers.first() {
+        Some((name, value)) if *name == LINK_FIELD => TraceLink::parse(value.as_bytes()),
+        _ => None,
+    };
+    if link.is_some() {
+        headers.remove(0);
+    }
+    (headers, link)
+}
+
 /// Exactly what [`put_state`] writes.
 fn state_len(state: &RecordState) -> usize {
     match state {
@@ -165,6 +196,7 @@ fn state_len(state: &RecordState) -> usize {
             2 + 8
                 + 1
                 + fields_len(&r.headers)
+                + linked(r).map_or(0, |l| 2 + LINK_FIELD.as_str().len() + 4 + l.len())
                 + if r.trailers.is_empty() {
                     0
                 } else {
@@ -198,7 +230,15 @@ fn put_state(state: &RecordState, out: &mut BytesMut) {
             out.put_u16(r.status.as_u16() + trailers);
             out.put_u64(r.completed_ms);
             out.put_u8(u8::from(r.body_kept));
-            put_fields(&r.headers, out);
+            match linked(r) {
+                None => put_fields(&r.headers, out),
+                Some(link) => {
+                    let mut fields = Vec::with_capacity(r.headers.len() + 1);
+                    fields.push((http::header::CONTENT_LENGTH, link));
+                    fields.extend(r.headers.iter().cloned());
+                    put_fields(&fields, out);
+                }
+            }
             if !r.trailers.is_empty() {
                 put_fields(&r.trailers, out);
             }
@@ -256,7 +296,7 @@ pub fn decode(raw: &Bytes) -> Result<Record, StoreError> {
                 1 => true,
                 other => return Err(corrupt(format!("bad body_kept {other}"))),
             };
-            let headers = r.fields()?;
+            let (headers, link) = unlinked(r.fields()?);
             let trailers = if with_trailers {
                 let trailers = r.fields()?;
                 if trailers.is_empty() {
@@ -275,6 +315,7 @@ pub fn decode(raw: &Bytes) -> Result<Record, StoreError> {
                 body,
                 body_kept,
                 completed_ms,
+                link,
             }))
         }
         STATE_UNKNOWN => {
@@ -416,6 +457,7 @@ mod tests {
                 body: Bytes::from_static(b"\x00\xffraw body"),
                 body_kept: true,
                 completed_ms: 7,
+                link: None,
             })),
             RecordState::Completed(Arc::new(StoredResponse {
                 status: StatusCode::OK,
@@ -436,6 +478,7 @@ mod tests {
                 body: Bytes::from_static(b"\x00\x00\x00\x00\x02\x08\x01"),
                 body_kept: true,
                 completed_ms: 9,
+                link: None,
             })),
             RecordState::Unknown {
                 since_ms: 5,
@@ -502,6 +545,7 @@ mod tests {
                 body: Bytes::from_static(b"ok"),
                 body_kept: true,
                 completed_ms: 7,
+                link: None,
             })),
             ..pending.clone()
         };
@@ -545,6 +589,7 @@ mod tests {
             body: body.clone(),
             body_kept: true,
             completed_ms: 0,
+            link: None,
         }))));
         assert_eq!(enc.len(), HEADER_LEN + 13 + 1000);
         assert!(enc.ends_with(&body));
@@ -597,6 +642,7 @@ mod tests {
             body: Bytes::from_static(b"msg"),
             body_kept: true,
             completed_ms: 1,
+            link: None,
         })));
         let enc = encode(&record);
         // What the older decoder did first with a completed record: its status.
@@ -607,6 +653,55 @@ mod tests {
             "older readers refuse it"
         );
         assert_eq!(decode(&enc).unwrap(), record);
+    }
+
+    #[test]
+    fn a_link_rides_where_a_reader_from_before_it_drops_it() {
+        let link = TraceLink {
+            trace_id: [0x11; 16],
+            span_id: [0x22; 8],
+        };
+        let response = StoredResponse {
+            status: StatusCode::CREATED,
+            headers: vec![(
+                HeaderName::from_static("content-length"),
+                HeaderValue::from_static("4"),
+            )],
+            trailers: vec![],
+            body: Bytes::from_static(b"body"),
+            body_kept: true,
+            completed_ms: 1,
+            link: Some(link),
+        };
+        let linked = record(RecordState::Completed(Arc::new(response.clone())));
+        let enc = encode(&linked);
+        assert_eq!(
+            enc.len(),
+            encode(&record(RecordState::Completed(Arc::new(StoredResponse {
+                link: None,
+                ..response
+            }))))
+            .len()
+                + 2
+                + 14
+                + 4
+                + 55
+        );
+        assert_eq!(decode(&enc).unwrap(), linked);
+        // An older reader: every field a header, then the replay's own content-length set.
+        let mut r = Reader {
+            raw: &enc,
+            pos: 55 - 2,
+        };
+        let fields = r.fields().unwrap();
+        assert_eq!(fields.len(), 2);
+        let mut replayed = http::HeaderMap::new();
+        for (name, value) in fields {
+            replayed.append(name, value);
+        }
+        replayed.insert(http::header::CONTENT_LENGTH, HeaderValue::from(4));
+        assert_eq!(replayed.len(), 1, "{replayed:?}");
+        assert_eq!(replayed[http::header::CONTENT_LENGTH], "4");
     }
 
     #[test]

@@ -587,6 +587,10 @@ impl Store for MemoryStore {
         Some(keys.max(bytes))
     }
 
+    fn system(&self) -> &'static str {
+        "memory"
+    }
+
     fn stats(&self) -> StoreStats {
         StoreStats {
             purged: self.shared.counts.purged.load(Ordering::Relaxed),
@@ -618,6 +622,7 @@ mod tests {
             body: Bytes::from_static(body),
             body_kept: true,
             completed_ms: 0,
+            link: None,
         }
     }
 

@@ -40,7 +40,7 @@ use crate::config::StoreConfig;
 use crate::fingerprint::Fingerprint;
 use crate::key::StoreKey;
 pub use changes::Subscription;
-pub use origin::{Claim, Origin, OriginKind};
+pub use origin::{Claim, Origin, OriginKind, TraceLink};
 
 /// Proof of ownership of a pending key, random per reservation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -158,6 +158,9 @@ pub struct StoredResponse {
     /// only status and headers were kept: a replay must then say so, never pass off an empty body.
     pub body_kept: bool,
     pub completed_ms: u64,
+    /// The span of the execution that made this answer, when it was traced: what a replay's
+    /// span links to. Never replayed.
+    pub link: Option<TraceLink>,
 }
 
 impl StoredResponse {
@@ -343,6 +346,21 @@ impl StoreOp {
             StoreOp::Ping => "ping",
         }
     }
+
+    /// A trace's name for a call of this kind.
+    pub fn span_name(self) -> &'static str {
+        match self {
+            StoreOp::Reserve => "store reserve",
+            StoreOp::Get => "store get",
+            StoreOp::Complete => "store complete",
+            StoreOp::MarkUnknown => "store mark_unknown",
+            StoreOp::Release => "store release",
+            StoreOp::Renew => "store renew",
+            StoreOp::TakeOver => "store take_over",
+            StoreOp::Delete => "store delete",
+            StoreOp::Ping => "store ping",
+        }
+    }
 }
 
 /// What a store reports about itself for `/metrics`.
@@ -454,6 +472,10 @@ pub trait Store: Send + Sync + 'static {
 
     /// Counters for `/metrics`.
     fn stats(&self) -> StoreStats;
+
+    /// What the store is, as a trace's `db.system` says it: `redis`, `postgresql`, `fjall`
+    /// (the disk store), `memory`.
+    fn system(&self) -> &'static str;
 
     /// How full an embedded store is, from 0 to 1 of its tightest bound (`max_keys`,
     /// `max_bytes`, `max_disk`); `None` for a store without a bound the gateway knows (Redis,

@@ -63,3 +63,71 @@ impl From<Fingerprint> for Claim {
         }
     }
 }
+
+/// A span a stored answer came from: the original execution a replay links to. Kept with the
+/// record ([`super::StoredResponse::link`]), 24 bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TraceLink {
+    pub trace_id: [u8; 16],
+    pub span_id: [u8; 8],
+}
+
+impl TraceLink {
+    /// As a W3C `traceparent` value (how a record keeps it).
+    pub fn traceparent(&self) -> String {
+        format!(
+            "00-{:032x}-{:016x}-01",
+            u128::from_be_bytes(self.trace_id),
+            u64::from_be_bytes(self.span_id)
+        )
+    }
+
+    /// The link in a `traceparent` value [`Self::traceparent`] wrote; `None` for anything else.
+    pub fn parse(value: &[u8]) -> Option<TraceLink> {
+        let text = std::str::from_utf8(value).ok()?;
+        let mut parts = text.split('-');
+        let (Some("00"), Some(trace), Some(span), Some(_flags), None) = (
+            parts.next(),
+            parts.next(),
+            parts.next(),
+            parts.next(),
+            parts.next(),
+        ) else {
+            return None;
+        };
+        let hex = |s: &str, len| s.len() == len && s.bytes().all(|b| b.is_ascii_hexdigit());
+        if !hex(trace, 32) || !hex(span, 16) {
+            return None;
+        }
+        let trace_id = u128::from_str_radix(trace, 16).ok()?.to_be_bytes();
+        let span_id = u64::from_str_radix(span, 16).ok()?.to_be_bytes();
+        Some(TraceLink { trace_id, span_id })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::TraceLink;
+
+    #[test]
+    fn a_link_reads_back_as_it_was_written() {
+        let link = TraceLink {
+            trace_id: [0xab; 16],
+            span_id: [0x01, 2, 3, 4, 5, 6, 7, 0xff],
+        };
+        let text = link.traceparent();
+        assert_eq!(text.len(), 55);
+        assert_eq!(TraceLink::parse(text.as_bytes()), Some(link));
+        let signed = format!("00-+{}", &text[4..]);
+        for bad in [
+            "123",
+            "00-ab-cd-01",
+            "01-",
+            "00-zz",
+            &format!("{text}-x"),
+            &signed,
+        ] {
+            assert_eq!(TraceLink::parse(bad.as_bytes()), None, "{bad}");
+        }
+    }
+}

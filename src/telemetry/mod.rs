@@ -1,6 +1,9 @@
 //! Logging: `tracing` to stderr, as text or JSON lines, filtered by `RUST_LOG` (default `info`);
-//! and [`traces`]: OpenTelemetry spans over OTLP (`[telemetry]`).
+//! and [`traces`]: OpenTelemetry spans over OTLP (`[telemetry]`), a request's or message's
+//! [`span::Trace`] and its phases, what the exporter drops ([`export`]).
 
+mod export;
+pub mod span;
 pub mod traces;
 
 use std::io::IsTerminal;

@@ -25,6 +25,7 @@ pub async fn get(
     url: &Uri,
     tls: &UpstreamTlsConnector,
     to: Peer,
+    headers: http::HeaderMap,
 ) -> Result<Response<Incoming>, String> {
     let (Some(scheme), Some(authority)) = (url.scheme_str(), url.authority()) else {
         return Err("the URL has no scheme or host".into());
@@ -38,11 +39,13 @@ pub async fn get(
         .await
         .map_err(|e| format!("cannot connect to {authority}: {e}"))?;
     let _ = tcp.set_nodelay(true);
-    let request = Request::get(url.path_and_query().map_or("/", |p| p.as_str()))
+    let mut request = Request::get(url.path_and_query().map_or("/", |p| p.as_str()))
         .header(header::HOST, authority.as_str())
         .header(header::ACCEPT, "application/json")
         .body(Empty::<Bytes>::new())
         .map_err(|e| e.to_string())?;
+    // A trace's `traceparent`, when there is one.
+    request.headers_mut().extend(headers);
     if secure {
         let bare = host.trim_start_matches('[').trim_end_matches(']');
         let connected = match to {

@@ -48,6 +48,7 @@ fn response(body: &'static str) -> StoredResponse {
         body: Bytes::from_static(body.as_bytes()),
         body_kept: true,
         completed_ms: 1_700_000_000_000,
+        link: None,
     }
 }
 

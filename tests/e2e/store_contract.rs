@@ -18,7 +18,7 @@ use idemgate::store::memory::MemoryStore;
 use idemgate::store::redis::RedisStore;
 use idemgate::store::{
     Claim, Origin, OriginKind, OwnerToken, Record, RecordState, Reservation, Store, StoreError,
-    StoredResponse, Subscription, UnknownReason,
+    StoredResponse, Subscription, TraceLink, UnknownReason,
 };
 
 const FP: Fingerprint = Fingerprint([7; 32]);
@@ -51,6 +51,7 @@ fn response() -> StoredResponse {
         body: Bytes::from_static(b"{\"id\":1}\x00\xff binary ok"),
         body_kept: true,
         completed_ms: 1_700_000_000_000,
+        link: None,
     }
 }
 
@@ -573,11 +574,35 @@ async fn unknown_outcomes_are_listed_with_their_origin(store: Arc<dyn Store>) {
 }
 
 /// Every check, as (name, function).
+/// The span a completed record came from (`[telemetry]`) is kept with it, for the replays' links.
+async fn a_completed_records_trace_link_is_kept(store: Arc<dyn Store>) {
+    let k = key("linked");
+    let t = own(&*store, &k).await;
+    let link = TraceLink {
+        trace_id: [0x4b; 16],
+        span_id: [0x07; 8],
+    };
+    let linked = StoredResponse {
+        link: Some(link),
+        ..response()
+    };
+    store.complete(&k, t, linked.clone(), TTL).await.unwrap();
+    let Some(Record {
+        state: RecordState::Completed(r),
+        ..
+    }) = store.get(&k).await.unwrap()
+    else {
+        panic!("expected the completed record");
+    };
+    assert_eq!(*r, linked, "the link, and the headers without it");
+}
+
 macro_rules! all_checks {
     ($m:ident) => {
         $m!(
             exactly_one_of_many_concurrent_reservations_owns_a_key,
             a_completed_record_is_returned_exactly,
+            a_completed_records_trace_link_is_kept,
             only_the_owner_can_complete_release_renew_or_mark_unknown,
             release_lets_the_next_reservation_own_the_key,
             unknown_outcomes_are_kept,

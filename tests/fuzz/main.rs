@@ -317,6 +317,7 @@ fn record() -> impl Strategy<Value = Record> {
                     body: Bytes::from(body),
                     body_kept: kept,
                     completed_ms: at,
+                    link: None,
                 }))
             }),
         (

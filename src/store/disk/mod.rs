@@ -627,6 +627,10 @@ impl Store for DiskStore {
         Some(self.used() as f64 / self.shared.max_disk.max(1) as f64)
     }
 
+    fn system(&self) -> &'static str {
+        "fjall"
+    }
+
     fn stats(&self) -> StoreStats {
         StoreStats {
             purged: self.shared.counters.purged.load(Ordering::Relaxed),

@@ -525,6 +525,10 @@ impl Store for PostgresStore {
         Ok(())
     }
 
+    fn system(&self) -> &'static str {
+        "postgresql"
+    }
+
     fn stats(&self) -> StoreStats {
         StoreStats {
             purged: self.purged(),

@@ -628,6 +628,10 @@ impl Store for RedisStore {
         Ok(())
     }
 
+    fn system(&self) -> &'static str {
+        "redis"
+    }
+
     fn stats(&self) -> StoreStats {
         // Redis expires records itself.
         StoreStats {

@@ -225,6 +225,7 @@ pub async fn store_completed(
         body: bytes::Bytes::from_static(body),
         body_kept: true,
         completed_ms: 1,
+        link: None,
     };
     store.complete(key, owner, answer, ttl).await.unwrap();
 }
