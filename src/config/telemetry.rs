@@ -41,8 +41,8 @@ pub struct Resolved {
     pub sample_ratio: f64,
     pub service_name: String,
     pub resource_attributes: BTreeMap<String, String>,
-    /// A span for every request outside the idempotent routes too (off by default: they are
-    /// most of the traffic, and the gateway decides nothing about them).
+    /// A span for every request outside the routes too (off by default: they are most of the
+    /// traffic, and the gateway decides nothing about them).
     pub trace_passthrough: bool,
 }
 

@@ -43,7 +43,8 @@ impl<S: Source> Consumer<S> {
         };
         let trace = spans::message_span(traces, &self.config, message);
         let (trace_id, span_id) = trace.ids();
-        let logs = tracing::info_span!("message", trace_id = %trace_id, span_id = %span_id);
+        // At the error level: enabled whatever RUST_LOG lets through.
+        let logs = tracing::error_span!("message", trace_id = %trace_id, span_id = %span_id);
         let verdict = (self.attempt_in(message, Some(&trace)))
             .instrument(logs)
             .await;

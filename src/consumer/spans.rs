@@ -9,7 +9,7 @@ use opentelemetry::KeyValue;
 use super::attempt::Verdict;
 use super::handler::HandlerCall;
 use super::Message;
-use crate::config::ConsumerConfig;
+use crate::config::{ConsumerConfig, SourceConfig};
 use crate::idempotency::Decision;
 use crate::key::StoreKey;
 use crate::store::TraceLink;
@@ -18,7 +18,15 @@ use crate::telemetry::traces::Traces;
 
 /// The span of one attempt at `message`.
 pub(super) fn message_span(traces: &Traces, config: &ConsumerConfig, message: &Message) -> Trace {
+    let (system, destination) = match &config.source {
+        SourceConfig::RedisStream { stream, .. } => ("redis", stream),
+        SourceConfig::NatsStream(s) => ("nats", &s.stream),
+        SourceConfig::RabbitQueue(s) => ("rabbitmq", &s.queue),
+        SourceConfig::KafkaTopic(s) => ("kafka", &s.topic),
+    };
     let attributes = vec![
+        KeyValue::new("messaging.system", system),
+        KeyValue::new("messaging.destination.name", destination.clone()),
         KeyValue::new("messaging.operation.type", "process"),
         KeyValue::new("messaging.message.id", message.id.clone()),
         KeyValue::new("idemgate.consumer", config.name.clone()),

@@ -87,7 +87,7 @@ impl Execute for Forward {
     }
 
     async fn execute(mut self) -> Attempt<Response<Body>> {
-        let call = super::spans::upstream_call(&mut self.parts);
+        let call = super::spans::upstream_call(&mut self.parts, &self.route.config.upstream);
         let mut attempt = self.send().await;
         if let Some(call) = call {
             super::spans::end_upstream_call(call, &mut attempt);

@@ -7,6 +7,7 @@ use opentelemetry::KeyValue;
 
 use super::phases::Answer;
 use super::{ClientConn, Route};
+use crate::config::UpstreamUrl;
 use crate::conn::ClientBody;
 use crate::idempotency::Attempt;
 use crate::metrics::Outcome;
@@ -24,7 +25,7 @@ pub(super) fn request_span(
     conn: &ClientConn,
 ) -> Trace {
     let pattern = route.config.pattern.to_string();
-    let mut attributes = http_attributes(req.method(), req.uri(), req.version(), conn);
+    let mut attributes = http_attributes(traces, req.method(), req.uri(), req.version(), conn);
     attributes.push(KeyValue::new("http.route", pattern.clone()));
     attributes.push(KeyValue::new("idemgate.route", route.config.name.clone()));
     let name = format!("{} {pattern}", req.method());
@@ -40,8 +41,12 @@ pub(super) fn passthrough_span(
     parts: &mut request::Parts,
     conn: &ClientConn,
 ) -> Trace {
-    let attributes = http_attributes(&parts.method, &parts.uri, parts.version, conn);
-    let name = parts.method.as_str().to_owned();
+    let attributes = http_attributes(traces, &parts.method, &parts.uri, parts.version, conn);
+    // Any method a client sends would otherwise make a span name of its own.
+    let name = match known_method(&parts.method) {
+        "_OTHER" => "HTTP".to_owned(),
+        method => method.to_owned(),
+    };
     let trace = traces.span(name, SpanKind::Server, &parts.headers, attributes);
     trace.hand_on(&mut parts.headers);
     trace
@@ -62,6 +67,7 @@ pub(super) fn end_passthrough_span(trace: &Trace, status: u16) {
 
 /// The HTTP semantic conventions' attributes of a request.
 fn http_attributes(
+    traces: &Traces,
     method: &http::Method,
     uri: &http::Uri,
     version: http::Version,
@@ -73,7 +79,8 @@ fn http_attributes(
         _ => "1.1",
     };
     vec![
-        KeyValue::new("http.request.method", method.as_str().to_string()),
+        KeyValue::new("http.request.method", known_method(method)),
+        KeyValue::new("url.scheme", traces.scheme()),
         // Capped: a path as long as the header limit would ride in every export.
         KeyValue::new(
             "url.path",
@@ -84,11 +91,29 @@ fn http_attributes(
     ]
 }
 
+/// A method as the HTTP conventions name it: one of the standard ones, else `_OTHER`.
+fn known_method(method: &http::Method) -> &'static str {
+    use http::Method as M;
+    match *method {
+        M::GET => "GET",
+        M::HEAD => "HEAD",
+        M::POST => "POST",
+        M::PUT => "PUT",
+        M::DELETE => "DELETE",
+        M::CONNECT => "CONNECT",
+        M::OPTIONS => "OPTIONS",
+        M::TRACE => "TRACE",
+        M::PATCH => "PATCH",
+        _ => "_OTHER",
+    }
+}
+
 /// The `tracing` span a traced request's log lines are written in: its ids, as the trace's
 /// backend shows them.
 pub(super) fn log_span(trace: &Trace) -> tracing::Span {
     let (trace_id, span_id) = trace.ids();
-    tracing::info_span!("request", trace_id = %trace_id, span_id = %span_id)
+    // At the error level: enabled whatever RUST_LOG lets through, so every line written is in it.
+    tracing::error_span!("request", trace_id = %trace_id, span_id = %span_id)
 }
 
 /// The longest `url.path` a span carries.
@@ -122,16 +147,18 @@ pub(super) struct UpstreamCall {
 
 /// The upstream call's client span, a child of the request's; its context is the upstream's
 /// `traceparent` (the caller's own is replaced: it is the request span's parent).
-pub(super) fn upstream_call(parts: &mut request::Parts) -> Option<UpstreamCall> {
+pub(super) fn upstream_call(
+    parts: &mut request::Parts,
+    upstream: &UpstreamUrl,
+) -> Option<UpstreamCall> {
     let request = parts.extensions.get::<Trace>()?;
-    let span = request.phase(
-        "upstream",
-        SpanKind::Client,
-        vec![KeyValue::new(
-            "http.request.method",
-            parts.method.as_str().to_owned(),
-        )],
-    );
+    let port = (upstream.authority.port_u16()).unwrap_or(if upstream.tls { 443 } else { 80 });
+    let attributes = vec![
+        KeyValue::new("http.request.method", known_method(&parts.method)),
+        KeyValue::new("server.address", upstream.authority.host().to_owned()),
+        KeyValue::new("server.port", i64::from(port)),
+    ];
+    let span = request.phase("upstream", SpanKind::Client, attributes);
     let link = request.link();
     span.hand_on(&mut parts.headers);
     Some(UpstreamCall { span, link })

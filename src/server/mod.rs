@@ -105,7 +105,10 @@ impl Server {
             Arc::clone(&metrics),
         ));
         let traces = match &config.telemetry {
-            Some(t) => Some(Arc::new(crate::telemetry::traces::Traces::from_config(t)?)),
+            Some(t) => Some(Arc::new(
+                crate::telemetry::traces::Traces::from_config(t)?
+                    .serving_tls(config.server.tls.is_some()),
+            )),
             None => None,
         };
         let routing = Routing::new(

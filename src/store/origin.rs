@@ -65,7 +65,7 @@ impl From<Fingerprint> for Claim {
 }
 
 /// A span a stored answer came from: the original execution a replay links to. Kept with the
-/// record ([`super::StoredResponse::link`]), 24 bytes.
+/// record ([`super::StoredResponse::link`]) as a `traceparent` value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TraceLink {
     pub trace_id: [u8; 16],

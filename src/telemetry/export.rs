@@ -57,10 +57,9 @@ impl SpanProcessor for Counted {
     }
 
     fn on_end(&self, span: SpanData) {
-        // The processor ignores unsampled spans: they never enter its queue.
-        if span.span_context.is_sampled()
-            && self.gate.queued.fetch_add(1, Ordering::AcqRel) >= MAX_QUEUE
-        {
+        // Every span handed on is counted, sampled or not: the processor exports whatever it
+        // is given, and the exporter's wrapper counts each one out.
+        if self.gate.queued.fetch_add(1, Ordering::AcqRel) >= MAX_QUEUE {
             self.gate.queued.fetch_sub(1, Ordering::AcqRel);
             self.gate.dropped.queue_full.fetch_add(1, Ordering::Relaxed);
             return;

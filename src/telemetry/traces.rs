@@ -37,6 +37,8 @@ pub struct Traces {
     tracer: SdkTracer,
     gate: Arc<Gate>,
     passthrough: bool,
+    /// `url.scheme` of the requests served: `https` on a TLS listener.
+    scheme: &'static str,
 }
 
 impl Traces {
@@ -108,6 +110,7 @@ impl Traces {
             tracer,
             gate,
             passthrough: settings.trace_passthrough,
+            scheme: "http",
         })
     }
 
@@ -123,7 +126,17 @@ impl Traces {
         Trace::continuing(&self.tracer, name, kind, headers, attributes)
     }
 
-    /// Whether requests outside the idempotent routes get spans (`trace_passthrough`).
+    /// With the listener's scheme (`https` when it speaks TLS).
+    pub fn serving_tls(mut self, tls: bool) -> Traces {
+        self.scheme = if tls { "https" } else { "http" };
+        self
+    }
+
+    pub fn scheme(&self) -> &'static str {
+        self.scheme
+    }
+
+    /// Whether requests outside the routes get spans (`trace_passthrough`).
     pub fn passthrough(&self) -> bool {
         self.passthrough
     }

@@ -55,6 +55,7 @@ async fn a_keyed_request_continues_the_callers_trace_and_hands_its_own_span_on()
         ("idemgate.outcome", "executed"),
         ("idemgate.replayed", "false"),
         ("network.protocol.version", "1.1"),
+        ("url.scheme", "http"),
     ] {
         assert_eq!(attribute(&server, key).as_deref(), Some(value), "{key}");
     }
@@ -86,6 +87,11 @@ async fn a_keyed_request_continues_the_callers_trace_and_hands_its_own_span_on()
         attribute(&call, "http.response.status_code").as_deref(),
         Some("201")
     );
+    assert_eq!(
+        attribute(&call, "server.address").as_deref(),
+        Some("127.0.0.1")
+    );
+    assert!(attribute(&call, "server.port").is_some());
     // The upstream's traceparent: the same trace, the gateway's upstream call as parent.
     let seen = up.seen();
     let sent = seen[0].headers["traceparent"].to_str().unwrap().to_string();
@@ -248,6 +254,14 @@ key = {{ json = "/messageId" }}
         .span(|s| s.name == "process orders" && hex(&s.trace_id) == TRACE)
         .await;
     assert_eq!(message.kind, 5, "SPAN_KIND_CONSUMER");
+    assert_eq!(
+        attribute(&message, "messaging.system").as_deref(),
+        Some("redis")
+    );
+    assert_eq!(
+        attribute(&message, "messaging.destination.name").as_deref(),
+        Some("orders")
+    );
     assert_eq!(hex(&message.parent_span_id), PRODUCER_SPAN);
     assert_eq!(
         attribute(&message, "idemgate.outcome").as_deref(),
@@ -316,6 +330,20 @@ async fn pass_through_requests_are_traced_only_when_asked() {
             Some("passthrough")
         );
         assert_eq!(attribute(&span, "url.path").as_deref(), Some("/elsewhere"));
+        // A method of the client's own invention names no span.
+        let odd = Http::new(gw.addr())
+            .request("FROBNICATE", "/odd")
+            .send()
+            .await;
+        assert_eq!(odd.status, 201);
+        let other = collector
+            .span(|s| attribute(s, "url.path").as_deref() == Some("/odd"))
+            .await;
+        assert_eq!(other.name, "HTTP");
+        assert_eq!(
+            attribute(&other, "http.request.method").as_deref(),
+            Some("_OTHER")
+        );
         gw.shutdown().await;
     }
     assert!(

@@ -24,7 +24,7 @@ use idemgate::key::{parse_key_value, KeySource};
 use idemgate::route::{RoutePattern, Routed, Router};
 use idemgate::store::codec;
 use idemgate::store::{
-    Origin, OriginKind, OwnerToken, Record, RecordState, StoredResponse, UnknownReason,
+    Origin, OriginKind, OwnerToken, Record, RecordState, StoredResponse, TraceLink, UnknownReason,
 };
 use proptest::prelude::*;
 use serde_json::Value;
@@ -299,9 +299,10 @@ fn record() -> impl Strategy<Value = Record> {
             prop::collection::vec(("[a-z-]{1,12}", "[ -~]{0,20}"), 0..5),
             prop::collection::vec(any::<u8>(), 0..200),
             any::<bool>(),
-            any::<u64>()
+            any::<u64>(),
+            prop::option::of((any::<[u8; 16]>(), any::<[u8; 8]>()))
         )
-            .prop_map(|(status, headers, body, kept, at)| {
+            .prop_map(|(status, headers, body, kept, at, link)| {
                 RecordState::Completed(Arc::new(StoredResponse {
                     trailers: vec![],
                     status: http::StatusCode::from_u16(status).unwrap(),
@@ -317,7 +318,7 @@ fn record() -> impl Strategy<Value = Record> {
                     body: Bytes::from(body),
                     body_kept: kept,
                     completed_ms: at,
-                    link: None,
+                    link: link.map(|(trace_id, span_id)| TraceLink { trace_id, span_id }),
                 }))
             }),
         (
