@@ -5,6 +5,7 @@ use std::pin::Pin;
 use std::task::{ready, Context, Poll};
 
 use tokio_util::task::TaskTracker;
+use tracing::Instrument as _;
 
 use crate::key::StoreKey;
 
@@ -62,8 +63,10 @@ where
     fn drop(&mut self) {
         let Some(run) = self.run.take() else { return };
         match tokio::runtime::Handle::try_current() {
+            // In the `tracing` span the caller was dropped in (a traced request's, which names
+            // its trace): the execution's log lines keep the request's ids.
             Ok(runtime) => {
-                self.tasks.spawn_on(run, &runtime);
+                self.tasks.spawn_on(run.in_current_span(), &runtime);
             }
             // Only when the runtime itself is being torn down, past the shutdown grace: the
             // run, dropped here, names its key ([`CutOff`]).

@@ -351,3 +351,34 @@ async fn pass_through_requests_are_traced_only_when_asked() {
         "no span while it was off"
     );
 }
+
+/// An execution that goes on after its client hung up keeps the request's trace ids on its log
+/// lines: here the line that names it, cut off by the end of the shutdown grace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_detached_executions_log_lines_keep_the_requests_ids() {
+    let collector = Collector::start().await;
+    let up = Upstream::start(|_, _| Reply::Hang).await;
+    let text = format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\nshutdown_grace = \"1s\"\n[upstream]\nurl = \"{}\"\n[telemetry]\notlp_endpoint = \"{}\"\n{PAYMENTS}",
+        up.url(),
+        collector.url
+    );
+    let gw = GatewayProcess::start(&text);
+    let http = Http::new(gw.addr);
+    let held = tokio::spawn(async move {
+        http.request("POST", "/payments")
+            .header("idempotency-key", "cut-1")
+            .header("traceparent", &format!("00-{TRACE}-{CALLER_SPAN}-01"))
+            .json("{}")
+            .send()
+            .await
+    });
+    up.next_arrival().await;
+    // The client hangs up: the execution goes on in a task of its own.
+    held.abort();
+    let _ = held.await;
+    gw.signal("-TERM");
+    let line = gw.wait_log("cut off by the end of the shutdown grace");
+    assert!(line.contains(&format!("trace_id={TRACE}")), "{line}");
+    gw.wait_log("shut down");
+}
