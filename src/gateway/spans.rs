@@ -25,10 +25,13 @@ pub(super) fn request_span(
     conn: &ClientConn,
 ) -> Trace {
     let pattern = route.config.pattern.to_string();
-    let mut attributes = http_attributes(traces, req.method(), req.uri(), req.version(), conn);
+    let mut attributes = http_attributes(req.method(), req.uri(), req.version(), conn);
     attributes.push(KeyValue::new("http.route", pattern.clone()));
     attributes.push(KeyValue::new("idemgate.route", route.config.name.clone()));
-    let name = format!("{} {pattern}", req.method());
+    let name = match known_method(req.method()) {
+        "_OTHER" => format!("HTTP {pattern}"),
+        method => format!("{method} {pattern}"),
+    };
     let trace = traces.span(name, SpanKind::Server, req.headers(), attributes);
     req.extensions_mut().insert(trace.clone());
     trace
@@ -41,7 +44,7 @@ pub(super) fn passthrough_span(
     parts: &mut request::Parts,
     conn: &ClientConn,
 ) -> Trace {
-    let attributes = http_attributes(traces, &parts.method, &parts.uri, parts.version, conn);
+    let attributes = http_attributes(&parts.method, &parts.uri, parts.version, conn);
     // Any method a client sends would otherwise make a span name of its own.
     let name = match known_method(&parts.method) {
         "_OTHER" => "HTTP".to_owned(),
@@ -67,7 +70,6 @@ pub(super) fn end_passthrough_span(trace: &Trace, status: u16) {
 
 /// The HTTP semantic conventions' attributes of a request.
 fn http_attributes(
-    traces: &Traces,
     method: &http::Method,
     uri: &http::Uri,
     version: http::Version,
@@ -78,9 +80,10 @@ fn http_attributes(
         http::Version::HTTP_10 => "1.0",
         _ => "1.1",
     };
-    vec![
+    let scheme = if conn.addr.tls() { "https" } else { "http" };
+    let mut attributes = vec![
         KeyValue::new("http.request.method", known_method(method)),
-        KeyValue::new("url.scheme", traces.scheme()),
+        KeyValue::new("url.scheme", scheme),
         // Capped: a path as long as the header limit would ride in every export.
         KeyValue::new(
             "url.path",
@@ -88,8 +91,19 @@ fn http_attributes(
         ),
         KeyValue::new("client.address", conn.addr.ip().to_string()),
         KeyValue::new("network.protocol.version", version),
-    ]
+    ];
+    if known_method(method) == "_OTHER" {
+        let original = method.as_str().chars().take(MAX_METHOD_ATTRIBUTE);
+        attributes.push(KeyValue::new(
+            "http.request.method_original",
+            original.collect::<String>(),
+        ));
+    }
+    attributes
 }
+
+/// The longest `http.request.method_original` a span carries.
+const MAX_METHOD_ATTRIBUTE: usize = 32;
 
 /// A method as the HTTP conventions name it: one of the standard ones, else `_OTHER`.
 fn known_method(method: &http::Method) -> &'static str {
@@ -155,7 +169,14 @@ pub(super) fn upstream_call(
     let port = (upstream.authority.port_u16()).unwrap_or(if upstream.tls { 443 } else { 80 });
     let attributes = vec![
         KeyValue::new("http.request.method", known_method(&parts.method)),
-        KeyValue::new("server.address", upstream.authority.host().to_owned()),
+        // An IPv6 address without its brackets, as the conventions write it.
+        KeyValue::new(
+            "server.address",
+            (upstream.authority.host())
+                .trim_start_matches('[')
+                .trim_end_matches(']')
+                .to_owned(),
+        ),
         KeyValue::new("server.port", i64::from(port)),
     ];
     let span = request.phase("upstream", SpanKind::Client, attributes);

@@ -105,10 +105,7 @@ impl Server {
             Arc::clone(&metrics),
         ));
         let traces = match &config.telemetry {
-            Some(t) => Some(Arc::new(
-                crate::telemetry::traces::Traces::from_config(t)?
-                    .serving_tls(config.server.tls.is_some()),
-            )),
+            Some(t) => Some(Arc::new(crate::telemetry::traces::Traces::from_config(t)?)),
             None => None,
         };
         let routing = Routing::new(

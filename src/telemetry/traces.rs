@@ -37,8 +37,6 @@ pub struct Traces {
     tracer: SdkTracer,
     gate: Arc<Gate>,
     passthrough: bool,
-    /// `url.scheme` of the requests served: `https` on a TLS listener.
-    scheme: &'static str,
 }
 
 impl Traces {
@@ -110,7 +108,6 @@ impl Traces {
             tracer,
             gate,
             passthrough: settings.trace_passthrough,
-            scheme: "http",
         })
     }
 
@@ -124,16 +121,6 @@ impl Traces {
         attributes: Vec<KeyValue>,
     ) -> Trace {
         Trace::continuing(&self.tracer, name, kind, headers, attributes)
-    }
-
-    /// With the listener's scheme (`https` when it speaks TLS).
-    pub fn serving_tls(mut self, tls: bool) -> Traces {
-        self.scheme = if tls { "https" } else { "http" };
-        self
-    }
-
-    pub fn scheme(&self) -> &'static str {
-        self.scheme
     }
 
     /// Whether requests outside the routes get spans (`trace_passthrough`).

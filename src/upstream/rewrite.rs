@@ -38,6 +38,11 @@ impl ClientAddr {
     }
 
     /// The same peer, on the TLS listener.
+    /// Whether the connection came over TLS.
+    pub fn tls(&self) -> bool {
+        self.tls
+    }
+
     pub fn over_tls(self, tls: bool) -> Self {
         ClientAddr { tls, ..self }
     }

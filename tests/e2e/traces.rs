@@ -91,7 +91,8 @@ async fn a_keyed_request_continues_the_callers_trace_and_hands_its_own_span_on()
         attribute(&call, "server.address").as_deref(),
         Some("127.0.0.1")
     );
-    assert!(attribute(&call, "server.port").is_some());
+    let port = up.url().rsplit(':').next().unwrap().to_string();
+    assert_eq!(attribute(&call, "server.port"), Some(port));
     // The upstream's traceparent: the same trace, the gateway's upstream call as parent.
     let seen = up.seen();
     let sent = seen[0].headers["traceparent"].to_str().unwrap().to_string();
@@ -358,8 +359,9 @@ async fn pass_through_requests_are_traced_only_when_asked() {
 async fn a_detached_executions_log_lines_keep_the_requests_ids() {
     let collector = Collector::start().await;
     let up = Upstream::start(|_, _| Reply::Hang).await;
+    let admin = free_addr();
     let text = format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\nshutdown_grace = \"1s\"\n[upstream]\nurl = \"{}\"\n[telemetry]\notlp_endpoint = \"{}\"\n{PAYMENTS}",
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin = \"{admin}\"\nshutdown_grace = \"1s\"\n[upstream]\nurl = \"{}\"\n[telemetry]\notlp_endpoint = \"{}\"\n{PAYMENTS}",
         up.url(),
         collector.url
     );
@@ -377,6 +379,12 @@ async fn a_detached_executions_log_lines_keep_the_requests_ids() {
     // The client hangs up: the execution goes on in a task of its own.
     held.abort();
     let _ = held.await;
+    // The gateway has seen it go (the request's future dropped): only the execution is left.
+    let gone = eventually(|| async {
+        scrape(admin).await.get("idemgate_requests_in_flight") == Some(&0.0)
+    })
+    .await;
+    assert!(gone, "the hang-up was never noticed");
     gw.signal("-TERM");
     let line = gw.wait_log("cut off by the end of the shutdown grace");
     assert!(line.contains(&format!("trace_id={TRACE}")), "{line}");
