@@ -319,17 +319,59 @@ async fn changed(
     }
 }
 
-/// What `PUT` stores: `{"status": 201, "headers": [["name", "value"]], "body": "..."}`.
+/// What `PUT` stores: `{"status": 201, "headers": [["name", "value"]], "body": "..."}`, the
+/// headers also as an object (`{"name": "value"}`, or a list of values for a repeated one).
 #[derive(serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 struct Resolution {
     status: u16,
     #[serde(default)]
-    headers: Vec<(String, String)>,
+    headers: Headers,
     #[serde(default)]
     body: Option<String>,
     #[serde(default)]
     body_base64: Option<String>,
+}
+
+/// A resolution's headers: pairs in order, or an object.
+#[derive(serde::Deserialize)]
+#[serde(untagged)]
+enum Headers {
+    Pairs(Vec<(String, String)>),
+    Object(serde_json::Map<String, serde_json::Value>),
+}
+
+impl Default for Headers {
+    fn default() -> Self {
+        Headers::Pairs(Vec::new())
+    }
+}
+
+impl Headers {
+    /// As name-value pairs: an object's names in name order (their order across names means
+    /// nothing to HTTP), a list's values one pair each, in order.
+    fn pairs(self) -> Result<Vec<(String, String)>, String> {
+        let object = match self {
+            Headers::Pairs(pairs) => return Ok(pairs),
+            Headers::Object(object) => object,
+        };
+        let mut pairs = Vec::with_capacity(object.len());
+        for (name, value) in object {
+            match value {
+                serde_json::Value::String(v) => pairs.push((name, v)),
+                serde_json::Value::Array(values) => {
+                    for v in values {
+                        let serde_json::Value::String(v) = v else {
+                            return Err(format!("header {name}: each value is a string"));
+                        };
+                        pairs.push((name.clone(), v));
+                    }
+                }
+                _ => return Err(format!("header {name}: a string or a list of strings")),
+            }
+        }
+        Ok(pairs)
+    }
 }
 
 /// The response a `PUT` stores, or why its body is refused.
@@ -353,6 +395,7 @@ pub fn resolution_of(bytes: &[u8]) -> Result<StoredResponse, String> {
         .ok_or_else(|| format!("status {} is not a final HTTP status", r.status))?;
     let headers = r
         .headers
+        .pairs()?
         .iter()
         .map(|(n, v)| {
             let name =
@@ -454,6 +497,30 @@ const LOGGED_PATH: usize = 128;
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_resolutions_headers_may_be_an_object() {
+        let body = br#"{"status": 201, "headers": {"content-type": "application/json", "set-cookie": ["a=1", "b=2"]}, "body": "ok"}"#;
+        let r = super::resolution_of(body).unwrap();
+        let got: Vec<(&str, &str)> = (r.headers.iter())
+            .map(|(n, v)| (n.as_str(), v.to_str().unwrap()))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("content-type", "application/json"),
+                ("set-cookie", "a=1"),
+                ("set-cookie", "b=2")
+            ]
+        );
+        for bad in [
+            r#"{"status": 201, "headers": {"x": 1}}"#,
+            r#"{"status": 201, "headers": {"x": [1]}}"#,
+            r#"{"status": 201, "headers": "x"}"#,
+        ] {
+            assert!(super::resolution_of(bad.as_bytes()).is_err(), "{bad}");
+        }
+    }
+
     #[test]
     fn a_resolutions_content_length_is_not_kept() {
         let body = br#"{"status": 201, "headers": [["content-length", "00-abababababababababababababababab-cdcdcdcdcdcdcdcd-01"], ["x-a", "1"]], "body": "ok"}"#;

@@ -25,6 +25,7 @@ mod hostile;
 mod operations;
 mod operator_api;
 mod postgres_gateway;
+mod prometheus_rules;
 mod reconcile;
 mod redis_failover;
 mod redis_gateway;

@@ -4,6 +4,7 @@
 //! [`policy`] and the signatures of [`signature`]) and [`consumer`]; here the whole file, the
 //! rules that cross sections, and the value parsers they share.
 
+mod connection;
 mod consumer;
 mod jwt;
 mod policy;

@@ -10,7 +10,7 @@ use crate::config::{redact_url, ConfigError, PostgresSettings};
 
 pub(super) fn postgres(raw: RawStore, workers: usize) -> Result<PostgresSettings, ConfigError> {
     let (command_timeout, tls_ca_file, tls_client) =
-        super::store::connection(&raw, Duration::from_secs(1))?;
+        super::connection::connection(&raw, Duration::from_secs(1))?;
     let url = raw.url.ok_or_else(|| ConfigError::Missing {
         field: "store.url (postgres://user:password@host:5432/database)".into(),
     })?;

@@ -1,11 +1,11 @@
 //! `[store]`: which backend, and the settings of that one (a setting of another backend is an
 //! error, not silently ignored).
 
-use std::path::PathBuf;
 use std::time::Duration;
 
+use super::connection::connection;
 use super::postgres::postgres;
-use super::{pem_file, pem_pair, shown, size_at_most, validate_redis_url, whole_number, Pem};
+use super::{shown, size_at_most, validate_redis_url, whole_number};
 use crate::config::raw::{Backend, RawStore, Sync};
 use crate::config::{
     ConfigError, DiskSettings, RedisSettings, RedisTarget, ReplicaAcks, StoreConfig, SyncMode,
@@ -196,32 +196,6 @@ fn redis(raw: RawStore) -> Result<RedisSettings, ConfigError> {
         tls_client,
         replicas: replica_acks(raw.min_replicas, raw.replica_timeout)?,
     })
-}
-
-/// What Redis and Postgres connections share: `command_timeout` (`default` unless set; more
-/// than 0s, at most 60s) and the TLS files (`tls_ca_file`, `tls_client_cert` with its key).
-pub(super) type Connection = (Duration, Option<PathBuf>, Option<(PathBuf, PathBuf)>);
-
-pub(super) fn connection(raw: &RawStore, default: Duration) -> Result<Connection, ConfigError> {
-    let command_timeout = raw.command_timeout.unwrap_or(default);
-    if command_timeout.is_zero() || command_timeout > Duration::from_secs(60) {
-        return Err(ConfigError::invalid(
-            "store.command_timeout",
-            shown(command_timeout),
-            "more than 0s and at most 60s",
-        ));
-    }
-    let tls_ca_file = raw
-        .tls_ca_file
-        .clone()
-        .map(|p| pem_file("store.tls_ca_file", p, Pem::Certificate))
-        .transpose()?;
-    let tls_client = pem_pair(
-        ("store.tls_client_cert", "store.tls_client_key"),
-        raw.tls_client_cert.clone(),
-        raw.tls_client_key.clone(),
-    )?;
-    Ok((command_timeout, tls_ca_file, tls_client))
 }
 
 /// `min_replicas` (0, the default: no acknowledgement asked) and its `replica_timeout`.
