@@ -287,12 +287,24 @@ fn action(method: &Method) -> &'static str {
     }
 }
 
+/// `GET /keys/{id}`: the record, and when it expires (the moment a retry would execute again).
 async fn read(store: &dyn Store, key: &StoreKey) -> Response<Body> {
-    match store.get(key).await {
-        Ok(Some(record)) => json(StatusCode::OK, &operator::view(key, &record)),
-        Ok(None) => no_record(),
-        Err(e) => store_failed(&e),
-    }
+    let record = match store.get(key).await {
+        Ok(Some(record)) => record,
+        Ok(None) => return no_record(),
+        Err(e) => return store_failed(&e),
+    };
+    // Read after the record: one that expired in between shows without it.
+    let expires_ms = match store.expires_ms(key).await {
+        Ok(at) => at,
+        Err(e) => return store_failed(&e),
+    };
+    let found = crate::store::Scanned {
+        key: *key,
+        record,
+        expires_ms,
+    };
+    json(StatusCode::OK, &operator::listed(&found))
 }
 
 /// The answer to a change: the record as it is now (or that it is gone), or why not.

@@ -450,6 +450,14 @@ impl Store for MemoryStore {
         Ok(Some(owner))
     }
 
+    async fn expires_ms(&self, key: &StoreKey) -> Result<Option<u64>, StoreError> {
+        let mut inner = self.shared.shard(key);
+        let now = Instant::now();
+        let left = (inner.live(key, now, &self.shared.counts))
+            .map(|e| e.expires_at.saturating_duration_since(now));
+        Ok(left.map(|left| now_ms().saturating_add(left.as_millis() as u64)))
+    }
+
     async fn get(&self, key: &StoreKey) -> Result<Option<Record>, StoreError> {
         let mut inner = self.shared.shard(key);
         inner

@@ -473,6 +473,10 @@ pub trait Store: Send + Sync + 'static {
     /// Counters for `/metrics`.
     fn stats(&self) -> StoreStats;
 
+    /// When `key`'s live record expires (ms since the Unix epoch): the moment a retry would
+    /// execute again; `None` when there is no live record. For the operator API's reads.
+    async fn expires_ms(&self, key: &StoreKey) -> Result<Option<u64>, StoreError>;
+
     /// What the store is, as a trace's `db.system` says it: `redis`, `postgresql`, `fjall`
     /// (the disk store), `memory`.
     fn system(&self) -> &'static str;

@@ -198,6 +198,9 @@ async fn unknown_outcomes_resolved_while_the_gateway_runs(store: &str) {
         (view["state"].as_str(), view["status"].as_u64()),
         (Some("completed"), Some(201))
     );
+    // A completed record says when it goes: when a retry would execute again.
+    let read = state_of(admin, &id1).await;
+    assert!(read["expires"].is_string(), "{read}");
     let replay = http.post("/payments", "k1", "{}").await;
     assert_eq!(replay.status, 201);
     assert!(replay.is_replay());

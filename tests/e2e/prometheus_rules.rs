@@ -210,9 +210,15 @@ async fn a_real_prometheus_evaluates_every_rule_and_panel() {
                 .replace("$route", ".*")
                 .replace("$__rate_interval", "1m");
             let got = prometheus.query(&expr).await;
-            let must_have_data = ["Requests by outcome", "Replay share", "Upstream latency"]
-                .iter()
-                .any(|t| title.starts_with(t));
+            let must_have_data = [
+                "Requests by outcome",
+                "Replay share",
+                "Upstream latency",
+                "Store latency",
+                "Requests in flight",
+            ]
+            .iter()
+            .any(|t| title.starts_with(t));
             assert!(
                 !must_have_data || !got.is_empty(),
                 "{title}: {expr} returned nothing"

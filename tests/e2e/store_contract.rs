@@ -573,7 +573,26 @@ async fn unknown_outcomes_are_listed_with_their_origin(store: Arc<dyn Store>) {
     );
 }
 
-/// Every check, as (name, function).
+/// When a record expires, for the operator API: about `ttl` after it was written, in every
+/// state; nothing for a key without a record.
+async fn a_records_expiry_is_told(store: Arc<dyn Store>) {
+    let k = key("expiring");
+    assert_eq!(store.expires_ms(&k).await.unwrap(), None);
+    let t = own(&*store, &k).await;
+    let within = |at: Option<u64>| {
+        let at = at.expect("an expiry");
+        let now = idemgate::store::now_ms();
+        let ttl = TTL.as_millis() as u64;
+        assert!(
+            at > now && at <= now + ttl + 1000,
+            "{at} vs now {now} + {ttl}"
+        );
+    };
+    within(store.expires_ms(&k).await.unwrap());
+    store.complete(&k, t, response(), TTL).await.unwrap();
+    within(store.expires_ms(&k).await.unwrap());
+}
+
 /// The span a completed record came from (`[telemetry]`) is kept with it, for the replays' links.
 async fn a_completed_records_trace_link_is_kept(store: Arc<dyn Store>) {
     let k = key("linked");
@@ -597,12 +616,14 @@ async fn a_completed_records_trace_link_is_kept(store: Arc<dyn Store>) {
     assert_eq!(*r, linked, "the link, and the headers without it");
 }
 
+/// Every check, as (name, function).
 macro_rules! all_checks {
     ($m:ident) => {
         $m!(
             exactly_one_of_many_concurrent_reservations_owns_a_key,
             a_completed_record_is_returned_exactly,
             a_completed_records_trace_link_is_kept,
+            a_records_expiry_is_told,
             only_the_owner_can_complete_release_renew_or_mark_unknown,
             release_lets_the_next_reservation_own_the_key,
             unknown_outcomes_are_kept,

@@ -490,6 +490,19 @@ impl Store for DiskStore {
         self.read(key)
     }
 
+    async fn expires_ms(&self, key: &StoreKey) -> Result<Option<u64>, StoreError> {
+        use fjall::Readable;
+        let published = self.shared.db.published.load();
+        let value = (published.snapshot)
+            .get(&self.shared.db.records, key.as_bytes())
+            .map_err(read_error)?;
+        let Some(value) = value else {
+            return Ok(None);
+        };
+        let (expires_at, _) = split(&value)?;
+        Ok((expires_at > now_ms()).then_some(expires_at))
+    }
+
     async fn watch(&self, key: &StoreKey) -> Result<Watch, StoreError> {
         // The writer wakes a key's waiters after every change that ends a pending state.
         let changes = self.shared.waiters.subscribe(key);

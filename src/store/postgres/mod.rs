@@ -360,6 +360,18 @@ impl Store for PostgresStore {
         self.read(key).await
     }
 
+    async fn expires_ms(&self, key: &StoreKey) -> Result<Option<u64>, StoreError> {
+        let k: &[u8] = key.as_bytes();
+        let rows = self.rows("get", &self.shared.sql.get, &[&k]).await?;
+        let Some(row) = rows.first() else {
+            return Ok(None);
+        };
+        let ms: i64 = row.try_get("expires_ms").map_err(|e| {
+            StoreError::Unavailable(format!("the record's expiry could not be read: {e}"))
+        })?;
+        Ok(u64::try_from(ms).ok())
+    }
+
     async fn watch(&self, key: &StoreKey) -> Result<Watch, StoreError> {
         // Subscribed before the read: a notification in between still wakes the caller.
         let changes = self.shared.waiters.subscribe(key);

@@ -32,7 +32,7 @@ pub(super) struct Sql {
     pub reserve: String,
     /// Same parameters: takes over a record past its expiry that the purge has not removed.
     pub replace_expired: String,
-    /// `$1` key: `now_ms`, then the record's columns.
+    /// `$1` key: `now_ms`, then the record's columns, then `expires_ms`.
     pub get: String,
     /// `$1` key: flags a pending record so that the end of its pending state is notified.
     /// `flagged`, `now_ms`, `watched`, then the record's columns.
@@ -87,7 +87,7 @@ impl Sql {
                  WHERE key = $1 AND expires_ms <= {NOW}"
             ),
             get: format!(
-                "SELECT {NOW} AS now_ms, {RECORD} FROM {t} AS r WHERE r.key = $1 AND r.expires_ms > {NOW}"
+                "SELECT {NOW} AS now_ms, {RECORD}, r.expires_ms FROM {t} AS r WHERE r.key = $1 AND r.expires_ms > {NOW}"
             ),
             watch: format!(
                 "WITH flag AS (\

@@ -459,6 +459,17 @@ impl Store for RedisStore {
         decode_reply(raw)
     }
 
+    async fn expires_ms(&self, key: &StoreKey) -> Result<Option<u64>, StoreError> {
+        let mut conn = self.conn()?;
+        let mut cmd = redis::cmd("PTTL");
+        cmd.arg(self.redis_key(key));
+        // -2: no key; -1: no expiry (never written so by the gateway).
+        let left: i64 = self.call("get", cmd.query_async(&mut conn)).await?;
+        Ok(u64::try_from(left)
+            .ok()
+            .map(|ms| now_ms().saturating_add(ms)))
+    }
+
     async fn watch(&self, key: &StoreKey) -> Result<Watch, StoreError> {
         // Subscribed before the read, so a change in between still wakes the caller; the read
         // flags a pending record so that the end of its pending state is published.
