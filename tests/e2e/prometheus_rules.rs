@@ -105,6 +105,10 @@ async fn every_metric_the_rules_name_is_exported() {
     let rules = rules_text();
     let named: BTreeSet<&str> = rules
         .match_indices("idemgate_")
+        // Not inside a recording rule's name (`route_outcome:idemgate_requests:rate5m`).
+        .filter(|(at, _)| {
+            !rules[..*at].ends_with(|c: char| c == ':' || c == '_' || c.is_ascii_alphanumeric())
+        })
         .map(|(at, _)| {
             let rest = &rules[at..];
             let end = rest
@@ -114,14 +118,32 @@ async fn every_metric_the_rules_name_is_exported() {
         })
         .collect();
     assert!(named.len() > 8, "{named:?}");
+    // The type of each family in the exposition: a counter is queried as `_total`, a histogram
+    // as `_bucket`, `_sum` or `_count`, a gauge by its name.
+    let types: std::collections::BTreeMap<&str, &str> = exposition
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| l.split_once(' '))
+        .collect();
     for metric in named {
-        let family = ["_total", "_count", "_sum", "_bucket"]
+        let (family, suffix) = ["_total", "_count", "_sum", "_bucket"]
             .iter()
-            .find_map(|s| metric.strip_suffix(s))
-            .unwrap_or(metric);
+            .find_map(|s| metric.strip_suffix(s).map(|f| (f, *s)))
+            .unwrap_or((metric, ""));
         assert!(
             families.contains(family),
             "the rules name {metric}, which the gateway does not export: {families:?}"
+        );
+        let fits = match types.get(family) {
+            Some(&"counter") => suffix == "_total",
+            Some(&"histogram") => ["_bucket", "_sum", "_count"].contains(&suffix),
+            Some(&"gauge") => suffix.is_empty(),
+            _ => true,
+        };
+        assert!(
+            fits,
+            "{metric}: not how a {:?} is queried",
+            types.get(family)
         );
     }
 }
