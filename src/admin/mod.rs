@@ -183,12 +183,24 @@ async fn handle(
             );
             resp
         }
+        // The contract of this listener (docs/openapi.yaml, as JSON: scripts/openapi).
+        "/openapi.json" => {
+            let mut resp = Response::new(body::full(Bytes::from_static(OPENAPI.as_bytes())));
+            resp.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            );
+            resp
+        }
         _ => text(
             StatusCode::NOT_FOUND,
-            "not found: /healthz, /readyz, /metrics, /routes, /keys, /keys/{id}\n",
+            "not found: /healthz, /readyz, /metrics, /routes, /openapi.json, /keys, /keys/{id}\n",
         ),
     }
 }
+
+/// The admin API's OpenAPI document, generated from docs/openapi.yaml by scripts/openapi.
+const OPENAPI: &str = include_str!("openapi.json");
 
 fn text(status: StatusCode, msg: &'static str) -> Response<Body> {
     owned_text(status, msg.to_string())

@@ -730,6 +730,14 @@ async fn abandoned_slow_calls_keep_upstream_connections_at_the_cap() {
     for s in staying {
         assert_eq!(s.await.unwrap().status, 504);
     }
+    // The four timed-out calls' slots are free once they answered; their sockets close a
+    // moment later, on the worker that held them: the next call is asked once they have
+    // (otherwise it may open a fifth socket for that moment, which this check would count).
+    let port = up.addr.port();
+    assert!(
+        eventually(|| async move { established_to(port) == 0 }).await,
+        "the timed-out calls' connections were never closed"
+    );
     let served = http
         .request("GET", "/fast")
         .try_send(Duration::from_secs(5))

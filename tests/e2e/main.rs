@@ -22,6 +22,7 @@ mod fingerprint;
 mod gateway;
 mod grpc;
 mod hostile;
+mod openapi;
 mod operations;
 mod operator_api;
 mod postgres_gateway;

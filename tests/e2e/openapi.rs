@@ -1,0 +1,88 @@
+//! The admin API against its contract (docs/openapi.yaml, served at `GET /openapi.json`):
+//! schemathesis (tests/openapi/run.py, in the virtualenv scripts/test makes) drives every
+//! operation of a running gateway whose store holds completed, unknown and pending records,
+//! with the operator token: no 5xx, every answer as documented.
+
+use std::time::Duration;
+
+use crate::support::*;
+
+const TOKEN: &str = "op-token-openapi-5b2c";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_api_keeps_its_openapi_contract() {
+    let python = std::env::var("IDEMGATE_SCHEMATHESIS_PYTHON").unwrap_or_else(|_| {
+        panic!("IDEMGATE_SCHEMATHESIS_PYTHON is not set: run scripts/test, which makes the virtualenv from tests/openapi/requirements.txt (or: python3 -m venv V && V/bin/pip install -r tests/openapi/requirements.txt && export IDEMGATE_SCHEMATHESIS_PYTHON=V/bin/python)")
+    });
+    // "hang" and "held" never get an answer: unknown once the route's upstream_timeout ends,
+    // pending while their request waits.
+    let up = Upstream::start(|seen, _| {
+        if seen
+            .headers
+            .get("idempotency-key")
+            .is_some_and(|k| k == "hang" || k == "held")
+        {
+            Reply::Hang
+        } else {
+            Reply::Respond {
+                status: 201,
+                headers: vec![("content-type", "application/json".into())],
+                body: "{\"id\":\"pay_1\"}".into(),
+            }
+        }
+    })
+    .await;
+    let dir = TempDir::new("openapi");
+    let token_file = dir.path.join("admin-token");
+    std::fs::write(&token_file, format!("{TOKEN}\n")).unwrap();
+    let text = TomlConfig::parse(&format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\n[upstream]\nurl = \"{}\"\n[[routes]]\nname = \"payments\"\npath = \"/payments\"\nupstream_timeout = \"300ms\"\n[[routes]]\nname = \"refunds\"\npath = \"/refunds\"\nupstream_timeout = \"10m\"\n",
+        up.url()
+    ))
+    .set("server.admin", "127.0.0.1:0")
+    .set("server.admin_token_file", token_file.display().to_string())
+    .text();
+    let config = idemgate::config::Config::parse(&text).unwrap();
+    let gw = Running::start(config).await.unwrap();
+    let admin = gw.admin_addr().unwrap();
+    let http = Http::new(gw.addr());
+    assert_eq!(http.post("/payments", "done", "{}").await.status, 201);
+    // Left unknown: the upstream never answered within upstream_timeout.
+    assert!(http
+        .post("/payments", "hang", "{}")
+        .await
+        .status
+        .is_server_error());
+    // Pending for as long as the test runs.
+    let held = {
+        let http = Http::new(gw.addr());
+        tokio::spawn(async move { http.post("/refunds", "held", "{}").await })
+    };
+    up.next_arrival().await;
+    up.next_arrival().await;
+    up.next_arrival().await;
+    let run = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(python)
+            .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/openapi/run.py"))
+            .arg(format!("http://{admin}"))
+            .arg(TOKEN)
+            .output()
+            .unwrap()
+    });
+    let out = tokio::time::timeout(Duration::from_secs(600), run)
+        .await
+        .expect("schemathesis took over 10 minutes")
+        .unwrap();
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "schemathesis found problems:\n{said}");
+    // It did run the operations (a run that tested nothing would also succeed).
+    assert!(
+        said.contains("resolveKey") || said.contains("PUT /keys/{id}"),
+        "{said}"
+    );
+    held.abort();
+}
