@@ -62,7 +62,10 @@ async fn the_admin_api_keeps_its_openapi_contract() {
     up.next_arrival().await;
     up.next_arrival().await;
     let run = tokio::task::spawn_blocking(move || {
+        // In a scratch directory: schemathesis keeps a cache (.schemathesis/) where it runs.
+        let scratch = TempDir::new("schemathesis");
         std::process::Command::new(python)
+            .current_dir(&scratch.path)
             .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/openapi/run.py"))
             .arg(format!("http://{admin}"))
             .arg(TOKEN)
