@@ -730,9 +730,10 @@ async fn abandoned_slow_calls_keep_upstream_connections_at_the_cap() {
     for s in staying {
         assert_eq!(s.await.unwrap().status, 504);
     }
-    // The four timed-out calls' slots are free once they answered; their sockets close a
-    // moment later, on the worker that held them: the next call is asked once they have
-    // (otherwise it may open a fifth socket for that moment, which this check would count).
+    // The next call is asked once the four timed-out calls' sockets are gone from the kernel's
+    // table: the sampler reads the table in passes, and a socket closing while the new one
+    // opens can be counted in one pass with it (a slot is held until its socket is dropped,
+    // so the gateway itself never holds five).
     let port = up.addr.port();
     assert!(
         eventually(|| async move { established_to(port) == 0 }).await,
