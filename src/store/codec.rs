@@ -153,11 +153,15 @@ fn put_fields(fields: &[(HeaderName, HeaderValue)], out: &mut BytesMut) {
     let fields = encoded(fields);
     out.put_u16(fields.len() as u16);
     for (name, value) in fields {
-        out.put_u16(name.as_str().len() as u16);
-        out.put_slice(name.as_str().as_bytes());
-        out.put_u32(value.len() as u32);
-        out.put_slice(value.as_bytes());
+        put_field(name.as_str(), value.as_bytes(), out);
     }
+}
+
+fn put_field(name: &str, value: &[u8], out: &mut BytesMut) {
+    out.put_u16(name.len() as u16);
+    out.put_slice(name.as_bytes());
+    out.put_u32(value.len() as u32);
+    out.put_slice(value);
 }
 
 /// How a completed record keeps the span that made it ([`StoredResponse::link`]): as a
@@ -167,12 +171,14 @@ fn put_fields(fields: &[(HeaderName, HeaderValue)], out: &mut BytesMut) {
 /// anything but digits (hyper refuses any other), so the field is never mistaken.
 const LINK_FIELD: HeaderName = http::header::CONTENT_LENGTH;
 
-/// The link a completed record is written with, as its field's value (`None`: no link, or no
-/// room for one more field).
-fn linked(r: &StoredResponse) -> Option<HeaderValue> {
-    let link = r.link.filter(|_| r.headers.len() < u16::MAX as usize)?;
-    HeaderValue::from_str(&link.traceparent()).ok()
+/// The link a completed record is written with (`None`: no link, or no room for one more
+/// field).
+fn linked(r: &StoredResponse) -> Option<TraceLink> {
+    r.link.filter(|_| r.headers.len() < u16::MAX as usize)
 }
+
+/// Bytes of a link's field value: a `traceparent` is always 55 characters.
+const LINK_VALUE_LEN: usize = 55;
 
 /// The headers as stored, less the link's field ([`LINK_FIELD`]), and the link.
 fn unlinked(
@@ -199,7 +205,7 @@ fn state_len(state: &RecordState) -> usize {
             2 + 8
                 + 1
                 + fields_len(&r.headers)
-                + linked(r).map_or(0, |l| 2 + LINK_FIELD.as_str().len() + 4 + l.len())
+                + linked(r).map_or(0, |_| 2 + LINK_FIELD.as_str().len() + 4 + LINK_VALUE_LEN)
                 + if r.trailers.is_empty() {
                     0
                 } else {
@@ -235,11 +241,14 @@ fn put_state(state: &RecordState, out: &mut BytesMut) {
             out.put_u8(u8::from(r.body_kept));
             match linked(r) {
                 None => put_fields(&r.headers, out),
+                // The link's field first, then the headers as they are (`linked` left room
+                // for one more in the count).
                 Some(link) => {
-                    let mut fields = Vec::with_capacity(r.headers.len() + 1);
-                    fields.push((http::header::CONTENT_LENGTH, link));
-                    fields.extend(r.headers.iter().cloned());
-                    put_fields(&fields, out);
+                    out.put_u16(r.headers.len() as u16 + 1);
+                    put_field(LINK_FIELD.as_str(), link.traceparent().as_bytes(), out);
+                    for (name, value) in &r.headers {
+                        put_field(name.as_str(), value.as_bytes(), out);
+                    }
                 }
             }
             if !r.trailers.is_empty() {

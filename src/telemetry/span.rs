@@ -88,7 +88,8 @@ impl Trace {
     /// What a later replay links to: this span, if it is sampled (an unsampled one is in no
     /// trace to find).
     pub fn link(&self) -> Option<TraceLink> {
-        let sc = self.cx.span().span_context().clone();
+        let span = self.cx.span();
+        let sc = span.span_context();
         (sc.is_valid() && sc.is_sampled()).then(|| TraceLink {
             trace_id: sc.trace_id().to_bytes(),
             span_id: sc.span_id().to_bytes(),
