@@ -373,7 +373,7 @@ pub fn listed(found: &Scanned) -> serde_json::Value {
 }
 
 /// A record as the operator API shows it (JSON).
-pub fn view(key: &StoreKey, record: &Record) -> serde_json::Value {
+fn view(key: &StoreKey, record: &Record) -> serde_json::Value {
     use serde_json::json;
     let mut out = json!({
         "id": key.hex(),

@@ -115,7 +115,7 @@ pub(super) async fn handle(
     let Some(operator) = operator else {
         return problem(
             StatusCode::NOT_FOUND,
-            "no-record",
+            "operator-api-off",
             "Operator API off",
             "The operator API is off: set server.admin_token_env or server.admin_token_file."
                 .into(),
@@ -138,7 +138,7 @@ pub(super) async fn handle(
     }
     if req.uri().path() == "/keys" {
         if !matches!(*req.method(), Method::GET | Method::HEAD) {
-            return bad("The listing is GET /keys?state=unknown.".into());
+            return not_allowed("GET, HEAD", "The listing is GET /keys?state=unknown.");
         }
         return list(store, req.uri().query().unwrap_or_default()).await;
     }
@@ -163,7 +163,7 @@ pub(super) async fn handle(
         tracing::info!(target: "idemgate::audit", %peer, action, key_id = %key, force, status, "operator change");
     };
     match *req.method() {
-        Method::GET | Method::HEAD => read(store, &key).await,
+        Method::GET | Method::HEAD => read(store, &key).await.unwrap_or_else(|e| e),
         Method::DELETE => {
             let done = operator::release(store, (&key, None), force, ttl).await;
             audit(&done);
@@ -177,7 +177,10 @@ pub(super) async fn handle(
             }
             Err(why) => bad(why),
         },
-        _ => bad("Use GET, PUT or DELETE.".into()),
+        _ => not_allowed(
+            "GET, HEAD, PUT, DELETE",
+            "A record is read (GET), resolved (PUT) or released (DELETE).",
+        ),
     }
 }
 
@@ -287,24 +290,22 @@ fn action(method: &Method) -> &'static str {
     }
 }
 
-/// `GET /keys/{id}`: the record, and when it expires (the moment a retry would execute again).
-async fn read(store: &dyn Store, key: &StoreKey) -> Response<Body> {
+/// `GET /keys/{id}`: the record, and when it expires (the moment a retry would execute
+/// again); no record, or a store that fails, is the `Err` answer.
+async fn read(store: &dyn Store, key: &StoreKey) -> Result<Response<Body>, Response<Body>> {
     let record = match store.get(key).await {
         Ok(Some(record)) => record,
-        Ok(None) => return no_record(),
-        Err(e) => return store_failed(&e),
+        Ok(None) => return Err(no_record()),
+        Err(e) => return Err(store_failed(&e)),
     };
     // Read after the record: one that expired in between shows without it.
-    let expires_ms = match store.expires_ms(key).await {
-        Ok(at) => at,
-        Err(e) => return store_failed(&e),
-    };
+    let expires_ms = store.expires_ms(key).await.map_err(|e| store_failed(&e))?;
     let found = crate::store::Scanned {
         key: *key,
         record,
         expires_ms,
     };
-    json(StatusCode::OK, &operator::listed(&found))
+    Ok(json(StatusCode::OK, &operator::listed(&found)))
 }
 
 /// The answer to a change: the record as it is now (or that it is gone), or why not.
@@ -314,10 +315,12 @@ async fn changed(
     done: Result<Change, StoreError>,
 ) -> Response<Body> {
     match done {
-        Ok(Change::Done) => match store.get(key).await {
-            Ok(Some(record)) => json(StatusCode::OK, &operator::view(key, &record)),
-            Ok(None) => json(StatusCode::OK, &serde_json::json!({"id": key.hex(), "state": "released"})),
-            Err(e) => store_failed(&e),
+        // A change made is 200 whatever the follow-up read finds: gone (released), or the
+        // record as it is now, with when it expires.
+        Ok(Change::Done) => match read(store, key).await {
+            Ok(record) => record,
+            Err(failed) if failed.status() != StatusCode::NOT_FOUND => failed,
+            Err(_) => json(StatusCode::OK, &serde_json::json!({"id": key.hex(), "state": "released"})),
         },
         Ok(Change::NotFound) => no_record(),
         Ok(Change::Live) => problem(StatusCode::CONFLICT, "record-live", "Request still running", "The record is pending and its lease still runs: its request may still be executing. Wait, or add ?force=true.".into()),
@@ -336,7 +339,8 @@ async fn changed(
 #[derive(serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 struct Resolution {
-    status: u16,
+    /// A JSON number: `201.0` is the integer 201 to JSON (and to JSON Schema).
+    status: serde_json::Number,
     #[serde(default)]
     headers: Headers,
     #[serde(default)]
@@ -386,6 +390,14 @@ impl Headers {
     }
 }
 
+/// Base64 as operators' tools write it: padding or none, and bits past the last byte ignored.
+const LENIENT_BASE64: base64::engine::GeneralPurpose = base64::engine::GeneralPurpose::new(
+    &base64::alphabet::STANDARD,
+    base64::engine::GeneralPurposeConfig::new()
+        .with_decode_padding_mode(base64::engine::DecodePaddingMode::Indifferent)
+        .with_decode_allow_trailing_bits(true),
+);
+
 /// The response a `PUT` stores, or why its body is refused.
 async fn resolution(body: ClientBody) -> Result<StoredResponse, String> {
     let bytes = Limited::new(body, MAX_RESOLUTION)
@@ -401,10 +413,17 @@ pub fn resolution_of(bytes: &[u8]) -> Result<StoredResponse, String> {
     let r: Resolution = serde_json::from_slice(bytes).map_err(|e| {
         format!("The body must be {{\"status\", \"headers\", \"body\" or \"body_base64\"}}: {e}")
     })?;
-    let status = StatusCode::from_u16(r.status)
-        .ok()
-        .filter(|s| !s.is_informational())
-        .ok_or_else(|| format!("status {} is not a final HTTP status", r.status))?;
+    // 1xx are not final; past 599 is no status class clients know.
+    let status = (r.status.as_u64())
+        .or_else(|| {
+            r.status
+                .as_f64()
+                .filter(|f| f.fract() == 0.0)
+                .map(|f| f as u64)
+        })
+        .filter(|s| (200..=599).contains(s))
+        .and_then(|s| StatusCode::from_u16(s as u16).ok())
+        .ok_or_else(|| format!("status {}: a final HTTP status, 200 to 599", r.status))?;
     let headers = r
         .headers
         .pairs()?
@@ -412,8 +431,13 @@ pub fn resolution_of(bytes: &[u8]) -> Result<StoredResponse, String> {
         .map(|(n, v)| {
             let name =
                 HeaderName::from_bytes(n.as_bytes()).map_err(|_| format!("header name {n:?}"))?;
-            let value =
-                HeaderValue::from_str(v).map_err(|_| format!("header {n}: not a valid value"))?;
+            // Visible ASCII, spaces and tabs: what RFC 9110 asks of new values (no obs-text).
+            let value = Some(v)
+                .filter(|v| v.bytes().all(|b| b == b'\t' || (b' '..=b'~').contains(&b)))
+                .and_then(|v| HeaderValue::from_str(v).ok())
+                .ok_or_else(|| {
+                    format!("header {n}: not a valid value (visible ASCII, spaces, tabs)")
+                })?;
             Ok((name, value))
         })
         .collect::<Result<Vec<_>, String>>()?;
@@ -425,7 +449,7 @@ pub fn resolution_of(bytes: &[u8]) -> Result<StoredResponse, String> {
         (Some(_), Some(_)) => return Err("Give body or body_base64, not both.".into()),
         (Some(text), None) => Bytes::from(text),
         (None, Some(b64)) => Bytes::from(
-            base64::engine::general_purpose::STANDARD
+            LENIENT_BASE64
                 .decode(b64)
                 .map_err(|e| format!("body_base64: {e}"))?,
         ),
@@ -478,6 +502,19 @@ fn bad(detail: String) -> Response<Body> {
     )
 }
 
+/// `405` with the methods the path answers (`Allow`).
+fn not_allowed(allow: &'static str, detail: &str) -> Response<Body> {
+    let mut resp = problem(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method-not-allowed",
+        "Method not allowed",
+        detail.into(),
+    );
+    resp.headers_mut()
+        .insert(header::ALLOW, HeaderValue::from_static(allow));
+    resp
+}
+
 fn no_record() -> Response<Body> {
     problem(
         StatusCode::NOT_FOUND,
@@ -524,8 +561,26 @@ mod tests {
                 ("set-cookie", "b=2")
             ]
         );
+        let integral = super::resolution_of(br#"{"status": 403.0}"#).unwrap();
+        assert_eq!(integral.status, 403);
+        for (b64, body) in [("YQ==", "a"), ("YQ", "a"), ("YR", "a"), ("", "")] {
+            let json = format!(r#"{{"status": 200, "body_base64": "{b64}", "body": null}}"#);
+            assert_eq!(
+                super::resolution_of(json.as_bytes()).unwrap().body,
+                body,
+                "{b64}"
+            );
+        }
         for bad in [
+            r#"{"status": 201.5}"#,
+            r#"{"status": 199}"#,
+            r#"{"status": 600}"#,
+            r#"{"status": -201}"#,
+            r#"{"status": 1e300}"#,
+            r#"{"status": 201, "body": "a", "body_base64": "YQ=="}"#,
             r#"{"status": 201, "headers": {"x": 1}}"#,
+            r#"{"status": 201, "headers": {"x": "\u0084"}}"#,
+            r#"{"status": 201, "headers": [["x", "a\nb"]]}"#,
             r#"{"status": 201, "headers": {"x": [1]}}"#,
             r#"{"status": 201, "headers": "x"}"#,
         ] {

@@ -23,6 +23,7 @@ use crate::config::Deadlines;
 use crate::conn::{self, ClientBody};
 use crate::consumer::BrokerHealth;
 use crate::gateway::Gateway;
+use crate::metrics::text as exposition;
 use crate::store::{Readiness, StoreError, StoreOp};
 
 /// How full an embedded store may be before readiness warns: at its bound new keys get
@@ -112,7 +113,10 @@ async fn handle(
     req: Request<ClientBody>,
 ) -> Response<Body> {
     if req.method() != Method::GET && req.method() != Method::HEAD {
-        return text(StatusCode::METHOD_NOT_ALLOWED, "use GET\n");
+        let mut resp = text(StatusCode::METHOD_NOT_ALLOWED, "use GET\n");
+        resp.headers_mut()
+            .insert(header::ALLOW, HeaderValue::from_static("GET, HEAD"));
+        return resp;
     }
     match req.uri().path() {
         // The process is up and serving: nothing else, so a slow store never gets it restarted.
@@ -158,13 +162,14 @@ async fn handle(
             if let Some(traces) = gw.traces() {
                 metrics.set_spans_dropped(traces.dropped());
             }
-            let mut resp = Response::new(body::full(Bytes::from(metrics.encode())));
-            resp.headers_mut().insert(
-                header::CONTENT_TYPE,
-                HeaderValue::from_static(
-                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                ),
-            );
+            let (encoded, media) = if exposition::wants_openmetrics(req.headers()) {
+                (metrics.encode(), exposition::OPENMETRICS)
+            } else {
+                (exposition::classic(&metrics.encode()), exposition::CLASSIC)
+            };
+            let mut resp = Response::new(body::full(Bytes::from(encoded)));
+            resp.headers_mut()
+                .insert(header::CONTENT_TYPE, HeaderValue::from_static(media));
             resp
         }
         // What the running routes' stored keys are derived from, and every route's served

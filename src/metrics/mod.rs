@@ -26,6 +26,7 @@
 
 mod client;
 mod consumer;
+pub mod text;
 
 pub use consumer::{ConsumerMetrics, ConsumerOutcome};
 
@@ -482,7 +483,8 @@ impl Metrics {
         }
     }
 
-    /// The text exposition (OpenMetrics) of everything.
+    /// The text exposition (OpenMetrics) of everything; [`text::classic`] makes the classic
+    /// format of it.
     pub fn encode(&self) -> String {
         let mut out = String::new();
         if prometheus_client::encoding::text::encode(&mut out, &self.registry).is_err() {

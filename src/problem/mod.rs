@@ -127,7 +127,8 @@ pub enum Problem {
         lookup_in: Option<Duration>,
     },
     /// The operator API's own refusals on the admin listener (`unauthorized`, `no-record`,
-    /// `record-live`, `record-changed`, `bad-operator-request`): made in [`crate::admin`].
+    /// `operator-api-off`, `record-live`, `record-changed`, `method-not-allowed`,
+    /// `bad-operator-request`): made in [`crate::admin`].
     Operator {
         slug: &'static str,
         status: StatusCode,

@@ -167,6 +167,20 @@ async fn unknown_outcomes_resolved_while_the_gateway_runs(store: &str) {
         assert_eq!(got.status, 400, "{bad}: {}", got.text());
         assert_eq!(got.problem_type(), "bad-operator-request");
     }
+    // A method a path does not answer: 405 with the ones it does.
+    for (method, path, allow) in [
+        ("POST", "/keys".to_string(), "GET, HEAD"),
+        ("PATCH", format!("/keys/{id1}"), "GET, HEAD, PUT, DELETE"),
+    ] {
+        let got = Http::new(admin)
+            .request(method, &path)
+            .header("authorization", &format!("Bearer {TOKEN}"))
+            .send()
+            .await;
+        assert_eq!(got.status, 405, "{method} {path}: {}", got.text());
+        assert_eq!(got.problem_type(), "method-not-allowed");
+        assert_eq!(got.header("allow"), Some(allow));
+    }
     // `idemgate keys get` goes through the running gateway's API (the disk store is the
     // gateway's while it runs).
     let got = keys_cmd(&gw.config_path, "get", "payments", &["k1"]);
@@ -197,6 +211,11 @@ async fn unknown_outcomes_resolved_while_the_gateway_runs(store: &str) {
     assert_eq!(
         (view["state"].as_str(), view["status"].as_u64()),
         (Some("completed"), Some(201))
+    );
+    // When a retry would execute again, as a read would say.
+    assert!(
+        view["expires"].as_str().is_some_and(|e| e.ends_with('Z')),
+        "{view}"
     );
     // A completed record says when it goes: when a retry would execute again.
     let read = state_of(admin, &id1).await;
@@ -294,7 +313,7 @@ async fn without_a_token_the_operator_api_is_off() {
         .send()
         .await;
     assert_eq!(got.status, 404);
-    assert!(got.text().contains("operator API is off"), "{}", got.text());
+    assert_eq!(got.problem_type(), "operator-api-off", "{}", got.text());
 }
 
 /// A consumer's message whose handler call had no complete answer is dead-lettered as an unknown
