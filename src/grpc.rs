@@ -29,6 +29,7 @@ pub enum Code {
     ResourceExhausted = 8,
     FailedPrecondition = 9,
     Aborted = 10,
+    Internal = 13,
     Unavailable = 14,
     Unauthenticated = 16,
 }

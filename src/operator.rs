@@ -120,17 +120,24 @@ fn route_key(source: &KeySource, parts: &[KeyPart]) -> Result<String, OperatorEr
 
 /// Opens the configured shared store and waits until it answers.
 pub async fn open_store(config: &Config) -> Result<std::sync::Arc<dyn Store>, OperatorError> {
+    let sealer = match &config.store_keys {
+        Some(source) => Some(std::sync::Arc::new(
+            crate::store::seal::Sealer::load(source)
+                .map_err(|e| OperatorError::Store(format!("store.encryption_keys_*: {e}")))?,
+        )),
+        None => None,
+    };
     let store = match &config.store {
         StoreConfig::Memory { .. } => return Err(OperatorError::MemoryStore),
         // The file is the running gateway's while it runs: fjall lets one process at a time open
         // it, and a second writer could not keep the gateway's view of its keys true.
-        StoreConfig::Disk(_) => store::open(&config.store).map_err(|e| {
+        StoreConfig::Disk(_) => store::open(&config.store, sealer).map_err(|e| {
             OperatorError::Store(format!(
                 "{e}\nThe disk store is opened by one process at a time: stop the gateway, run `idemgate keys` again, then start the gateway."
             ))
         })?,
         StoreConfig::Redis(_) | StoreConfig::Postgres(_) => {
-            store::open(&config.store).map_err(|e| OperatorError::Store(e.to_string()))?
+            store::open(&config.store, sealer).map_err(|e| OperatorError::Store(e.to_string()))?
         }
     };
     let deadline = tokio::time::Instant::now() + CONNECT_WAIT;

@@ -93,6 +93,9 @@ pub struct Config {
     pub consumers: Vec<ConsumerConfig>,
     /// `[telemetry]`: traces over OTLP; `None`, the default, exports nothing.
     pub telemetry: Option<telemetry::Telemetry>,
+    /// `store.encryption_keys_file` or `_env`: where the keys that seal stored answers are
+    /// ([`crate::store::seal`]); `None`, the default, stores them in the clear.
+    pub store_keys: Option<TokenSource>,
 }
 
 /// One `[[consumers]]` entry, validated ([`crate::consumer`]).
@@ -668,9 +671,11 @@ impl Config {
                     disk.path = dir.join(&disk.path);
                 }
             }
-            if let Some(TokenSource::File(file)) = &mut config.server.admin_token {
-                if file.is_relative() {
-                    *file = dir.join(&*file);
+            for source in [&mut config.server.admin_token, &mut config.store_keys] {
+                if let Some(TokenSource::File(file)) = source {
+                    if file.is_relative() {
+                        *file = dir.join(&*file);
+                    }
                 }
             }
         }

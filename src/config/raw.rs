@@ -158,6 +158,8 @@ pub(super) struct RawStore {
     pub(super) tls_client_cert: Option<String>,
     pub(super) tls_client_key: Option<String>,
     pub(super) min_replicas: Option<i64>,
+    pub(super) encryption_keys_file: Option<String>,
+    pub(super) encryption_keys_env: Option<String>,
     #[serde(default, deserialize_with = "duration")]
     pub(super) replica_timeout: Option<Duration>,
     pub(super) table: Option<String>,

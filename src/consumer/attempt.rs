@@ -256,6 +256,12 @@ pub(super) fn verdict(decision: Decision<HandlerCall>) -> Verdict {
                 reason: "an earlier delivery's outcome is unknown, and the handler's lookup is still to say".into(),
                 counted: true,
             },
+            // Counted: until an operator lists the key again or settles the record, then
+            // dead-lettered.
+            Refusal::Unreadable => Verdict::Retry {
+                reason: "record-unreadable: the key's stored record does not open with this gateway's keys".into(),
+                counted: true,
+            },
             Refusal::StoreUnavailable | Refusal::StoreFull | Refusal::OverQuota { .. } => {
                 Verdict::Retry {
                     reason: "the store cannot take the key now".into(),

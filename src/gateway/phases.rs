@@ -570,6 +570,7 @@ fn refusal_problem(policy: &Policy, refusal: Refusal) -> Problem {
         },
         Refusal::StoreUnavailable => Problem::StoreUnavailable,
         Refusal::StoreFull => Problem::StoreFull,
+        Refusal::Unreadable => Problem::RecordUnreadable,
         Refusal::OverQuota { retry_after } => Problem::KeyQuota { retry_after },
     }
 }
@@ -595,7 +596,9 @@ pub(super) fn outcome_of(p: &Problem) -> Outcome {
         | Problem::UpgradeRefused
         // Never made on the traffic port.
         | Problem::Operator { .. } => Outcome::BadRequest,
-        Problem::StoreUnavailable | Problem::StoreFull => Outcome::StoreError,
+        Problem::StoreUnavailable | Problem::StoreFull | Problem::RecordUnreadable => {
+            Outcome::StoreError
+        }
         Problem::KeyQuota { .. } | Problem::Overloaded { .. } | Problem::ClientKeysUnavailable => {
             Outcome::Limited
         }

@@ -251,6 +251,9 @@ pub enum Refusal {
     Reconciling(UnknownReason),
     StoreUnavailable,
     StoreFull,
+    /// The key's record is sealed and does not open with this gateway's keys: never replayed,
+    /// never executed again, whatever `on_store_error` says.
+    Unreadable,
     /// The caller's scope stored as many records as its quota allows in this window.
     OverQuota {
         retry_after: Duration,
@@ -453,6 +456,7 @@ impl Core {
                 tracing::error!(key = key.short(), error = %e, "unreadable record");
                 return Err(Some(Refusal::OutcomeUnknown(UnknownReason::Interrupted)));
             }
+            Err(e @ StoreError::Unreadable { .. }) => return Err(Some(store_refusal(key, e))),
             // The operator asked for a store that keeps records, not for idempotency when
             // convenient: a store that may not keep them is no reason to go without.
             Err(e)
@@ -680,6 +684,11 @@ pub fn not_executed(status: u16, store_server_errors: bool) -> bool {
 }
 
 fn store_refusal(key: &StoreKey, e: StoreError) -> Refusal {
+    // An unreadable record is logged with its key id only: never key material, nor the record.
+    if let StoreError::Unreadable { key_id, why } = e {
+        tracing::error!(key = key.short(), key_id = ?key_id, why, "a sealed record does not open: refused, not executed (record-unreadable)");
+        return Refusal::Unreadable;
+    }
     tracing::warn!(key = key.short(), error = %e, "store error");
     match e {
         StoreError::Full(_) => Refusal::StoreFull,

@@ -101,6 +101,9 @@ pub enum Problem {
     ClientKeysUnavailable,
     StoreUnavailable,
     StoreFull,
+    /// The key's record is sealed and does not open with this gateway's keys
+    /// (`store.encryption_keys_*`): never replayed, never executed again.
+    RecordUnreadable,
     /// The client scope stored as many records as `max_keys_per_client` (or
     /// `max_keys_anonymous`) allows per `ttl`; nothing was forwarded or stored.
     KeyQuota {
@@ -159,6 +162,7 @@ impl Problem {
             Problem::SignatureRejected { .. } => "signature-rejected",
             Problem::StoreUnavailable => "store-unavailable",
             Problem::StoreFull => "store-full",
+            Problem::RecordUnreadable => "record-unreadable",
             Problem::KeyQuota { .. } => "key-quota",
             Problem::Overloaded { .. } => "overloaded",
             Problem::UpstreamUnreachable => "upstream-unreachable",
@@ -194,6 +198,7 @@ impl Problem {
             }
             Problem::KeyQuota { .. } => StatusCode::TOO_MANY_REQUESTS,
             Problem::UpstreamUnreachable | Problem::UpstreamFailed => StatusCode::BAD_GATEWAY,
+            Problem::RecordUnreadable => StatusCode::INTERNAL_SERVER_ERROR,
             Problem::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
             Problem::OutcomeUnknown { reason, .. } => match reason {
                 UnknownReason::Timeout => StatusCode::GATEWAY_TIMEOUT,
@@ -231,6 +236,7 @@ impl Problem {
             }
             Problem::UpstreamTimeout => Code::DeadlineExceeded,
             Problem::UpstreamFailed | Problem::OutcomeUnknown { .. } => Code::Unknown,
+            Problem::RecordUnreadable => Code::Internal,
             // Never a gRPC client's: the admin listener speaks HTTP only.
             Problem::Operator { .. } => Code::FailedPrecondition,
         }
@@ -256,6 +262,7 @@ impl Problem {
             Problem::SignatureRejected { .. } => "Delivery signature not verified",
             Problem::StoreUnavailable => "Idempotency store unavailable",
             Problem::StoreFull => "Idempotency store full",
+            Problem::RecordUnreadable => "Stored record unreadable",
             Problem::KeyQuota { .. } => "Too many new idempotency keys",
             Problem::Overloaded { .. } => "Gateway overloaded",
             Problem::UpstreamUnreachable => "Upstream unreachable",
@@ -316,6 +323,7 @@ impl Problem {
             }
             Problem::StoreUnavailable => "The idempotency store cannot be reached, so the request was not forwarded. Retry with the same key later.".into(),
             Problem::StoreFull => "The idempotency store is at its capacity, so the request was not forwarded. Retry with the same key later.".into(),
+            Problem::RecordUnreadable => "An earlier request with this key was recorded, and its record cannot be read with the gateway's keys, so it is neither replayed nor run again. An operator must restore the key or settle the record.".into(),
             Problem::KeyQuota { retry_after } => format!(
                 "This client stored as many results under new idempotency keys as this endpoint allows for now. The request was not forwarded. Retries of earlier keys still get their results; a new key can be used in {} seconds.",
                 retry_after.as_millis().div_ceil(1000).max(1)
@@ -361,8 +369,10 @@ impl Problem {
     fn hint(&self) -> Hint {
         const SOON: Duration = Duration::from_secs(1);
         match self {
-            // Only another request (a new key, another body, a token, a signature) can pass.
-            Problem::MissingKey { .. }
+            // Only another request (a new key, another body, a token, a signature) can pass; or,
+            // for a record the keys do not open, an operator.
+            Problem::RecordUnreadable
+            | Problem::MissingKey { .. }
             | Problem::InvalidKey { .. }
             | Problem::KeyReused { .. }
             | Problem::BodyTooLarge { .. }

@@ -426,6 +426,7 @@ mod documented {
             Problem::ClientKeysUnavailable,
             Problem::StoreUnavailable,
             Problem::StoreFull,
+            Problem::RecordUnreadable,
             Problem::KeyQuota {
                 retry_after: Duration::from_secs(60),
             },

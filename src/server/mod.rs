@@ -30,6 +30,7 @@ use crate::gateway::{Gateway, GatewayParts, Routing};
 use crate::jwt::Verifiers;
 use crate::metrics::Metrics;
 use crate::store;
+use crate::store::seal::Sealer;
 use crate::tls::{ListenerTls, ListenerTlsError};
 use crate::upstream::{ConnectionLimits, PoolTimeouts, TlsSetupError, UpstreamTlsConnector};
 use acceptor::{accept, WorkerHandle};
@@ -46,6 +47,8 @@ pub enum ServerError {
     },
     #[error("cannot open the store: {0}")]
     Store(#[from] store::OpenError),
+    #[error("store.encryption_keys_*: {0}")]
+    StoreKeys(#[from] store::seal::KeysError),
     #[error("cannot start the worker threads: {0}")]
     Workers(std::io::Error),
     #[error("{0}")]
@@ -95,7 +98,11 @@ impl Server {
             None => None,
         };
         let metrics = Arc::new(Metrics::new());
-        let store = store::open(&config.store)?;
+        let sealer = match &config.store_keys {
+            Some(source) => Some(Arc::new(Sealer::load(source)?)),
+            None => None,
+        };
+        let store = store::open(&config.store, sealer)?;
         // Half the shortest upstream_timeout: a connect attempt always fails before the request
         // could time out, so "not sent" is never mistaken for "unknown".
         let connect_timeout = config.shortest_upstream_timeout() / 2;

@@ -27,6 +27,11 @@
 //! link:         a completed record of a traced execution: its span's ids, as a `traceparent`
 //!               value in a first `content-length` field (see `LINK_FIELD`)
 //! ```
+//! sealed:       with `store.encryption_keys_*` ([`super::seal`]), a completed record's part
+//!               after byte 42 is `SEALED_ANSWER` (u16, where the status is) then the
+//!               sealed completed part as above (status to body); an origin is kind 3 then
+//!               the sealed origin. A gateway from before sealing refuses the first (a bad
+//!               status: corrupt, never executed) and reads the second as no origin.
 //! The origin ([`super::Origin`]) came after the first gateways that wrote this version:
 //! they ignore the bytes after a pending or unknown record's fixed part, and a record they
 //! wrote reads as one without an origin. An origin that does not parse reads as none: it is
@@ -39,11 +44,13 @@ use std::sync::Arc;
 use bytes::{BufMut, Bytes, BytesMut};
 use http::{HeaderName, HeaderValue, StatusCode};
 
+use super::seal::{self, KeyId, Part, Sealer};
 use super::{
     Origin, OriginKind, OwnerToken, Record, RecordState, StoreError, StoredResponse, TraceLink,
     UnknownReason,
 };
 use crate::fingerprint::Fingerprint;
+use crate::key::StoreKey;
 
 pub const VERSION: u8 = 1;
 pub const STATE_PENDING: u8 = 1;
@@ -53,9 +60,64 @@ pub const STATE_UNKNOWN: u8 = 3;
 pub const HEADER_LEN: usize = 42;
 /// Length of a pending record; the Redis scripts read a longer one as flagged by a waiter.
 pub const PENDING_LEN: usize = HEADER_LEN + 16 + 8;
+/// An origin read ([`decode_origin`]), and the id of the key that sealed it.
+pub type Opened = (Option<Arc<Origin>>, Option<KeyId>);
 
-/// Encodes a whole record, into a buffer of exactly its size (the memory store keeps these).
-pub fn encode(record: &Record) -> Bytes {
+/// Where a completed record's status would be: the answer is sealed (no status is 65535).
+const SEALED_ANSWER: u16 = u16::MAX;
+/// The origin kind of a sealed origin.
+const SEALED_ORIGIN: u8 = 3;
+
+/// How a record is written and read: sealed with these keys as the record under this store
+/// key, or in the clear ([`Seal::PLAIN`]: no `store.encryption_keys_*`).
+#[derive(Clone, Copy)]
+pub struct Seal<'a>(Option<(&'a Sealer, &'a StoreKey)>);
+
+impl<'a> Seal<'a> {
+    pub const PLAIN: Seal<'static> = Seal(None);
+
+    pub fn new(sealer: Option<&'a Sealer>, key: &'a StoreKey) -> Seal<'a> {
+        Seal(sealer.map(|s| (s, key)))
+    }
+
+    /// Appends `plain` sealed (with the key `with`, if still listed) to `out`; `None` when
+    /// records are kept in the clear.
+    fn seal(&self, with: Option<&KeyId>, part: Part, plain: &[u8], out: &mut BytesMut) -> bool {
+        match self.0 {
+            Some((sealer, key)) => {
+                sealer.seal(with, part, key, plain, out);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Opens a sealed part: its plain bytes and the key that sealed it.
+    fn open(&self, part: Part, sealed: &[u8]) -> Result<(Bytes, KeyId), StoreError> {
+        let opened = match self.0 {
+            Some((sealer, key)) => sealer.open(part, key, sealed),
+            None => Err(seal::sealed_with(sealed)
+                .map_or(seal::OpenError::Malformed, |_| seal::OpenError::NoKeys)),
+        };
+        match opened {
+            Ok((plain, id)) => Ok((Bytes::from(plain), id)),
+            Err(e) => {
+                let key_id = match &e {
+                    seal::OpenError::NoKeys => seal::sealed_with(sealed).ok(),
+                    other => other.key_id().map(str::to_string),
+                };
+                Err(StoreError::Unreadable {
+                    key_id,
+                    why: e.to_string(),
+                })
+            }
+        }
+    }
+}
+
+/// Encodes a whole record, into a buffer of exactly its size (the memory store keeps these);
+/// sealed as `seal` says, with the key it was read with if it is still listed.
+pub fn encode(record: &Record, seal: Seal) -> Bytes {
     let origin = kept_origin(record);
     let mut out = BytesMut::with_capacity(
         HEADER_LEN + state_len(&record.state) + origin.map_or(0, |o| 1 + origin_len(o)),
@@ -64,15 +126,26 @@ pub fn encode(record: &Record) -> Bytes {
     out.put_u8(state_byte(&record.state));
     out.put_slice(&record.fingerprint.0);
     out.put_u64(record.created_ms);
-    put_state(&record.state, &mut out);
+    put_state(&record.state, record.sealed_with.as_ref(), seal, &mut out);
     if let Some(origin) = origin {
         if state_byte(&record.state) == STATE_PENDING {
             // The watched flag, clear: an origin always comes after it.
             out.put_u8(0);
         }
-        put_origin(origin, &mut out);
+        put_sealed_origin(origin, record.sealed_with.as_ref(), seal, &mut out);
     }
     out.freeze()
+}
+
+/// An origin, sealed if `seal` says so.
+fn put_sealed_origin(origin: &Origin, with: Option<&KeyId>, seal: Seal, out: &mut BytesMut) {
+    if seal.0.is_none() {
+        return put_origin(origin, out);
+    }
+    let mut plain = BytesMut::with_capacity(origin_len(origin));
+    put_origin(origin, &mut plain);
+    out.put_u8(SEALED_ORIGIN);
+    seal.seal(with, Part::Origin, &plain, out);
 }
 
 /// The origin a record is stored with: only while its outcome is open, and only one whose
@@ -100,20 +173,21 @@ fn put_origin(origin: &Origin, out: &mut BytesMut) {
 }
 
 /// An origin in the form that follows a record's fixed part (the Postgres store keeps it in a
-/// column of its own); `None` when it does not fit.
-pub fn encode_origin(origin: &Origin) -> Option<Vec<u8>> {
+/// column of its own), sealed if `seal` says so; `None` when it does not fit.
+pub fn encode_origin(origin: &Origin, seal: Seal) -> Option<Vec<u8>> {
     if origin.name.len() > u16::MAX as usize || origin.key.len() > u16::MAX as usize {
         return None;
     }
     let mut out = BytesMut::with_capacity(origin_len(origin));
-    put_origin(origin, &mut out);
+    put_sealed_origin(origin, None, seal, &mut out);
     Some(out.to_vec())
 }
 
-/// The origin in `raw` (what [`encode_origin`] wrote), or `None` for anything else.
-pub fn decode_origin(raw: &[u8]) -> Option<Arc<Origin>> {
+/// The origin in `raw` (what [`encode_origin`] wrote), `None` for anything else, and the key
+/// that sealed it; a sealed one that does not open is the error.
+pub fn decode_origin(raw: &[u8], seal: Seal) -> Result<Opened, StoreError> {
     let raw = Bytes::copy_from_slice(raw);
-    Reader { raw: &raw, pos: 0 }.origin()
+    Reader { raw: &raw, pos: 0 }.sealed_origin(seal)
 }
 
 fn state_byte(state: &RecordState) -> u8 {
@@ -125,10 +199,11 @@ fn state_byte(state: &RecordState) -> u8 {
     }
 }
 
-/// The state-specific part after byte 42 (what the scripts splice in).
-pub fn encode_state(state: &RecordState) -> Bytes {
+/// The state-specific part after byte 42 (what the scripts splice in), a new answer sealed
+/// with the current key if `seal` says so.
+pub fn encode_state(state: &RecordState, seal: Seal) -> Bytes {
     let mut out = BytesMut::with_capacity(state_len(state));
-    put_state(state, &mut out);
+    put_state(state, None, seal, &mut out);
     out.freeze()
 }
 
@@ -217,7 +292,7 @@ fn state_len(state: &RecordState) -> usize {
     }
 }
 
-fn put_state(state: &RecordState, out: &mut BytesMut) {
+fn put_state(state: &RecordState, with: Option<&KeyId>, seal: Seal, out: &mut BytesMut) {
     match state {
         RecordState::Pending {
             owner,
@@ -230,32 +305,13 @@ fn put_state(state: &RecordState, out: &mut BytesMut) {
             out.put_u128(owner.0);
             out.put_u64(*lease_until_ms);
         }
-        RecordState::Completed(r) => {
-            let trailers = if r.trailers.is_empty() {
-                0
-            } else {
-                WITH_TRAILERS
-            };
-            out.put_u16(r.status.as_u16() + trailers);
-            out.put_u64(r.completed_ms);
-            out.put_u8(u8::from(r.body_kept));
-            match linked(r) {
-                None => put_fields(&r.headers, out),
-                // The link's field first, then the headers as they are (`linked` left room
-                // for one more in the count).
-                Some(link) => {
-                    out.put_u16(r.headers.len() as u16 + 1);
-                    put_field(LINK_FIELD.as_str(), link.traceparent().as_bytes(), out);
-                    for (name, value) in &r.headers {
-                        put_field(name.as_str(), value.as_bytes(), out);
-                    }
-                }
-            }
-            if !r.trailers.is_empty() {
-                put_fields(&r.trailers, out);
-            }
-            out.put_slice(&r.body);
+        RecordState::Completed(r) if seal.0.is_some() => {
+            let mut plain = BytesMut::with_capacity(state_len(state));
+            put_answer(r, &mut plain);
+            out.put_u16(SEALED_ANSWER);
+            seal.seal(with, Part::Answer, &plain, out);
         }
+        RecordState::Completed(r) => put_answer(r, out),
         RecordState::Unknown { since_ms, reason } => {
             out.put_u64(*since_ms);
             out.put_u8(match reason {
@@ -267,13 +323,43 @@ fn put_state(state: &RecordState, out: &mut BytesMut) {
     }
 }
 
+/// A completed record's part from its status to its body.
+fn put_answer(r: &StoredResponse, out: &mut BytesMut) {
+    let trailers = if r.trailers.is_empty() {
+        0
+    } else {
+        WITH_TRAILERS
+    };
+    out.put_u16(r.status.as_u16() + trailers);
+    out.put_u64(r.completed_ms);
+    out.put_u8(u8::from(r.body_kept));
+    match linked(r) {
+        None => put_fields(&r.headers, out),
+        // The link's field first, then the headers as they are (`linked` left room for one
+        // more in the count).
+        Some(link) => {
+            out.put_u16(r.headers.len() as u16 + 1);
+            put_field(LINK_FIELD.as_str(), link.traceparent().as_bytes(), out);
+            for (name, value) in &r.headers {
+                put_field(name.as_str(), value.as_bytes(), out);
+            }
+        }
+    }
+    if !r.trailers.is_empty() {
+        put_fields(&r.trailers, out);
+    }
+    out.put_slice(&r.body);
+}
+
 /// The owner token as the scripts compare it (16 bytes, big endian).
 pub fn owner_bytes(owner: OwnerToken) -> [u8; 16] {
     owner.0.to_be_bytes()
 }
 
-/// Decodes a record; any malformed input is a [`StoreError::Corrupt`], never a panic.
-pub fn decode(raw: &Bytes) -> Result<Record, StoreError> {
+/// Decodes a record, opening what is sealed with `seal`'s keys; any malformed input is a
+/// [`StoreError::Corrupt`], a sealed part that does not open [`StoreError::Unreadable`], never a
+/// panic.
+pub fn decode(raw: &Bytes, seal: Seal) -> Result<Record, StoreError> {
     let mut r = Reader { raw, pos: 0 };
     let version = r.u8()?;
     if version != VERSION {
@@ -283,8 +369,7 @@ pub fn decode(raw: &Bytes) -> Result<Record, StoreError> {
     let mut fingerprint = [0u8; 32];
     fingerprint.copy_from_slice(r.take(32)?);
     let created_ms = r.u64()?;
-    let mut origin = None;
-    let state = match state {
+    let (state, origin) = match state {
         STATE_PENDING => {
             let state = RecordState::Pending {
                 owner: OwnerToken(u128::from_be_bytes(r.array()?)),
@@ -292,43 +377,20 @@ pub fn decode(raw: &Bytes) -> Result<Record, StoreError> {
             };
             // The watched flag: the Redis store's business.
             let _ = r.u8();
-            origin = r.origin();
-            state
+            (state, r.sealed_origin(seal)?)
         }
         STATE_COMPLETED => {
-            let field = r.u16()?;
-            let (status, with_trailers) = match field.checked_sub(WITH_TRAILERS) {
-                Some(status) => (status, true),
-                None => (field, false),
-            };
-            let status = StatusCode::from_u16(status).map_err(|_| corrupt("bad status"))?;
-            let completed_ms = r.u64()?;
-            let body_kept = match r.u8()? {
-                0 => false,
-                1 => true,
-                other => return Err(corrupt(format!("bad body_kept {other}"))),
-            };
-            let (headers, link) = unlinked(r.fields()?);
-            let trailers = if with_trailers {
-                let trailers = r.fields()?;
-                if trailers.is_empty() {
-                    // Never written so: each record has one encoding.
-                    return Err(corrupt("an empty trailer block"));
+            if raw.get(r.pos..r.pos + 2) == Some(&SEALED_ANSWER.to_be_bytes()[..]) {
+                let (plain, id) = seal.open(Part::Answer, &raw[r.pos + 2..])?;
+                let answer = Reader {
+                    raw: &plain,
+                    pos: 0,
                 }
-                trailers
+                .answer()?;
+                (RecordState::Completed(Arc::new(answer)), (None, Some(id)))
             } else {
-                Vec::new()
-            };
-            let body = raw.slice(r.pos..);
-            RecordState::Completed(Arc::new(StoredResponse {
-                status,
-                headers,
-                trailers,
-                body,
-                body_kept,
-                completed_ms,
-                link,
-            }))
+                (RecordState::Completed(Arc::new(r.answer()?)), (None, None))
+            }
         }
         STATE_UNKNOWN => {
             let state = RecordState::Unknown {
@@ -340,16 +402,17 @@ pub fn decode(raw: &Bytes) -> Result<Record, StoreError> {
                     other => return Err(corrupt(format!("unknown reason {other}"))),
                 },
             };
-            origin = r.origin();
-            state
+            (state, r.sealed_origin(seal)?)
         }
         other => return Err(corrupt(format!("unknown state {other}"))),
     };
+    let (origin, sealed_with) = origin;
     Ok(Record {
         fingerprint: Fingerprint(fingerprint),
         created_ms,
         state,
         origin,
+        sealed_with,
     })
 }
 
@@ -363,6 +426,62 @@ struct Reader<'a> {
 }
 
 impl<'a> Reader<'a> {
+    /// A completed record's part from its status to its body (the body the rest of `raw`).
+    fn answer(&mut self) -> Result<StoredResponse, StoreError> {
+        let field = self.u16()?;
+        let (status, with_trailers) = match field.checked_sub(WITH_TRAILERS) {
+            Some(status) => (status, true),
+            None => (field, false),
+        };
+        let status = StatusCode::from_u16(status).map_err(|_| corrupt("bad status"))?;
+        let completed_ms = self.u64()?;
+        let body_kept = match self.u8()? {
+            0 => false,
+            1 => true,
+            other => return Err(corrupt(format!("bad body_kept {other}"))),
+        };
+        let (headers, link) = unlinked(self.fields()?);
+        let trailers = if with_trailers {
+            let trailers = self.fields()?;
+            if trailers.is_empty() {
+                // Never written so: each record has one encoding.
+                return Err(corrupt("an empty trailer block"));
+            }
+            trailers
+        } else {
+            Vec::new()
+        };
+        Ok(StoredResponse {
+            status,
+            headers,
+            trailers,
+            body: self.raw.slice(self.pos..),
+            body_kept,
+            completed_ms,
+            link,
+        })
+    }
+
+    /// The origin in the rest of the record, opened if sealed, and the key that sealed it;
+    /// none when there is none or a plain one does not parse (it is for operators, never part
+    /// of a decision); an error when a sealed one does not open (a record this gateway cannot
+    /// read all of is not read at all).
+    fn sealed_origin(&mut self, seal: Seal) -> Result<Opened, StoreError> {
+        if self.raw.get(self.pos) != Some(&SEALED_ORIGIN) {
+            return Ok((self.origin(), None));
+        }
+        let (plain, id) = seal.open(Part::Origin, &self.raw[self.pos + 1..])?;
+        self.pos = self.raw.len();
+        Ok((
+            Reader {
+                raw: &plain,
+                pos: 0,
+            }
+            .origin(),
+            Some(id),
+        ))
+    }
+
     /// The origin in the rest of the record, if one is there and parses.
     fn origin(&mut self) -> Option<Arc<Origin>> {
         let kind = match self.u8().ok()? {
@@ -443,6 +562,7 @@ mod tests {
             created_ms: 1_700_000_000_123,
             state,
             origin: None,
+            sealed_with: None,
         }
     }
 
@@ -499,17 +619,20 @@ mod tests {
         ];
         for s in states {
             let r = record(s);
-            assert_eq!(decode(&encode(&r)).unwrap(), r);
+            assert_eq!(decode(&encode(&r, Seal::PLAIN), Seal::PLAIN).unwrap(), r);
         }
     }
 
     #[test]
     fn the_layout_the_scripts_rely_on() {
         let owner = OwnerToken(u128::MAX - 5);
-        let enc = encode(&record(RecordState::Pending {
-            owner,
-            lease_until_ms: 1,
-        }));
+        let enc = encode(
+            &record(RecordState::Pending {
+                owner,
+                lease_until_ms: 1,
+            }),
+            Seal::PLAIN,
+        );
         assert_eq!(enc[1], STATE_PENDING);
         assert_eq!(&enc[42..58], &owner_bytes(owner));
         assert_eq!(enc.len(), PENDING_LEN);
@@ -518,8 +641,8 @@ mod tests {
         let mut flagged = enc.to_vec();
         flagged.push(1);
         assert_eq!(
-            decode(&Bytes::from(flagged)).unwrap(),
-            decode(&enc).unwrap()
+            decode(&Bytes::from(flagged), Seal::PLAIN).unwrap(),
+            decode(&enc, Seal::PLAIN).unwrap()
         );
     }
 
@@ -536,11 +659,11 @@ mod tests {
                 lease_until_ms: 1,
             })
         };
-        let enc = encode(&pending);
+        let enc = encode(&pending, Seal::PLAIN);
         // The fixed part first, as the scripts expect it; the flag clear; then the origin.
         assert_eq!(&enc[42..58], &owner_bytes(OwnerToken(3)));
         assert_eq!(enc[PENDING_LEN], 0);
-        assert_eq!(decode(&enc).unwrap(), pending);
+        assert_eq!(decode(&enc, Seal::PLAIN).unwrap(), pending);
         let unknown = Record {
             state: RecordState::Unknown {
                 since_ms: 5,
@@ -548,7 +671,10 @@ mod tests {
             },
             ..pending.clone()
         };
-        assert_eq!(decode(&encode(&unknown)).unwrap(), unknown);
+        assert_eq!(
+            decode(&encode(&unknown, Seal::PLAIN), Seal::PLAIN).unwrap(),
+            unknown
+        );
         let completed = Record {
             state: RecordState::Completed(Arc::new(StoredResponse {
                 status: StatusCode::OK,
@@ -561,15 +687,23 @@ mod tests {
             })),
             ..pending.clone()
         };
-        assert_eq!(decode(&encode(&completed)).unwrap().origin, None);
+        assert_eq!(
+            decode(&encode(&completed, Seal::PLAIN), Seal::PLAIN)
+                .unwrap()
+                .origin,
+            None
+        );
         // What the Redis script writes when it marks a flagged pending record unknown: the
         // unknown state, then the pending record's origin as it was.
         let mut flagged = enc.to_vec();
         flagged[PENDING_LEN] = 1;
-        assert_eq!(decode(&Bytes::from(flagged.clone())).unwrap(), pending);
-        let mut spliced = encode(&unknown)[..HEADER_LEN + 9].to_vec();
+        assert_eq!(
+            decode(&Bytes::from(flagged.clone()), Seal::PLAIN).unwrap(),
+            pending
+        );
+        let mut spliced = encode(&unknown, Seal::PLAIN)[..HEADER_LEN + 9].to_vec();
         spliced.extend_from_slice(&flagged[PENDING_LEN + 1..]);
-        assert_eq!(decode(&Bytes::from(spliced)).unwrap(), unknown);
+        assert_eq!(decode(&Bytes::from(spliced), Seal::PLAIN).unwrap(), unknown);
     }
 
     #[test]
@@ -583,26 +717,36 @@ mod tests {
             &[0, 1, 0, 200, b'x'],
             &[0, 1, 0, 1, 0xff, 0, 0],
         ] {
-            let mut raw = encode(&pending).to_vec();
+            let mut raw = encode(&pending, Seal::PLAIN).to_vec();
             raw.extend_from_slice(tail);
-            assert_eq!(decode(&Bytes::from(raw)).unwrap(), pending, "{tail:?}");
+            assert_eq!(
+                decode(&Bytes::from(raw), Seal::PLAIN).unwrap(),
+                pending,
+                "{tail:?}"
+            );
         }
         let o = origin();
-        assert_eq!(decode_origin(&encode_origin(&o).unwrap()), Some(o));
+        assert_eq!(
+            decode_origin(&encode_origin(&o, Seal::PLAIN).unwrap(), Seal::PLAIN),
+            Ok((Some(o), None))
+        );
     }
 
     #[test]
     fn the_body_is_stored_raw() {
         let body = Bytes::from(vec![0xAB; 1000]);
-        let enc = encode(&record(RecordState::Completed(Arc::new(StoredResponse {
-            trailers: vec![],
-            status: StatusCode::OK,
-            headers: vec![],
-            body: body.clone(),
-            body_kept: true,
-            completed_ms: 0,
-            link: None,
-        }))));
+        let enc = encode(
+            &record(RecordState::Completed(Arc::new(StoredResponse {
+                trailers: vec![],
+                status: StatusCode::OK,
+                headers: vec![],
+                body: body.clone(),
+                body_kept: true,
+                completed_ms: 0,
+                link: None,
+            }))),
+            Seal::PLAIN,
+        );
         assert_eq!(enc.len(), HEADER_LEN + 13 + 1000);
         assert!(enc.ends_with(&body));
     }
@@ -624,7 +768,7 @@ mod tests {
         old.push(b'y');
         old.extend_from_slice(b"body");
         let old = Bytes::from(old);
-        let record = decode(&old).unwrap();
+        let record = decode(&old, Seal::PLAIN).unwrap();
         let RecordState::Completed(r) = &record.state else {
             panic!("not completed: {record:?}");
         };
@@ -632,12 +776,16 @@ mod tests {
         assert_eq!(r.headers.len(), 1);
         assert!(r.trailers.is_empty());
         assert_eq!(r.body, "body");
-        assert_eq!(encode(&record), old, "and is written the same way again");
+        assert_eq!(
+            encode(&record, Seal::PLAIN),
+            old,
+            "and is written the same way again"
+        );
         // A body_kept no gateway writes is refused, not guessed at.
         let mut flagged = old.to_vec();
         flagged[52] = 3;
         assert!(matches!(
-            decode(&Bytes::from(flagged)),
+            decode(&Bytes::from(flagged), Seal::PLAIN),
             Err(StoreError::Corrupt(_))
         ));
     }
@@ -656,7 +804,7 @@ mod tests {
             completed_ms: 1,
             link: None,
         })));
-        let enc = encode(&record);
+        let enc = encode(&record, Seal::PLAIN);
         // What the older decoder did first with a completed record: its status.
         let status = u16::from_be_bytes([enc[42], enc[43]]);
         assert_eq!(status, 1200);
@@ -664,7 +812,7 @@ mod tests {
             StatusCode::from_u16(status).is_err(),
             "older readers refuse it"
         );
-        assert_eq!(decode(&enc).unwrap(), record);
+        assert_eq!(decode(&enc, Seal::PLAIN).unwrap(), record);
     }
 
     #[test]
@@ -686,20 +834,23 @@ mod tests {
             link: Some(link),
         };
         let linked = record(RecordState::Completed(Arc::new(response.clone())));
-        let enc = encode(&linked);
+        let enc = encode(&linked, Seal::PLAIN);
         assert_eq!(
             enc.len(),
-            encode(&record(RecordState::Completed(Arc::new(StoredResponse {
-                link: None,
-                ..response.clone()
-            }))))
+            encode(
+                &record(RecordState::Completed(Arc::new(StoredResponse {
+                    link: None,
+                    ..response.clone()
+                }))),
+                Seal::PLAIN
+            )
             .len()
                 + 2
                 + 14
                 + 4
                 + 55
         );
-        assert_eq!(decode(&enc).unwrap(), linked);
+        assert_eq!(decode(&enc, Seal::PLAIN).unwrap(), linked);
         // An older reader: every field a header, then the replay's own content-length set.
         let mut r = Reader {
             raw: &enc,
@@ -728,21 +879,27 @@ mod tests {
             link: None,
             ..response
         })));
-        let enc = encode(&odd);
-        assert_eq!(decode(&enc).unwrap(), odd);
-        assert_eq!(encode(&decode(&enc).unwrap()), enc);
+        let enc = encode(&odd, Seal::PLAIN);
+        assert_eq!(decode(&enc, Seal::PLAIN).unwrap(), odd);
+        assert_eq!(
+            encode(&decode(&enc, Seal::PLAIN).unwrap(), Seal::PLAIN),
+            enc
+        );
     }
 
     #[test]
     fn other_versions_are_refused() {
-        let mut enc = encode(&record(RecordState::Unknown {
-            since_ms: 0,
-            reason: UnknownReason::Timeout,
-        }))
+        let mut enc = encode(
+            &record(RecordState::Unknown {
+                since_ms: 0,
+                reason: UnknownReason::Timeout,
+            }),
+            Seal::PLAIN,
+        )
         .to_vec();
         enc[0] = 2;
         assert!(matches!(
-            decode(&Bytes::from(enc)),
+            decode(&Bytes::from(enc), Seal::PLAIN),
             Err(StoreError::Corrupt(_))
         ));
     }
@@ -750,13 +907,13 @@ mod tests {
     proptest! {
         #[test]
         fn any_bytes_decode_without_panic(raw in prop::collection::vec(any::<u8>(), 0..200)) {
-            let _ = decode(&Bytes::from(raw));
+            let _ = decode(&Bytes::from(raw), Seal::PLAIN);
         }
 
         #[test]
         fn truncations_are_errors_not_panics(cut in 0usize..66) {
-            let enc = encode(&record(RecordState::Pending { owner: OwnerToken(1), lease_until_ms: 2 }));
-            prop_assert!(decode(&enc.slice(..cut)).is_err());
+            let enc = encode(&record(RecordState::Pending { owner: OwnerToken(1), lease_until_ms: 2 }), Seal::PLAIN);
+            prop_assert!(decode(&enc.slice(..cut), Seal::PLAIN).is_err());
         }
     }
 }

@@ -25,7 +25,8 @@ use bytes::Bytes;
 use tokio::time::Instant;
 
 use super::changes::Waiters;
-use super::codec;
+use super::codec::{self, Seal};
+use super::seal::Sealer;
 use super::{
     ms_after, now_ms, Bound, Claim, OwnerToken, Record, RecordState, Reservation, ScanPage,
     Scanned, Store, StoreError, StoreStats, StoredResponse, UnknownReason, Watch,
@@ -100,6 +101,9 @@ struct Shared {
     waiters: Waiters,
     max_keys: usize,
     max_bytes: u64,
+    /// `store.encryption_keys_*`: completed records' answers sealed ([`super::seal`]); open
+    /// records are kept as they are, in this process's memory like every request it serves.
+    sealer: Option<Arc<Sealer>>,
 }
 
 /// Totals across shards, for the bounds and metrics.
@@ -141,10 +145,10 @@ enum Held {
 }
 
 impl Held {
-    fn record(&self) -> Result<Record, StoreError> {
+    fn record(&self, seal: Seal) -> Result<Record, StoreError> {
         match self {
             Held::Record(r) => Ok(Record::clone(r)),
-            Held::Encoded(raw) => codec::decode(raw),
+            Held::Encoded(raw) => codec::decode(raw, seal),
         }
     }
 }
@@ -152,12 +156,18 @@ impl Held {
 impl MemoryStore {
     /// Creates the store and starts its purge task (so it must be called inside a tokio runtime).
     pub fn new(max_keys: usize, max_bytes: u64) -> Self {
+        Self::sealed(max_keys, max_bytes, None)
+    }
+
+    /// [`MemoryStore::new`], sealing completed records' answers with `sealer`'s keys.
+    pub fn sealed(max_keys: usize, max_bytes: u64, sealer: Option<Arc<Sealer>>) -> Self {
         let shared = Arc::new(Shared {
             shards: (0..SHARDS).map(|_| Mutex::new(Inner::default())).collect(),
             counts: Counts::default(),
             waiters: Waiters::new(),
             max_keys,
             max_bytes,
+            sealer,
         });
         tokio::spawn(purge_loop(Arc::downgrade(&shared)));
         MemoryStore { shared }
@@ -170,6 +180,11 @@ impl MemoryStore {
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// How the record under `key` is sealed.
+    fn seal<'a>(&'a self, key: &'a StoreKey) -> Seal<'a> {
+        Seal::new(self.shared.sealer.as_deref(), key)
     }
 }
 
@@ -207,7 +222,8 @@ impl Shared {
         let size = pending_size(claim);
         let mut inner = self.shard(key);
         if let Some(e) = inner.live(key, now, &self.counts) {
-            return Ok(Reservation::Existing(e.held.record()?.checked_lease()));
+            let seal = Seal::new(self.sealer.as_deref(), key);
+            return Ok(Reservation::Existing(e.held.record(seal)?.checked_lease()));
         }
         if let Some(which) = self.over_bound(size) {
             return Err(StoreError::Full(which));
@@ -435,7 +451,7 @@ impl Store for MemoryStore {
         match inner.live(key, Instant::now(), counts) {
             Some(e)
                 if e.held
-                    .record()
+                    .record(self.seal(key))
                     .is_ok_and(|r| r.checked_lease() == *expected) => {}
             _ => return Ok(None),
         }
@@ -462,7 +478,7 @@ impl Store for MemoryStore {
         let mut inner = self.shared.shard(key);
         inner
             .live(key, Instant::now(), &self.shared.counts)
-            .map(|e| e.held.record().map(|r| r.checked_lease()))
+            .map(|e| e.held.record(self.seal(key)).map(|r| r.checked_lease()))
             .transpose()
     }
 
@@ -498,12 +514,14 @@ impl Store for MemoryStore {
                 response.body = Bytes::new();
                 response.body_kept = false;
             }
-            let encoded = codec::encode(&Record {
+            let record = Record {
                 fingerprint,
                 created_ms,
                 state: RecordState::Completed(Arc::new(response)),
                 origin: None,
-            });
+                sealed_with: None,
+            };
+            let encoded = codec::encode(&record, self.seal(key));
             inner.insert(*key, Held::Encoded(encoded), deadline(ttl), size, counts);
         }
         self.shared.waiters.notify(key);

@@ -28,6 +28,7 @@ pub mod memory;
 mod origin;
 pub mod postgres;
 pub mod redis;
+pub mod seal;
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -61,6 +62,10 @@ pub struct Record {
     pub state: RecordState,
     /// Who asked for it, while its outcome is open; stores drop it once the record completes.
     pub origin: Option<Arc<Origin>>,
+    /// The key its sealed parts were sealed with, when it was read sealed ([`seal`]): written
+    /// again, it is sealed with that key while it is listed, so that it encodes to the bytes
+    /// it was read from (the stores' compare-and-set compares them). `None` for a new record.
+    pub sealed_with: Option<seal::KeyId>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -261,6 +266,14 @@ pub enum StoreError {
     /// A stored record could not be decoded.
     #[error("stored record is corrupt: {0}")]
     Corrupt(String),
+    /// A stored record is sealed and does not open with this gateway's keys (its key is not
+    /// listed, or the gateway has none, or it was altered): never replayed, never executed.
+    #[error("stored record is unreadable: {why}")]
+    Unreadable {
+        /// The id of the key it names, if any (never key material).
+        key_id: Option<String>,
+        why: String,
+    },
     /// The store answers, but is not known to keep what it is given (`store.require_noeviction`
     /// and Redis may evict): new keys are refused, never forwarded without idempotency.
     #[error("store refuses new keys: {0}")]
@@ -511,6 +524,7 @@ pub fn pending(claim: &Claim, lease: Duration) -> (OwnerToken, Record) {
             lease_until_ms: ms_after(lease),
         },
         origin: claim.origin.clone(),
+        sealed_with: None,
     };
     (owner, record)
 }
@@ -655,16 +669,22 @@ pub fn ms_after(d: Duration) -> u64 {
     now_ms().saturating_add(d.as_millis().min(u64::MAX as u128) as u64)
 }
 
-/// Opens the backend named in the config. Never waits for a remote store to be reachable.
-pub fn open(config: &StoreConfig) -> Result<Arc<dyn Store>, OpenError> {
+/// Opens the backend named in the config, sealing what it stores with `sealer`'s keys if
+/// given. Never waits for a remote store to be reachable.
+pub fn open(
+    config: &StoreConfig,
+    sealer: Option<Arc<seal::Sealer>>,
+) -> Result<Arc<dyn Store>, OpenError> {
     Ok(match config {
         StoreConfig::Memory {
             max_keys,
             max_bytes,
-        } => Arc::new(memory::MemoryStore::new(*max_keys, *max_bytes)),
-        StoreConfig::Disk(settings) => Arc::new(disk::DiskStore::open(settings)?),
-        StoreConfig::Redis(settings) => Arc::new(redis::RedisStore::new(settings)?),
-        StoreConfig::Postgres(settings) => Arc::new(postgres::PostgresStore::new(settings)?),
+        } => Arc::new(memory::MemoryStore::sealed(*max_keys, *max_bytes, sealer)),
+        StoreConfig::Disk(settings) => Arc::new(disk::DiskStore::open(settings, sealer)?),
+        StoreConfig::Redis(settings) => Arc::new(redis::RedisStore::new(settings, sealer)?),
+        StoreConfig::Postgres(settings) => {
+            Arc::new(postgres::PostgresStore::new(settings, sealer)?)
+        }
     })
 }
 
@@ -681,6 +701,7 @@ mod tests {
                 lease_until_ms,
             },
             origin: None,
+            sealed_with: None,
         }
     }
 

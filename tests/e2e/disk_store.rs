@@ -34,7 +34,7 @@ fn settings(dir: &TempDir, sync: SyncMode, max_disk: u64) -> DiskSettings {
 }
 
 fn open(dir: &TempDir) -> DiskStore {
-    DiskStore::open(&settings(dir, SyncMode::Always, 64 << 20)).unwrap()
+    DiskStore::open(&settings(dir, SyncMode::Always, 64 << 20), None).unwrap()
 }
 
 fn response(body: &'static str) -> StoredResponse {
@@ -118,7 +118,7 @@ async fn every_state_survives_closing_and_reopening() {
 async fn a_second_store_on_the_same_directory_is_refused_with_the_reason() {
     let dir = TempDir::new("disk-lock");
     let _first = open(&dir);
-    let err = match DiskStore::open(&settings(&dir, SyncMode::Always, 64 << 20)) {
+    let err = match DiskStore::open(&settings(&dir, SyncMode::Always, 64 << 20), None) {
         Err(e) => e.to_string(),
         Ok(_) => panic!("a second open of the same directory must fail"),
     };
@@ -136,7 +136,7 @@ async fn a_directory_that_cannot_be_made_is_refused_with_what_to_do() {
         sync: SyncMode::Always,
         max_disk: 64 << 20,
     };
-    let err = match DiskStore::open(&settings) {
+    let err = match DiskStore::open(&settings, None) {
         Err(e) => e.to_string(),
         Ok(_) => panic!("a path under a file cannot be a store"),
     };
@@ -186,7 +186,7 @@ async fn expired_records_are_purged_and_no_longer_counted() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn at_max_disk_new_keys_are_refused_live_ones_kept_and_room_comes_back() {
     let dir = TempDir::new("disk-bound");
-    let store = DiskStore::open(&settings(&dir, SyncMode::Always, 64 << 10)).unwrap();
+    let store = DiskStore::open(&settings(&dir, SyncMode::Always, 64 << 10), None).unwrap();
     // Long enough for most keys to be reserved and checked before they expire, even when every
     // fsync is slow; a key whose time ran out before its check is not checked.
     let ttl = Duration::from_secs(10);
@@ -268,7 +268,7 @@ async fn with_sync_batch_results_share_a_deferred_fsync_and_still_survive_a_reop
     let count = |sync: SyncMode| {
         let dir = TempDir::new("disk-batch-count");
         async move {
-            let store = DiskStore::open(&settings(&dir, sync, 64 << 20)).unwrap();
+            let store = DiskStore::open(&settings(&dir, sync, 64 << 20), None).unwrap();
             for i in 0..40 {
                 let k = key(&format!("b{i}"));
                 let t = own(&store, &k, LEASE, TTL).await;
@@ -290,13 +290,16 @@ async fn with_sync_batch_results_share_a_deferred_fsync_and_still_survive_a_reop
 
     // Results not yet synced are synced when the store closes.
     {
-        let store = DiskStore::open(&settings(
-            &dir,
-            SyncMode::Batch {
-                interval: Duration::from_secs(5),
-            },
-            64 << 20,
-        ))
+        let store = DiskStore::open(
+            &settings(
+                &dir,
+                SyncMode::Batch {
+                    interval: Duration::from_secs(5),
+                },
+                64 << 20,
+            ),
+            None,
+        )
         .unwrap();
         let t = own(&store, &key("late"), LEASE, TTL).await;
         store
@@ -304,7 +307,7 @@ async fn with_sync_batch_results_share_a_deferred_fsync_and_still_survive_a_reop
             .await
             .unwrap();
     }
-    let store = DiskStore::open(&settings(&dir, SyncMode::Always, 64 << 20)).unwrap();
+    let store = DiskStore::open(&settings(&dir, SyncMode::Always, 64 << 20), None).unwrap();
     assert!(matches!(
         store.get(&key("late")).await.unwrap().unwrap().state,
         RecordState::Completed(_)
@@ -378,7 +381,7 @@ impl Drop for SmallDisk {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_disk_fails_closed_keeps_what_it_has_and_says_so() {
     let disk = SmallDisk::mount("2m");
-    let store = DiskStore::open(&settings(&disk.dir, SyncMode::Always, 1 << 30)).unwrap();
+    let store = DiskStore::open(&settings(&disk.dir, SyncMode::Always, 1 << 30), None).unwrap();
     let body: &'static str = Box::leak("y".repeat(64 << 10).into_boxed_str());
     let mut kept = Vec::new();
     let failure = loop {
@@ -463,13 +466,16 @@ async fn a_reservation_whose_caller_left_is_released() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn flush_syncs_what_batch_mode_held() {
     let dir = TempDir::new("disk-flush");
-    let store = DiskStore::open(&settings(
-        &dir,
-        SyncMode::Batch {
-            interval: Duration::from_secs(10),
-        },
-        64 << 20,
-    ))
+    let store = DiskStore::open(
+        &settings(
+            &dir,
+            SyncMode::Batch {
+                interval: Duration::from_secs(10),
+            },
+            64 << 20,
+        ),
+        None,
+    )
     .unwrap();
     let t = own(&store, &key("f"), LEASE, TTL).await;
     let before = store.stats().syncs;

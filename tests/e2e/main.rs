@@ -17,6 +17,7 @@ mod consumers;
 mod disk_restarts;
 mod disk_store;
 mod encoded_bodies;
+mod encryption;
 mod failures;
 mod fingerprint;
 mod gateway;

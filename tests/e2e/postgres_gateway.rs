@@ -394,7 +394,7 @@ async fn a_failover_to_a_synchronous_standby_serves_again_and_runs_nothing_twice
 }
 
 async fn ready(settings: &PostgresSettings) -> Arc<PostgresStore> {
-    let store = Arc::new(PostgresStore::new(settings).unwrap());
+    let store = Arc::new(PostgresStore::new(settings, None).unwrap());
     let answered = eventually(|| async { store.ping().await.is_ok() }).await;
     assert!(
         answered,
@@ -457,7 +457,7 @@ async fn instances_starting_together_create_the_schema_once_and_a_newer_one_is_r
     assert_eq!(pg.psql("SELECT version FROM idemgate_records_schema"), "2");
     // A later gateway's layout: this one refuses to touch it, and says why in readiness.
     pg.psql("UPDATE idemgate_records_schema SET version = 3");
-    let store = PostgresStore::new(&settings(pg.url())).unwrap();
+    let store = PostgresStore::new(&settings(pg.url()), None).unwrap();
     let refused = store.ping().await.unwrap_err().to_string();
     assert!(refused.contains("schema version 3"), "{refused}");
     match store.readiness() {

@@ -668,11 +668,14 @@ mod disk {
 
     pub fn open(dir: &TempDir, sync: SyncMode) -> Arc<dyn Store> {
         Arc::new(
-            DiskStore::open(&DiskSettings {
-                path: dir.path.clone(),
-                sync,
-                max_disk: 64 << 20,
-            })
+            DiskStore::open(
+                &DiskSettings {
+                    path: dir.path.clone(),
+                    sync,
+                    max_disk: 64 << 20,
+                },
+                None,
+            )
             .unwrap(),
         )
     }
@@ -708,7 +711,7 @@ mod disk {
 }
 
 async fn redis_store(settings: RedisSettings) -> Arc<dyn Store> {
-    let store = Arc::new(RedisStore::new(&settings).unwrap());
+    let store = Arc::new(RedisStore::new(&settings, None).unwrap());
     // The connections are made in the background: wait until the store answers and its
     // subscriber listens. A subscriber that starts listening wakes every waiter, which would let
     // the waiter checks pass without any message from the scripts.
@@ -833,7 +836,7 @@ async fn redis_over_tls_passes_every_check() {
     all_checks!(each);
 
     // Without the CA the server's certificate is not trusted: the store never becomes usable.
-    let untrusted = RedisStore::new(&settings(RedisTarget::Single(server.url()))).unwrap();
+    let untrusted = RedisStore::new(&settings(RedisTarget::Single(server.url())), None).unwrap();
     for _ in 0..3 {
         assert!(
             untrusted.ping().await.is_err(),
@@ -857,7 +860,7 @@ async fn redis_with_client_certificates() {
 
     let mut without = settings(RedisTarget::Single(server.url()));
     without.tls_ca_file = server.tls_ca.clone();
-    let refused = RedisStore::new(&without).unwrap();
+    let refused = RedisStore::new(&without, None).unwrap();
     for _ in 0..3 {
         assert!(
             refused.ping().await.is_err(),
@@ -918,7 +921,7 @@ mod postgres {
     /// The store once it answers and listens: a listener that starts wakes every waiter, which
     /// would let the waiter checks pass without a notification.
     pub async fn ready(settings: &PostgresSettings) -> Arc<PostgresStore> {
-        let store = Arc::new(PostgresStore::new(settings).unwrap());
+        let store = Arc::new(PostgresStore::new(settings, None).unwrap());
         let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
         while store.ping().await.is_err() || !store.is_listening() {
             assert!(

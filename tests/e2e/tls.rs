@@ -661,7 +661,7 @@ async fn the_postgres_store_verifies_the_servers_certificate() {
         tls_client: None,
         allow_async_commit: false,
     };
-    let store = PostgresStore::new(&settings("ca.pem")).unwrap();
+    let store = PostgresStore::new(&settings("ca.pem"), None).unwrap();
     let answered = eventually(|| async { store.ping().await.is_ok() }).await;
     assert!(answered, "{:?}", store.ping().await);
     let encrypted = pg.psql(
@@ -669,7 +669,7 @@ async fn the_postgres_store_verifies_the_servers_certificate() {
     );
     assert_ne!(encrypted, "0", "the store's connections use TLS");
 
-    let wrong = PostgresStore::new(&settings("other.pem")).unwrap();
+    let wrong = PostgresStore::new(&settings("other.pem"), None).unwrap();
     let refused = wrong.ping().await.unwrap_err().to_string();
     assert!(refused.to_lowercase().contains("certificate"), "{refused}");
 }

@@ -20,11 +20,14 @@ use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Method};
 use idemgate::config::Config;
 use idemgate::fingerprint::{canonical_json, IgnoredFields};
+use idemgate::key::StoreKey;
 use idemgate::key::{parse_key_value, KeySource};
 use idemgate::route::{RoutePattern, Routed, Router};
-use idemgate::store::codec;
+use idemgate::store::codec::{self, Seal};
+use idemgate::store::seal::Sealer;
 use idemgate::store::{
-    Origin, OriginKind, OwnerToken, Record, RecordState, StoredResponse, TraceLink, UnknownReason,
+    Origin, OriginKind, OwnerToken, Record, RecordState, StoreError, StoredResponse, TraceLink,
+    UnknownReason,
 };
 use proptest::prelude::*;
 use serde_json::Value;
@@ -348,16 +351,39 @@ fn record() -> impl Strategy<Value = Record> {
             created_ms,
             state,
             origin,
+            sealed_with: None,
         }
     })
+}
+
+/// Two keys, the second listed: what a rotated keys file holds.
+fn sealer() -> Sealer {
+    Sealer::parse("new:AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=\nold:HxwdHhsaGRgXFhUUExIREA8ODQwLCgkIBwYFBAMCAQA=").unwrap()
 }
 
 proptest! {
     #![proptest_config(config())]
 
     #[test]
-    fn records_decode_as_encoded(r in record()) {
-        prop_assert_eq!(codec::decode(&codec::encode(&r)).unwrap(), r);
+    fn records_decode_as_encoded(r in record(), key in any::<[u8; 32]>()) {
+        let plain = Seal::PLAIN;
+        prop_assert_eq!(codec::decode(&codec::encode(&r, plain), plain).unwrap(), r.clone());
+        // Sealed: the same record, and encoded again the same bytes (compare-and-set).
+        let (sealer, key) = (sealer(), StoreKey::from_bytes(key));
+        let seal = Seal::new(Some(&sealer), &key);
+        let raw = codec::encode(&r, seal);
+        let mut read = codec::decode(&raw, seal).unwrap();
+        prop_assert_eq!(codec::encode(&read, seal), raw.clone());
+        let sealed = read.origin.is_some() || matches!(read.state, RecordState::Completed(_));
+        prop_assert_eq!(read.sealed_with.take().is_some(), sealed);
+        prop_assert_eq!(read, r);
+        // Under another store key it does not open, and nothing decodes it in the clear.
+        if sealed {
+            let other = StoreKey::from_bytes([!key.as_bytes()[0]; 32]);
+            let is_unreadable = |e: StoreError| matches!(e, StoreError::Unreadable { .. });
+            prop_assert!(codec::decode(&raw, Seal::new(Some(&sealer), &other)).is_err_and(is_unreadable));
+            prop_assert!(codec::decode(&raw, plain).is_err_and(is_unreadable));
+        }
     }
 
     #[test]
@@ -367,7 +393,7 @@ proptest! {
         cut in any::<prop::sample::Index>(),
         truncate in any::<bool>(),
     ) {
-        let mut raw = codec::encode(&r).to_vec();
+        let mut raw = codec::encode(&r, Seal::PLAIN).to_vec();
         for (at, byte) in flips {
             let i = at.index(raw.len());
             raw[i] ^= byte.max(1);
@@ -376,14 +402,18 @@ proptest! {
             raw.truncate(cut.index(raw.len() + 1));
         }
         // Never a panic; what decodes re-encodes to a record that decodes the same.
-        if let Ok(decoded) = codec::decode(&Bytes::from(raw)) {
-            prop_assert_eq!(codec::decode(&codec::encode(&decoded)).unwrap(), decoded);
+        if let Ok(decoded) = codec::decode(&Bytes::from(raw), Seal::PLAIN) {
+            let again = codec::encode(&decoded, Seal::PLAIN);
+            prop_assert_eq!(codec::decode(&again, Seal::PLAIN).unwrap(), decoded);
         }
     }
 
     #[test]
     fn random_bytes_never_panic_the_decoder(raw in prop::collection::vec(any::<u8>(), 0..400)) {
-        let _ = codec::decode(&Bytes::from(raw));
+        let raw = Bytes::from(raw);
+        let _ = codec::decode(&raw, Seal::PLAIN);
+        let sealer = sealer();
+        let _ = codec::decode(&raw, Seal::new(Some(&sealer), &StoreKey::from_bytes([7; 32])));
     }
 }
 

@@ -34,12 +34,61 @@ use super::{
 /// ran).
 pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(1);
 
+/// Where a secret is read from: the name of an environment variable (`env`, never the secret
+/// itself: the file is printed and compared freely) or a file (`file`), one of the two; `names`
+/// are their keys, `what` the secret as the error calls it.
+fn secret_source(
+    env: &Option<String>,
+    file: &Option<String>,
+    (env_key, file_key): (&str, &str),
+    what: &str,
+) -> Result<Option<super::TokenSource>, ConfigError> {
+    use super::TokenSource;
+    Ok(Some(match (env, file) {
+        (None, None) => return Ok(None),
+        (Some(_), Some(_)) => {
+            return Err(ConfigError::invalid(
+                file_key,
+                format!("(set together with {env_key})"),
+                format!("one of {env_key} (a variable's name) and {file_key}"),
+            ))
+        }
+        (Some(name), None) => {
+            let valid = !name.is_empty()
+                && name.len() <= 128
+                && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
+            if !valid {
+                return Err(ConfigError::invalid(
+                    env_key,
+                    name.clone(),
+                    format!("the name of an environment variable, such as \"IDEMGATE_SECRET\" (the {what} itself never goes in the file)"),
+                ));
+            }
+            TokenSource::Env(name.clone())
+        }
+        (None, Some(path)) if !path.trim().is_empty() => TokenSource::File(path.into()),
+        (None, Some(path)) => {
+            return Err(ConfigError::invalid(
+                file_key,
+                path.clone(),
+                format!("the path of a file holding the {what}"),
+            ))
+        }
+    }))
+}
+
 /// Connections to each upstream when `upstream.max_connections` is not set.
 const DEFAULT_UPSTREAM_CONNECTIONS: usize = 1024;
 
 impl RawConfig {
     pub(super) fn validate(self) -> Result<Config, ConfigError> {
         let server = server::validate_server(self.server)?;
+        let store_keys = secret_source(
+            &self.store.encryption_keys_env,
+            &self.store.encryption_keys_file,
+            ("store.encryption_keys_env", "store.encryption_keys_file"),
+            "keys",
+        )?;
         let store = store::validate_store(self.store, server.workers)?;
         let raw_upstream = self.upstream.ok_or_else(|| ConfigError::Missing {
             field: "upstream.url".into(),
@@ -89,6 +138,7 @@ impl RawConfig {
             routes,
             consumers,
             telemetry,
+            store_keys,
         })
     }
 }

@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use super::{pem_file, pem_pair, shown, size_at_most, whole_number, Pem};
+use super::{pem_file, pem_pair, secret_source, shown, size_at_most, whole_number, Pem};
 use crate::config::raw::RawServer;
 use crate::config::{ConfigError, Deadlines, ServerConfig, TokenSource};
 
@@ -133,36 +133,10 @@ fn max_buffered(raw: &RawServer) -> Result<usize, ConfigError> {
 
 /// `server.admin_token_env` or `admin_token_file` (not both), with `server.admin` set.
 fn admin_token(raw: &RawServer) -> Result<Option<TokenSource>, ConfigError> {
-    let source = match (&raw.admin_token_env, &raw.admin_token_file) {
-        (None, None) => return Ok(None),
-        (Some(_), Some(_)) => {
-            return Err(ConfigError::invalid(
-                "server.admin_token_file",
-                "(set together with server.admin_token_env)",
-                "one of server.admin_token_env (a variable's name) and server.admin_token_file",
-            ))
-        }
-        (Some(name), None) => {
-            let valid = !name.is_empty()
-                && name.len() <= 128
-                && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
-            if !valid {
-                return Err(ConfigError::invalid(
-                    "server.admin_token_env",
-                    name.clone(),
-                    "the name of an environment variable, such as \"IDEMGATE_ADMIN_TOKEN\" (the token itself never goes in the file)",
-                ));
-            }
-            TokenSource::Env(name.clone())
-        }
-        (None, Some(path)) if !path.trim().is_empty() => TokenSource::File(path.into()),
-        (None, Some(path)) => {
-            return Err(ConfigError::invalid(
-                "server.admin_token_file",
-                path.clone(),
-                "the path of a file holding the token",
-            ))
-        }
+    let names = ("server.admin_token_env", "server.admin_token_file");
+    let Some(source) = secret_source(&raw.admin_token_env, &raw.admin_token_file, names, "token")?
+    else {
+        return Ok(None);
     };
     if raw.admin.is_none() {
         return Err(ConfigError::invalid(

@@ -54,7 +54,8 @@ use fjall::{Database, Keyspace, KeyspaceCreateOptions};
 use tokio::sync::{mpsc, oneshot};
 
 use super::changes::Waiters;
-use super::codec;
+use super::codec::{self, Seal};
+use super::seal::Sealer;
 use super::{
     now_ms, Claim, OpenError, OwnerToken, Record, Reservation, ScanPage, Store, StoreError,
     StoreStats, StoredResponse, UnknownReason, Watch,
@@ -169,6 +170,8 @@ struct Db {
     /// as it is committed, before its fsync; read from there, a duplicate could be answered with
     /// a result that a crash then takes back.
     published: arc_swap::ArcSwap<Published>,
+    /// `store.encryption_keys_*`: records' answers and origins sealed ([`super::seal`]).
+    sealer: Option<Arc<Sealer>>,
 }
 
 /// A snapshot readers may use, and the number of the writer's batch it ends with.
@@ -178,6 +181,11 @@ struct Published {
 }
 
 impl Db {
+    /// How the record under `key` is sealed.
+    fn seal<'a>(&'a self, key: &'a StoreKey) -> Seal<'a> {
+        Seal::new(self.sealer.as_deref(), key)
+    }
+
     fn publish(&self, batch: u64) {
         self.published.store(Arc::new(Published {
             snapshot: self.db.snapshot(),
@@ -267,7 +275,7 @@ enum Done {
 impl DiskStore {
     /// Opens (creating if need be) the store in `settings.path` and starts its writer thread and
     /// ticker, so it must be called inside a tokio runtime.
-    pub fn open(settings: &DiskSettings) -> Result<Self, OpenError> {
+    pub fn open(settings: &DiskSettings, sealer: Option<Arc<Sealer>>) -> Result<Self, OpenError> {
         let dir = &settings.path;
         let fail = |reason: String| OpenError::Disk {
             path: dir.clone(),
@@ -296,6 +304,7 @@ impl DiskStore {
                     records,
                     expiry,
                     published,
+                    sealer,
                 })
             });
         let db = opened.map_err(|e| match e {
@@ -386,7 +395,8 @@ impl DiskStore {
         if expires_at <= now_ms() {
             return Ok((None, None));
         }
-        let record = codec::decode(&Bytes::copy_from_slice(raw))?.checked_lease();
+        let record =
+            codec::decode(&Bytes::copy_from_slice(raw), self.shared.db.seal(key))?.checked_lease();
         Ok((Some(record), None))
     }
 }

@@ -20,7 +20,7 @@ use super::{
 use crate::config::{DiskSettings, SyncMode};
 use crate::key::StoreKey;
 use crate::store::changes::Waiters;
-use crate::store::codec;
+use crate::store::codec::{self, Seal};
 use crate::store::{
     ms_after, now_ms, Bound, OwnerToken, Record, RecordState, Reservation, StoreError,
     StoredResponse,
@@ -289,14 +289,15 @@ impl Writer {
             let Ok((expires_at, raw)) = split(value) else {
                 continue;
             };
-            let Ok(mut record) = codec::decode(&Bytes::copy_from_slice(raw)) else {
+            let seal = self.db.seal(key);
+            let Ok(mut record) = codec::decode(&Bytes::copy_from_slice(raw), seal) else {
                 continue;
             };
             if !matches!(record.state, RecordState::Pending { owner: o, .. } if o == *owner) {
                 continue;
             }
             record = leased_record(record, *owner, *lease);
-            let value = stored_value(expires_at, &codec::encode(&record));
+            let value = stored_value(expires_at, &codec::encode(&record, seal));
             batch.insert(&self.db.records, key.as_bytes().to_vec(), value.clone());
             stamped.push((*key, value));
         }
@@ -365,10 +366,10 @@ impl Writer {
                 ..
             } => {
                 if let Some((_, raw)) = current {
-                    let record = codec::decode(&raw)?.checked_lease();
+                    let record = codec::decode(&raw, self.db.seal(key))?.checked_lease();
                     return Ok(Done::Reserved(Reservation::Existing(record)));
                 }
-                let raw = codec::encode(&leased_record(record, owner, lease));
+                let raw = codec::encode(&leased_record(record, owner, lease), self.db.seal(key));
                 if *used + cost(k.len(), 8 + raw.len()) as i64 > self.max_disk as i64 {
                     return Err(StoreError::Full(Bound::MaxDisk));
                 }
@@ -397,7 +398,7 @@ impl Writer {
                 Done::Changed
             }
             Change::Release { owner } => {
-                owned(current, owner)?;
+                owned(current, owner, self.db.seal(key))?;
                 t.remove(key, old_len, used);
                 effects.wake.push(*key);
                 Done::Changed
@@ -420,10 +421,10 @@ impl Writer {
                 let Some((expires_at, raw)) = current else {
                     return Ok(Done::TakenOver(None));
                 };
-                if codec::decode(&raw)?.checked_lease() != expected {
+                if codec::decode(&raw, self.db.seal(key))?.checked_lease() != expected {
                     return Ok(Done::TakenOver(None));
                 }
-                let raw = codec::encode(&leased_record(record, owner, lease));
+                let raw = codec::encode(&leased_record(record, owner, lease), self.db.seal(key));
                 let old = Some((expires_at, old_len.unwrap_or(0)));
                 t.put(key, old, ms_after(ttl), &raw, used);
                 effects.leased.push((*key, owner, lease));
@@ -474,11 +475,15 @@ fn leased_record(mut record: Record, owner: OwnerToken, lease: Duration) -> Reco
 }
 
 /// The pending record `owner` owns, with its expiry, or `NotOwner`.
-fn owned(current: Option<(u64, Bytes)>, owner: OwnerToken) -> Result<(u64, Record), StoreError> {
+fn owned(
+    current: Option<(u64, Bytes)>,
+    owner: OwnerToken,
+    seal: Seal,
+) -> Result<(u64, Record), StoreError> {
     let Some((expires_at, raw)) = current else {
         return Err(StoreError::NotOwner);
     };
-    let record = codec::decode(&raw)?;
+    let record = codec::decode(&raw, seal)?;
     match record.state {
         RecordState::Pending { owner: o, .. } if o == owner => Ok((expires_at, record)),
         _ => Err(StoreError::NotOwner),
@@ -577,14 +582,14 @@ impl Tables<'_> {
         used: &mut i64,
     ) -> Result<(), StoreError> {
         let old_len = current.as_ref().map_or(0, |(_, raw)| 8 + raw.len());
-        let (old_expiry, pending) = owned(current, owner)?;
+        let (old_expiry, pending) = owned(current, owner, self.db.seal(key))?;
         let record = Record { state, ..pending };
         let expires_at = expires_at.unwrap_or(old_expiry);
         self.put(
             key,
             Some((old_expiry, old_len)),
             expires_at,
-            &codec::encode(&record),
+            &codec::encode(&record, self.db.seal(key)),
             used,
         );
         Ok(())

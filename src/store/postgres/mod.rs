@@ -42,6 +42,8 @@ use self::connect::{explain, Connect, Lease};
 use self::rows::{count, millis, record_at, Expected, Giveback};
 use self::sql::Sql;
 use super::changes::Waiters;
+use super::codec::Seal;
+use super::seal::Sealer;
 use super::{
     codec, now_ms, Claim, OpenError, OwnerToken, Readiness, Record, RecordState, Reservation,
     ScanPage, Store, StoreError, StoreStats, StoredResponse, UnknownReason, Watch, SCAN_BUDGET,
@@ -74,6 +76,8 @@ struct Shared {
     purged: Arc<AtomicU64>,
     /// The listener and the purge, stopped with the last handle.
     tasks: Vec<AbortHandle>,
+    /// `store.encryption_keys_*`: records' answers and origins sealed ([`super::seal`]).
+    sealer: Option<Arc<Sealer>>,
 }
 
 impl Drop for Shared {
@@ -86,7 +90,10 @@ impl Drop for Shared {
 
 impl PostgresStore {
     /// Creates the store. Never waits for the database: connections are made when needed.
-    pub fn new(settings: &PostgresSettings) -> Result<Self, OpenError> {
+    pub fn new(
+        settings: &PostgresSettings,
+        sealer: Option<Arc<Sealer>>,
+    ) -> Result<Self, OpenError> {
         let connect = Connect::new(settings)?;
         let share = settings.pool_size.div_ceil(settings.workers.max(1)).max(2);
         let pool = connect.pool(share, settings.command_timeout)?;
@@ -120,6 +127,7 @@ impl PostgresStore {
                     tokio::spawn(listener).abort_handle(),
                     tokio::spawn(purge).abort_handle(),
                 ],
+                sealer,
             }
         });
         Ok(PostgresStore {
@@ -275,10 +283,15 @@ impl PostgresStore {
         }
     }
 
+    /// How the record under `key` is sealed.
+    fn seal<'a>(&'a self, key: &'a StoreKey) -> Seal<'a> {
+        Seal::new(self.shared.sealer.as_deref(), key)
+    }
+
     async fn read(&self, key: &StoreKey) -> Result<Option<Record>, StoreError> {
         let k: &[u8] = key.as_bytes();
         match self.rows("get", &self.shared.sql.get, &[&k]).await?.first() {
-            Some(row) => record_at(row, 1, count(row, 0)?),
+            Some(row) => record_at(row, 1, count(row, 0)?, self.seal(key)),
             None => Ok(None),
         }
     }
@@ -315,7 +328,8 @@ impl Store for PostgresStore {
         // guard gives the row back: a key nobody owns would read as in flight, then unknown.
         let guard = Giveback::new(self.handle(), key, owner, lease);
         let (lease, ttl) = (millis(lease), millis(ttl));
-        let origin = claim.origin.as_deref().and_then(codec::encode_origin);
+        let origin =
+            (claim.origin.as_deref()).and_then(|o| codec::encode_origin(o, self.seal(key)));
         let params: [&(dyn ToSql + Sync); 6] = [&k, &fp, &&token[..], &lease, &ttl, &origin];
         for _ in 0..TRIES {
             let row = self.row("reserve", &shared.sql.reserve, &params).await?;
@@ -325,7 +339,7 @@ impl Store for PostgresStore {
             }
             let now = count(&row, 1)?;
             let expires: Option<i64> = rows::get(&row, 2)?;
-            match (record_at(&row, 3, now)?, expires) {
+            match (record_at(&row, 3, now, self.seal(key))?, expires) {
                 (Some(record), Some(expires)) if expires > now => {
                     guard.disarm();
                     return Ok(Reservation::Existing(record));
@@ -387,7 +401,7 @@ impl Store for PostgresStore {
             };
             let flagged: bool = rows::get(row, 0)?;
             let watched: bool = rows::get(row, 2)?;
-            record = record_at(row, 3, count(row, 1)?)?;
+            record = record_at(row, 3, count(row, 1)?, self.seal(key))?;
             let pending = matches!(
                 record.as_ref().map(|r| &r.state),
                 Some(RecordState::Pending { .. } | RecordState::Abandoned { .. })
@@ -408,7 +422,8 @@ impl Store for PostgresStore {
         response: StoredResponse,
         ttl: Duration,
     ) -> Result<(), StoreError> {
-        let state = codec::encode_state(&RecordState::Completed(Arc::new(response)));
+        let state =
+            codec::encode_state(&RecordState::Completed(Arc::new(response)), self.seal(key));
         let (k, token, ttl): (&[u8], [u8; 16], i64) =
             (key.as_bytes(), codec::owner_bytes(owner), millis(ttl));
         let sql = &self.shared.sql.complete;
@@ -422,10 +437,13 @@ impl Store for PostgresStore {
         owner: OwnerToken,
         reason: UnknownReason,
     ) -> Result<(), StoreError> {
-        let state = codec::encode_state(&RecordState::Unknown {
-            since_ms: now_ms(),
-            reason,
-        });
+        let state = codec::encode_state(
+            &RecordState::Unknown {
+                since_ms: now_ms(),
+                reason,
+            },
+            self.seal(key),
+        );
         let (k, token): (&[u8], [u8; 16]) = (key.as_bytes(), codec::owner_bytes(owner));
         let sql = &self.shared.sql.mark_unknown;
         self.owned("mark_unknown", sql, &[&k, &&token[..], &&state[..]])
@@ -465,7 +483,7 @@ impl Store for PostgresStore {
         ttl: Duration,
     ) -> Result<Option<OwnerToken>, StoreError> {
         let shared = &self.shared;
-        let was = Expected::of(expected);
+        let was = Expected::of(expected, self.seal(key));
         let owner = OwnerToken::random();
         let (k, fp, token): (&[u8], &[u8], [u8; 16]) = (
             key.as_bytes(),
@@ -473,7 +491,8 @@ impl Store for PostgresStore {
             codec::owner_bytes(owner),
         );
         let (lease, ttl_ms) = (millis(lease), millis(ttl));
-        let origin = claim.origin.as_deref().and_then(codec::encode_origin);
+        let origin =
+            (claim.origin.as_deref()).and_then(|o| codec::encode_origin(o, self.seal(key)));
         let params: [&(dyn ToSql + Sync); 12] = [
             &k,
             &was.state,
@@ -518,7 +537,7 @@ impl Store for PostgresStore {
         let rows = self
             .rows("scan", &self.shared.sql.scan, &[&after, &budget])
             .await?;
-        rows::unknown_page(&rows, want, SCAN_BUDGET)
+        rows::unknown_page(&rows, (want, SCAN_BUDGET), self.shared.sealer.as_deref())
     }
 
     async fn delete(&self, key: &StoreKey) -> Result<bool, StoreError> {

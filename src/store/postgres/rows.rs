@@ -11,7 +11,9 @@ use tokio_postgres::Row;
 use super::PostgresStore;
 use crate::fingerprint::Fingerprint;
 use crate::key::StoreKey;
-use crate::store::{codec, OwnerToken, Record, RecordState, ScanPage, Scanned, StoreError};
+use crate::store::codec::{self, Seal};
+use crate::store::seal::Sealer;
+use crate::store::{OwnerToken, Record, RecordState, ScanPage, Scanned, StoreError};
 
 /// Column `at` of `row`; a column of another type than expected is a corrupt answer.
 pub(super) fn get<'a, T: FromSql<'a>>(row: &'a Row, at: usize) -> Result<T, StoreError> {
@@ -42,14 +44,19 @@ fn array<const N: usize>(bytes: &[u8], what: &str) -> Result<[u8; N], StoreError
 /// The record in columns `at..at + 7` (state, fingerprint, created_ms, owner, lease_until_ms,
 /// outcome, origin), as the contract returns it at the database's `now_ms`; `None` when the
 /// columns are null (a left join that found no row).
-pub(super) fn record_at(row: &Row, at: usize, now_ms: i64) -> Result<Option<Record>, StoreError> {
+pub(super) fn record_at(
+    row: &Row,
+    at: usize,
+    now_ms: i64,
+    seal: Seal,
+) -> Result<Option<Record>, StoreError> {
     let Some(state) = get::<Option<i16>>(row, at)? else {
         return Ok(None);
     };
     if state != i16::from(codec::STATE_PENDING) {
         // Completed or unknown: the whole record, in the codec's form.
         let outcome: Vec<u8> = get(row, at + 5)?;
-        let record = codec::decode(&Bytes::from(outcome))?;
+        let record = codec::decode(&Bytes::from(outcome), seal)?;
         let held = match record.state {
             RecordState::Completed(_) => codec::STATE_COMPLETED,
             RecordState::Unknown { .. } => codec::STATE_UNKNOWN,
@@ -65,6 +72,10 @@ pub(super) fn record_at(row: &Row, at: usize, now_ms: i64) -> Result<Option<Reco
     let fingerprint: &[u8] = get(row, at + 1)?;
     let owner: &[u8] = get(row, at + 3)?;
     let origin: Option<&[u8]> = get(row, at + 6)?;
+    let (origin, sealed_with) = match origin {
+        Some(raw) => codec::decode_origin(raw, seal)?,
+        None => (None, None),
+    };
     let record = Record {
         fingerprint: Fingerprint(array(fingerprint, "fingerprint")?),
         created_ms: unsigned(count(row, at + 2)?),
@@ -72,14 +83,19 @@ pub(super) fn record_at(row: &Row, at: usize, now_ms: i64) -> Result<Option<Reco
             owner: OwnerToken(u128::from_be_bytes(array(owner, "owner")?)),
             lease_until_ms: unsigned(count(row, at + 4)?),
         },
-        origin: origin.and_then(codec::decode_origin),
+        origin,
+        sealed_with,
     };
     Ok(Some(record.checked_lease_at(unsigned(now_ms))))
 }
 
 /// A page of the operator's listing from the rows of [`super::sql::Sql::scan`] (`read` asked
 /// for): the unknown outcomes, at most `want`, and the cursor after the last row looked at.
-pub(super) fn unknown_page(rows: &[Row], want: usize, read: usize) -> Result<ScanPage, StoreError> {
+pub(super) fn unknown_page(
+    rows: &[Row],
+    (want, read): (usize, usize),
+    sealer: Option<&Sealer>,
+) -> Result<ScanPage, StoreError> {
     let mut page = ScanPage::default();
     for (i, row) in rows.iter().enumerate() {
         if page.records.len() == want {
@@ -95,13 +111,21 @@ pub(super) fn unknown_page(rows: &[Row], want: usize, read: usize) -> Result<Sca
         if completed || expires <= now {
             continue;
         }
-        let Some(record) = record_at(row, 3, now)? else {
-            continue;
+        let key: &[u8] = get(row, 0)?;
+        let key = StoreKey::from_bytes(array(key, "key")?);
+        let record = match record_at(row, 3, now, Seal::new(sealer, &key)) {
+            Ok(Some(record)) => record,
+            Ok(None) => continue,
+            // Shown by `GET /keys/{id}` as unreadable; a page goes on without it.
+            Err(StoreError::Unreadable { key_id, .. }) => {
+                tracing::warn!(key = key.short(), key_id = ?key_id, "listing: a record that does not open with this gateway's keys");
+                continue;
+            }
+            Err(e) => return Err(e),
         };
         if record.is_unknown() {
-            let key: &[u8] = get(row, 0)?;
             page.records.push(Scanned {
-                key: StoreKey::from_bytes(array(key, "key")?),
+                key,
                 record,
                 expires_ms: Some(unsigned(expires)),
             });
@@ -129,7 +153,7 @@ pub(super) struct Expected {
 }
 
 impl Expected {
-    pub(super) fn of(record: &Record) -> Expected {
+    pub(super) fn of(record: &Record, seal: Seal) -> Expected {
         let signed = |ms: u64| i64::try_from(ms).unwrap_or(i64::MAX);
         let (state, owner, lease_until_ms, outcome) = match &record.state {
             RecordState::Pending {
@@ -150,13 +174,13 @@ impl Expected {
                 codec::STATE_COMPLETED,
                 None,
                 None,
-                Some(codec::encode(record).to_vec()),
+                Some(codec::encode(record, seal).to_vec()),
             ),
             RecordState::Unknown { .. } => (
                 codec::STATE_UNKNOWN,
                 None,
                 None,
-                Some(codec::encode(record).to_vec()),
+                Some(codec::encode(record, seal).to_vec()),
             ),
         };
         Expected {

@@ -296,3 +296,15 @@ pub fn client(
     }
     .map_err(|e| OpenError::RedisUrl(e.to_string()))
 }
+
+/// How each handle's connection to a single Redis (or a Sentinel's primary) behaves.
+pub(super) fn manager_config(timeout: Duration) -> ConnectionManagerConfig {
+    ConnectionManagerConfig::new()
+        .set_connection_timeout(Some(timeout.max(Duration::from_secs(1))))
+        // No response timeout of its own: `call` bounds every command by `command_timeout`
+        // already, and a second timer per command is work for nothing (it never triggered a
+        // reconnect either).
+        .set_response_timeout(None)
+        .set_number_of_retries(2)
+        .set_max_delay(Duration::from_secs(1))
+}

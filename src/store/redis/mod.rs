@@ -34,7 +34,6 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use redis::aio::ConnectionManagerConfig;
 use redis::Script;
 use tokio::sync::OnceCell;
 use tokio::task::AbortHandle;
@@ -42,14 +41,15 @@ use tokio::task::AbortHandle;
 pub use self::conn::{certificates, client};
 pub use self::streams::{StreamConn, StreamRedis};
 
-use self::conn::{commands_client, eval, Connector, HandleConn, RedisConn};
+use self::conn::{commands_client, eval, manager_config, Connector, HandleConn, RedisConn};
 use self::guard::ReleaseOnDrop;
 use self::replicas::{Replicas, Shortfall};
 use self::safety::{Eviction, Safety};
 use self::scripts::Scripts;
 use self::subscriber::Source;
 use super::changes::Waiters;
-use super::codec;
+use super::codec::{self, Seal};
+use super::seal::Sealer;
 use super::{
     ms_after, now_ms, Claim, OpenError, OwnerToken, Readiness, Record, RecordState, Reservation,
     ScanPage, Store, StoreError, StoreOp, StoreStats, StoredResponse, UnknownReason, Watch,
@@ -84,6 +84,8 @@ struct Shared {
     require_noeviction: bool,
     /// `store.min_replicas` above 0.
     replicas: Option<Replicas>,
+    /// `store.encryption_keys_*`: records' answers and origins sealed ([`super::seal`]).
+    sealer: Option<Arc<Sealer>>,
 }
 
 impl Drop for Shared {
@@ -96,7 +98,7 @@ impl Drop for Shared {
 
 impl RedisStore {
     /// Creates the store. Never waits for Redis: connections are made in the background.
-    pub fn new(settings: &RedisSettings) -> Result<Self, OpenError> {
+    pub fn new(settings: &RedisSettings, sealer: Option<Arc<Sealer>>) -> Result<Self, OpenError> {
         let waiters = Waiters::new();
         let channel = format!("{}done", settings.key_prefix);
         let mut tasks = Vec::new();
@@ -191,6 +193,7 @@ impl RedisStore {
                 safety,
                 require_noeviction: settings.require_noeviction,
                 replicas: settings.replicas.map(Replicas::new),
+                sealer,
             }),
             conn: Ok(conn),
         })
@@ -346,18 +349,6 @@ impl RedisStore {
 /// Connections per handle to a single Redis or a Sentinel's primary with `min_replicas`.
 const REPLICATED_LANES: usize = 8;
 
-/// How each handle's connection to a single Redis (or a Sentinel's primary) behaves.
-fn manager_config(timeout: Duration) -> ConnectionManagerConfig {
-    ConnectionManagerConfig::new()
-        .set_connection_timeout(Some(timeout.max(Duration::from_secs(1))))
-        // No response timeout of its own: `call` bounds every command by `command_timeout`
-        // already, and a second timer per command is work for nothing (it never triggered a
-        // reconnect either).
-        .set_response_timeout(None)
-        .set_number_of_retries(2)
-        .set_max_delay(Duration::from_secs(1))
-}
-
 /// `<prefix>{<hex>}`, built by hand: `format!` cost more than the command it names.
 fn record_key(prefix: &str, key: &StoreKey) -> Vec<u8> {
     let mut out = Vec::with_capacity(prefix.len() + 66);
@@ -368,9 +359,23 @@ fn record_key(prefix: &str, key: &StoreKey) -> Vec<u8> {
     out
 }
 
-/// A record as Redis returned it, as the contract returns it (its lease checked).
-fn decode(raw: Vec<u8>) -> Result<Record, StoreError> {
-    Ok(codec::decode(&Bytes::from(raw))?.checked_lease())
+type OptionalRecord = Result<Option<Record>, StoreError>;
+
+impl RedisStore {
+    /// How the record under `key` is sealed.
+    pub(super) fn seal<'a>(&'a self, key: &'a StoreKey) -> Seal<'a> {
+        Seal::new(self.shared.sealer.as_deref(), key)
+    }
+
+    /// A record as Redis returned it, as the contract returns it (its lease checked).
+    fn decode(&self, key: &StoreKey, raw: Vec<u8>) -> Result<Record, StoreError> {
+        Ok(codec::decode(&Bytes::from(raw), self.seal(key))?.checked_lease())
+    }
+
+    /// [`RedisStore::decode`] of a reply that may be `nil` (no record).
+    fn decode_reply(&self, key: &StoreKey, raw: Option<Vec<u8>>) -> OptionalRecord {
+        raw.map(|raw| self.decode(key, raw)).transpose()
+    }
 }
 
 /// Whether `record` is pending under `owner`'s token.
@@ -379,11 +384,6 @@ fn holds(record: &Record, owner: OwnerToken) -> bool {
         record.state,
         RecordState::Pending { owner: o, .. } | RecordState::Abandoned { owner: o, .. } if o == owner
     )
-}
-
-/// [`decode`] of a reply that may be `nil` (no record).
-fn decode_reply(raw: Option<Vec<u8>>) -> Result<Option<Record>, StoreError> {
-    raw.map(decode).transpose()
 }
 
 fn ms_arg(d: Duration) -> u64 {
@@ -409,7 +409,7 @@ impl Store for RedisStore {
             };
         }
         let (owner, record) = super::pending(claim, lease);
-        let record = codec::encode(&record);
+        let record = codec::encode(&record, self.seal(key));
         let mut conn = self.conn()?;
         let mut cmd = redis::cmd("SET");
         cmd.arg(self.redis_key(key))
@@ -436,7 +436,7 @@ impl Store for RedisStore {
                 (existing, Some(acked))
             }
         };
-        match existing.map(decode).transpose()? {
+        match self.decode_reply(key, existing)? {
             Some(record) if !holds(&record, owner) => {
                 guard.disarm();
                 Ok(Reservation::Existing(record))
@@ -456,7 +456,7 @@ impl Store for RedisStore {
         let mut cmd = redis::cmd("GET");
         cmd.arg(self.redis_key(key));
         let raw: Option<Vec<u8>> = self.call("get", cmd.query_async(&mut conn)).await?;
-        decode_reply(raw)
+        self.decode_reply(key, raw)
     }
 
     async fn expires_ms(&self, key: &StoreKey) -> Result<Option<u64>, StoreError> {
@@ -487,7 +487,7 @@ impl Store for RedisStore {
             )
             .await?;
         Ok(Watch {
-            record: decode_reply(raw)?,
+            record: self.decode_reply(key, raw)?,
             changes,
         })
     }
@@ -499,7 +499,7 @@ impl Store for RedisStore {
         response: StoredResponse,
         ttl: Duration,
     ) -> Result<(), StoreError> {
-        let tail = codec::encode_state(&RecordState::Completed(Arc::new(response)));
+        let tail = codec::encode_state(&RecordState::Completed(Arc::new(response)), self.seal(key));
         let ttl = ms_arg(ttl).to_string();
         self.owned(
             StoreOp::Complete,
@@ -522,10 +522,13 @@ impl Store for RedisStore {
         owner: OwnerToken,
         reason: UnknownReason,
     ) -> Result<(), StoreError> {
-        let tail = codec::encode_state(&RecordState::Unknown {
-            since_ms: now_ms(),
-            reason,
-        });
+        let tail = codec::encode_state(
+            &RecordState::Unknown {
+                since_ms: now_ms(),
+                reason,
+            },
+            self.seal(key),
+        );
         self.owned(
             StoreOp::MarkUnknown,
             &self.shared.scripts.mark_unknown,
@@ -580,9 +583,9 @@ impl Store for RedisStore {
     ) -> Result<Option<OwnerToken>, StoreError> {
         // The codec is deterministic, so the expected record encodes to the stored bytes (but for
         // a waiter's flag byte, which the script ignores in the comparison and keeps).
-        let expected_bytes = codec::encode(expected);
+        let expected_bytes = codec::encode(expected, self.seal(key));
         let (owner, record) = super::pending(claim, lease);
-        let record = codec::encode(&record);
+        let record = codec::encode(&record, self.seal(key));
         let ttl_ms = ms_arg(ttl).to_string();
         let args: [&[u8]; 3] = [&expected_bytes, &record, ttl_ms.as_bytes()];
         let script = &self.shared.scripts.take_over;

@@ -200,7 +200,15 @@ impl RedisStore {
         let mut found = Vec::new();
         for (&i, (value, ttl)) in candidates.iter().zip(values) {
             let Some(value) = value else { continue };
-            let record = codec::decode(&Bytes::from(value))?.checked_lease_at(now);
+            let record = match codec::decode(&Bytes::from(value), self.seal(&keys[i])) {
+                Ok(record) => record.checked_lease_at(now),
+                // Listed by `GET /keys/{id}` as unreadable; a page goes on without it.
+                Err(StoreError::Unreadable { key_id, .. }) => {
+                    tracing::warn!(key = keys[i].short(), key_id = ?key_id, "listing: a record that does not open with this gateway's keys");
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
             if record.is_unknown() {
                 found.push(Scanned {
                     key: keys[i],
