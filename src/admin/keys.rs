@@ -167,13 +167,13 @@ pub(super) async fn handle(
         Method::DELETE => {
             let done = operator::release(store, (&key, None), force, ttl).await;
             audit(&done);
-            changed(store, &key, done).await
+            changed(store, &key, done, "released").await
         }
         Method::PUT => match resolution(req.into_body()).await {
             Ok(response) => {
                 let done = operator::resolve(store, (&key, None), response, force, ttl).await;
                 audit(&done);
-                changed(store, &key, done).await
+                changed(store, &key, done, "resolved").await
             }
             Err(why) => bad(why),
         },
@@ -309,19 +309,28 @@ async fn read(store: &dyn Store, key: &StoreKey) -> Result<Response<Body>, Respo
 }
 
 /// The answer to a change: the record as it is now (or that it is gone), or why not.
+/// `made`: what a change made is called when the record cannot be shown (`released`,
+/// `resolved`).
 async fn changed(
     store: &dyn Store,
     key: &StoreKey,
     done: Result<Change, StoreError>,
+    made: &str,
 ) -> Response<Body> {
     match done {
-        // A change made is 200 whatever the follow-up read finds: gone (released), or the
-        // record as it is now, with when it expires.
-        Ok(Change::Done) => match read(store, key).await {
-            Ok(record) => record,
-            Err(failed) if failed.status() != StatusCode::NOT_FOUND => failed,
-            Err(_) => json(StatusCode::OK, &serde_json::json!({"id": key.hex(), "state": "released"})),
-        },
+        // A change made is 200, with the resolved record as it is now (and when it expires),
+        // or only what was done: never a retryable 503 because a follow-up read failed, which
+        // would have the operator's tool make the change again, on whatever record is there
+        // by then.
+        Ok(Change::Done) => {
+            let shown = match made {
+                "resolved" => read(store, key).await.ok(),
+                _ => None,
+            };
+            shown.unwrap_or_else(|| {
+                json(StatusCode::OK, &serde_json::json!({"id": key.hex(), "state": made}))
+            })
+        }
         Ok(Change::NotFound) => no_record(),
         Ok(Change::Live) => problem(StatusCode::CONFLICT, "record-live", "Request still running", "The record is pending and its lease still runs: its request may still be executing. Wait, or add ?force=true.".into()),
         Ok(Change::Completed) => problem(StatusCode::CONFLICT, "record-completed", "Request completed", "The record is completed: its request ran, and retries replay its answer. Releasing it would let the next retry run the request again; overwriting it would replay another answer. If that is what you mean, add ?force=true.".into()),

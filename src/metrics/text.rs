@@ -28,8 +28,9 @@ pub fn wants_openmetrics(headers: &HeaderMap) -> bool {
                 .is_some_and(|t| t.eq_ignore_ascii_case("application/openmetrics-text"));
             // A weight of 0 says "not this one".
             let refused = parts
-                .filter_map(|p| p.strip_prefix("q="))
-                .any(|q| q.parse::<f32>().is_ok_and(|q| q <= 0.0));
+                .filter_map(|p| p.split_once('='))
+                .filter(|(name, _)| name.trim().eq_ignore_ascii_case("q"))
+                .any(|(_, q)| !q.trim().parse::<f32>().is_ok_and(|q| q > 0.0));
             named && !refused
         })
 }
@@ -92,6 +93,8 @@ mod tests {
         assert!(!accepts("*/*"));
         assert!(!accepts("text/plain"));
         assert!(!accepts("application/openmetrics-text;q=0, text/plain"));
+        assert!(!accepts("application/openmetrics-text; Q = 0.0"));
+        assert!(!accepts("application/openmetrics-text;q=NaN"));
         assert!(!super::wants_openmetrics(&HeaderMap::new()));
     }
 }
