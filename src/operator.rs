@@ -211,7 +211,7 @@ const LAST_RFC3339_MS: u64 = 253_402_300_799_999;
 
 /// A record's time as RFC 3339. A corrupt record's time past year 9999 is written as the last
 /// one there is: humantime's formatting fails past it, and `to_string` would panic on that.
-fn timestamp(ms: u64) -> String {
+pub fn timestamp(ms: u64) -> String {
     let ms = ms.min(LAST_RFC3339_MS);
     humantime::format_rfc3339_millis(UNIX_EPOCH + Duration::from_millis(ms)).to_string()
 }
@@ -236,6 +236,9 @@ pub enum Change {
     Completed,
     /// The record changed between the read and the change: read it again.
     Changed,
+    /// The record is sealed and does not open with the gateway's keys: whether its request
+    /// still runs cannot be told. Releasing it needs `force`; it cannot be resolved.
+    Unreadable,
 }
 
 /// Why `record` may be changed only with `force`: a pending record whose owner's lease still
@@ -299,10 +302,20 @@ pub async fn release(
     force: bool,
     ttl: Duration,
 ) -> Result<Change, StoreError> {
-    replace(store, (key, seen), force, ttl, |owner| {
+    let released = replace(store, (key, seen), force, ttl, |owner| {
         store.release(key, owner)
     })
-    .await
+    .await;
+    match released {
+        // Nothing of it can be read, so nothing compared: deleted whatever it holds, and only
+        // when the operator says so.
+        Err(StoreError::Unreadable { .. }) if force => match store.delete(key).await? {
+            true => Ok(Change::Done),
+            false => Ok(Change::NotFound),
+        },
+        Err(StoreError::Unreadable { .. }) => Ok(Change::Unreadable),
+        other => other,
+    }
 }
 
 /// Resolves a record as completed with `response`: retries replay exactly that, kept for `ttl`.
@@ -313,10 +326,14 @@ pub async fn resolve(
     force: bool,
     ttl: Duration,
 ) -> Result<Change, StoreError> {
-    replace(store, (key, seen), force, ttl, |owner| {
+    let resolved = replace(store, (key, seen), force, ttl, |owner| {
         store.complete(key, owner, response, ttl)
     })
-    .await
+    .await;
+    match resolved {
+        Err(StoreError::Unreadable { .. }) => Ok(Change::Unreadable),
+        other => other,
+    }
 }
 
 /// The most records a listing page holds.

@@ -221,7 +221,7 @@ fn status_of(done: &Result<Change, StoreError>) -> u16 {
     match done {
         Ok(Change::Done) => 200,
         Ok(Change::NotFound) => 404,
-        Ok(Change::Live | Change::Completed | Change::Changed) => 409,
+        Ok(Change::Live | Change::Completed | Change::Changed | Change::Unreadable) => 409,
         Err(_) => 503,
     }
 }
@@ -296,6 +296,9 @@ async fn read(store: &dyn Store, key: &StoreKey) -> Result<Response<Body>, Respo
     let record = match store.get(key).await {
         Ok(Some(record)) => record,
         Ok(None) => return Err(no_record()),
+        Err(StoreError::Unreadable { key_id, .. }) => {
+            return Ok(unreadable(store, key, key_id).await)
+        }
         Err(e) => return Err(store_failed(&e)),
     };
     // Read after the record: one that expired in between shows without it.
@@ -306,6 +309,16 @@ async fn read(store: &dyn Store, key: &StoreKey) -> Result<Response<Body>, Respo
         expires_ms,
     };
     Ok(json(StatusCode::OK, &operator::listed(&found)))
+}
+
+/// A record that does not open with the gateway's keys, as far as it can be shown: its id, the
+/// id of the key that sealed it, and when it goes.
+async fn unreadable(store: &dyn Store, key: &StoreKey, key_id: Option<String>) -> Response<Body> {
+    let mut view = serde_json::json!({"id": key.hex(), "state": "unreadable", "key_id": key_id});
+    if let Ok(Some(ms)) = store.expires_ms(key).await {
+        view["expires"] = crate::operator::timestamp(ms).into();
+    }
+    json(StatusCode::OK, &view)
 }
 
 /// The answer to a change: the record as it is now (or that it is gone), or why not.
@@ -335,6 +348,7 @@ async fn changed(
         Ok(Change::Live) => problem(StatusCode::CONFLICT, "record-live", "Request still running", "The record is pending and its lease still runs: its request may still be executing. Wait, or add ?force=true.".into()),
         Ok(Change::Completed) => problem(StatusCode::CONFLICT, "record-completed", "Request completed", "The record is completed: its request ran, and retries replay its answer. Releasing it would let the next retry run the request again; overwriting it would replay another answer. If that is what you mean, add ?force=true.".into()),
         Ok(Change::Changed) => problem(StatusCode::CONFLICT, "record-changed", "Record changed", "The record changed while it was being replaced, and was left as it is now: read it again.".into()),
+        Ok(Change::Unreadable) => problem(StatusCode::CONFLICT, "record-unreadable", "Record unreadable", "The record is sealed and does not open with the gateway's keys (store.encryption_keys_*), so whether its request still runs cannot be told. List its key again; or release it with ?force=true (it cannot be resolved).".into()),
         Err(e) => {
             tracing::warn!(error = %e, "operator change: the store did not answer");
             // The operator API is behind a token: the store's own words help here.

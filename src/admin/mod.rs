@@ -128,6 +128,9 @@ async fn handle(
             if let Some(why) = gw.tokens_not_ready() {
                 return owned_text(StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n"));
             }
+            if let Some(why) = gw.sealer().and_then(|s| s.not_ready()) {
+                return owned_text(StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n"));
+            }
             if let Some(why) = brokers.iter().find_map(|b| b.not_ready()) {
                 return owned_text(StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n"));
             }
@@ -155,23 +158,7 @@ async fn handle(
                 Err(_) => text(StatusCode::SERVICE_UNAVAILABLE, "store not answering\n"),
             }
         }
-        "/metrics" => {
-            let metrics = gw.metrics();
-            metrics.set_store_stats(gw.store().stats());
-            metrics.set_store_fill(gw.store().fill());
-            if let Some(traces) = gw.traces() {
-                metrics.set_spans_dropped(traces.dropped());
-            }
-            let (encoded, media) = if exposition::wants_openmetrics(req.headers()) {
-                (metrics.encode(), exposition::OPENMETRICS)
-            } else {
-                (exposition::classic(&metrics.encode()), exposition::CLASSIC)
-            };
-            let mut resp = Response::new(body::full(Bytes::from(encoded)));
-            resp.headers_mut()
-                .insert(header::CONTENT_TYPE, HeaderValue::from_static(media));
-            resp
-        }
+        "/metrics" => metrics(gw, &req),
         // What the running routes' stored keys are derived from, and every route's served
         // since startup, for `idemgate check --running`: names, paths and header names, no
         // secret.
@@ -206,6 +193,29 @@ async fn handle(
 
 /// The admin API's OpenAPI document, generated from docs/openapi.yaml by scripts/openapi.
 const OPENAPI: &str = include_str!("openapi.json");
+
+/// `GET /metrics`: the figures read at scrape time set, then the exposition in the format the
+/// reader asked for.
+fn metrics(gw: &Gateway, req: &Request<ClientBody>) -> Response<Body> {
+    let metrics = gw.metrics();
+    metrics.set_store_stats(gw.store().stats());
+    metrics.set_store_fill(gw.store().fill());
+    if let Some(traces) = gw.traces() {
+        metrics.set_spans_dropped(traces.dropped());
+    }
+    if let Some(sealer) = gw.sealer() {
+        metrics.set_sealed(sealer.stats());
+    }
+    let (encoded, media) = if exposition::wants_openmetrics(req.headers()) {
+        (metrics.encode(), exposition::OPENMETRICS)
+    } else {
+        (exposition::classic(&metrics.encode()), exposition::CLASSIC)
+    };
+    let mut resp = Response::new(body::full(Bytes::from(encoded)));
+    resp.headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static(media));
+    resp
+}
 
 fn text(status: StatusCode, msg: &'static str) -> Response<Body> {
     owned_text(status, msg.to_string())

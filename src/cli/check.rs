@@ -39,6 +39,19 @@ pub(super) fn check(path: &Path, print_ddl: bool, running: Option<&str>) -> Exit
             }
         };
     }
+    // The store's keys are read as the gateway would at its start (which a bad file stops).
+    if let Some(source) = &config.store_keys {
+        match crate::store::seal::Sealer::load(source) {
+            Ok(sealer) => say(&format!(
+                "store keys: {:?} (the first seals)\n",
+                sealer.ids()
+            )),
+            Err(e) => {
+                eprintln!("idemgate: {}: store.encryption_keys_*: {e}", path.display());
+                return ExitCode::from(EXIT_BAD_CONFIG);
+            }
+        }
+    }
     say(&describe(&config));
     for warning in unnamed(&config.routes)
         .into_iter()

@@ -392,6 +392,10 @@ async fn direct(config: &Config, key: &StoreKey, route: &str, op: Op, force: boo
             eprintln!("idemgate: the record changed meanwhile and was left as it is: look again");
             ExitCode::from(1)
         }
+        Ok(Change::Unreadable) => {
+            eprintln!("idemgate: the record does not open with the configured keys (store.encryption_keys_*): list its key again, or release it with --force (it cannot be resolved)");
+            ExitCode::from(1)
+        }
         Err(e) => {
             eprintln!("idemgate: {e}");
             ExitCode::from(EXIT_CANNOT_START)

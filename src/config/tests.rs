@@ -334,6 +334,28 @@ fn store(section: &str) -> Result<Config, ConfigError> {
 }
 
 #[test]
+fn the_store_keys_are_named_never_written() {
+    let c = store("encryption_keys_file = \"/run/secrets/store-keys\"").unwrap();
+    assert_eq!(
+        c.store_keys,
+        Some(TokenSource::File("/run/secrets/store-keys".into()))
+    );
+    let c = store("encryption_keys_env = \"IDEMGATE_STORE_KEYS\"").unwrap();
+    assert_eq!(
+        c.store_keys,
+        Some(TokenSource::Env("IDEMGATE_STORE_KEYS".into()))
+    );
+    assert_eq!(store("").unwrap().store_keys, None);
+    // A key pasted where a variable's name goes is refused, and never shown.
+    let pasted = "k1:AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=";
+    let e = store(&format!("encryption_keys_env = \"{pasted}\"")).unwrap_err();
+    assert!(!e.to_string().contains("AAECAwQF"), "{e}");
+    assert_eq!(invalid_field(Err(e)).0, "store.encryption_keys_env");
+    let both = "encryption_keys_env = \"K\"\nencryption_keys_file = \"f\"";
+    assert_eq!(invalid_field(store(both)).0, "store.encryption_keys_file");
+}
+
+#[test]
 fn redis_store_settings() {
     let c = store("backend = \"redis\"\nurl = \"redis://user:s3cret@10.0.0.5:6380/2\"").unwrap();
     assert_eq!(

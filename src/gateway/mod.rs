@@ -57,6 +57,7 @@ use crate::metrics::{Metrics, Outcome, RouteMetrics};
 use crate::problem::{self, Problem};
 use crate::reconcile::Reconciler;
 use crate::route::{RoutePattern, Routed, Router};
+use crate::store::seal::Sealer;
 use crate::store::Store;
 use crate::telemetry::span::Trace;
 use crate::telemetry::traces::Traces;
@@ -249,6 +250,9 @@ pub struct Gateway {
     legacy: LegacyWindow,
     /// Spans over OTLP (`[telemetry]`); `None`: none made.
     traces: Option<Arc<Traces>>,
+    /// The keys the store seals with (`store.encryption_keys_*`), for reloads, readiness and
+    /// metrics; `None`: records in the clear.
+    sealer: Option<Arc<Sealer>>,
 }
 
 /// What a gateway is made of; [`Gateway::new`] takes it.
@@ -270,6 +274,8 @@ pub struct GatewayParts {
     pub durable_store: bool,
     /// `[telemetry]`'s spans, when configured.
     pub traces: Option<Arc<Traces>>,
+    /// The keys `store` seals with, when configured.
+    pub sealer: Option<Arc<Sealer>>,
 }
 
 impl Gateway {
@@ -285,6 +291,7 @@ impl Gateway {
             verifiers,
             durable_store,
             traces,
+            sealer,
         } = parts;
         let legacy = LegacyWindow::new(durable_store);
         let reconciler = Reconciler::new(
@@ -308,7 +315,13 @@ impl Gateway {
             verifiers,
             legacy,
             traces,
+            sealer,
         }
+    }
+
+    /// The keys the store seals with, when `store.encryption_keys_*` is set.
+    pub fn sealer(&self) -> Option<&Arc<Sealer>> {
+        self.sealer.as_ref()
     }
 
     /// A worker's own upstream pool and store handle; called on the worker's thread.

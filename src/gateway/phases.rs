@@ -21,7 +21,7 @@ use crate::problem::Problem;
 use crate::quota::{Quota, QuotaId, Share};
 use crate::reconcile::Lookup;
 use crate::signature;
-use crate::store::{now_ms, Claim, Origin, OriginKind, TraceLink};
+use crate::store::{now_ms, Claim, Origin, OriginKind, StoreError, TraceLink};
 
 /// Marks an answer forwarded without idempotency because the store could not be used
 /// (`on_store_error = "pass"`): its retry may run again.
@@ -204,7 +204,10 @@ impl Gateway {
             .await
             .map_err(|e| {
                 tracing::warn!(error = %e, "a key's older derivation not read; refused");
-                Problem::StoreUnavailable
+                match e {
+                    StoreError::Unreadable { .. } => Problem::RecordUnreadable,
+                    _ => Problem::StoreUnavailable,
+                }
             })
     }
 

@@ -44,7 +44,7 @@ fn record(state: RecordState) -> Record {
         created_ms: 1,
         state,
         origin: None,
-        sealed_with: None,
+        sealing: Default::default(),
     }
 }
 

@@ -23,9 +23,11 @@
 //!   requests, the fsyncs per request (below 1 under concurrent load: group commit).
 //! - the broker consumers' series ([`crate::consumer`]), in [`consumer`].
 //! - the client identity series, in [`client`].
+//! - the sealed records' series, in [`sealed`].
 
 mod client;
 mod consumer;
+mod sealed;
 pub mod text;
 
 pub use consumer::{ConsumerMetrics, ConsumerOutcome};
@@ -201,6 +203,7 @@ pub struct Metrics {
     store_fill: Gauge<f64, std::sync::atomic::AtomicU64>,
     replica_acks_missed: Family<OpLabel, Counter>,
     spans_dropped: Family<ReasonLabel, Counter>,
+    sealed: sealed::SealedMetrics,
     consumers: consumer::ConsumerFamilies,
     /// Requests outside any route.
     unrouted: RouteMetrics,
@@ -306,7 +309,7 @@ impl Metrics {
             "Trace spans dropped instead of exported ([telemetry]): queue_full (the collector slower than the traffic, or down), export_failed (an export refused or unanswered); absent while traces are off",
         );
         let consumers = consumer::ConsumerFamilies::new(r);
-        let client = client::ClientMetrics::new(r);
+        let (client, sealed) = (client::ClientMetrics::new(r), sealed::SealedMetrics::new(r));
         Metrics {
             client,
             eviction_risk,
@@ -329,6 +332,7 @@ impl Metrics {
             store_syncs,
             replica_acks_missed,
             spans_dropped,
+            sealed,
             unrouted: RouteMetrics::new(""),
             store_ops: Default::default(),
         }

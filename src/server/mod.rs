@@ -102,7 +102,7 @@ impl Server {
             Some(source) => Some(Arc::new(Sealer::load(source)?)),
             None => None,
         };
-        let store = store::open(&config.store, sealer)?;
+        let store = store::open(&config.store, sealer.clone())?;
         // Half the shortest upstream_timeout: a connect attempt always fails before the request
         // could time out, so "not sent" is never mistaken for "unknown".
         let connect_timeout = config.shortest_upstream_timeout() / 2;
@@ -136,6 +136,7 @@ impl Server {
             verifiers,
             durable_store: !matches!(config.store, StoreConfig::Memory { .. }),
             traces,
+            sealer,
         }));
         let sources = consumers::sources(&config.consumers)?;
         let consumers = config.consumers.into_iter().zip(sources).collect();

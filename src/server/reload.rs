@@ -61,6 +61,7 @@ pub async fn reload_on_sighup(
                     }
                 }
             }
+            reload_keys(&gateway, &running);
             let new = match Config::load(&path) {
                 Ok(c) => c,
                 Err(e) => {
@@ -87,8 +88,9 @@ pub async fn reload_on_sighup(
                 || new.upstream_idle_timeout != running.upstream_idle_timeout
                 || new.upstream_tls != running.upstream_tls
                 || new.telemetry != running.telemetry
+                || new.store_keys != running.store_keys
             {
-                tracing::warn!("[store], [server], [telemetry], upstream.max_connections, upstream.idle_timeout and upstream.tls_* changes take effect only after a restart; reloading routes, defaults and upstream only");
+                tracing::warn!("[store] (encryption_keys_* included: the keys themselves are read again), [server], [telemetry], upstream.max_connections, upstream.idle_timeout and upstream.tls_* changes take effect only after a restart; reloading routes, defaults and upstream only");
             }
             // The body budget stays the running one: a route whose bodies could never fit in it
             // would answer 503 to each of them.
@@ -127,6 +129,20 @@ pub async fn reload_on_sighup(
     #[cfg(not(unix))]
     {
         let _ = (hangups, path, gateway, running, tls);
+    }
+}
+
+/// The store's keys, from where the running config reads them: new records are sealed with a
+/// new first key from now on; a file that cannot be read keeps the keys in use and turns
+/// `/readyz` false until a reload succeeds.
+fn reload_keys(gateway: &Gateway, running: &Config) {
+    if let (Some(sealer), Some(source)) = (gateway.sealer(), &running.store_keys) {
+        match sealer.reload_from(source) {
+            Ok(()) => tracing::info!(keys = ?sealer.ids(), "store keys reloaded"),
+            Err(e) => {
+                tracing::error!(error = %e, "store keys reload failed; keeping the keys in use, and /readyz answers 503 until a reload succeeds")
+            }
+        }
     }
 }
 

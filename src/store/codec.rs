@@ -44,7 +44,7 @@ use std::sync::Arc;
 use bytes::{BufMut, Bytes, BytesMut};
 use http::{HeaderName, HeaderValue, StatusCode};
 
-use super::seal::{self, KeyId, Part, Sealer};
+use super::seal::{self, KeyId, Part, Sealer, Sealing};
 use super::{
     Origin, OriginKind, OwnerToken, Record, RecordState, StoreError, StoredResponse, TraceLink,
     UnknownReason,
@@ -60,8 +60,8 @@ pub const STATE_UNKNOWN: u8 = 3;
 pub const HEADER_LEN: usize = 42;
 /// Length of a pending record; the Redis scripts read a longer one as flagged by a waiter.
 pub const PENDING_LEN: usize = HEADER_LEN + 16 + 8;
-/// An origin read ([`decode_origin`]), and the id of the key that sealed it.
-pub type Opened = (Option<Arc<Origin>>, Option<KeyId>);
+/// An origin read ([`decode_origin`]), and how it was found.
+pub type Opened = (Option<Arc<Origin>>, Sealing);
 
 /// Where a completed record's status would be: the answer is sealed (no status is 65535).
 const SEALED_ANSWER: u16 = u16::MAX;
@@ -80,15 +80,21 @@ impl<'a> Seal<'a> {
         Seal(sealer.map(|s| (s, key)))
     }
 
-    /// Appends `plain` sealed (with the key `with`, if still listed) to `out`; `None` when
-    /// records are kept in the clear.
-    fn seal(&self, with: Option<&KeyId>, part: Part, plain: &[u8], out: &mut BytesMut) -> bool {
-        match self.0 {
-            Some((sealer, key)) => {
-                sealer.seal(with, part, key, plain, out);
-                true
-            }
-            None => false,
+    /// Whether a record found `sealing` is written sealed: when the store seals, unless it
+    /// was read in the clear (written again as it was read).
+    fn seals(&self, sealing: &Sealing) -> bool {
+        self.0.is_some() && *sealing != Sealing::Clear
+    }
+
+    /// Appends `plain` sealed to `out`: with the key the record was read with, if still
+    /// listed, else the current one.
+    fn seal(&self, sealing: &Sealing, part: Part, plain: &[u8], out: &mut BytesMut) {
+        if let Some((sealer, key)) = self.0 {
+            let with = match sealing {
+                Sealing::With(id) => Some(id),
+                _ => None,
+            };
+            sealer.seal(with, part, key, plain, out);
         }
     }
 
@@ -126,26 +132,26 @@ pub fn encode(record: &Record, seal: Seal) -> Bytes {
     out.put_u8(state_byte(&record.state));
     out.put_slice(&record.fingerprint.0);
     out.put_u64(record.created_ms);
-    put_state(&record.state, record.sealed_with.as_ref(), seal, &mut out);
+    put_state(&record.state, &record.sealing, seal, &mut out);
     if let Some(origin) = origin {
         if state_byte(&record.state) == STATE_PENDING {
             // The watched flag, clear: an origin always comes after it.
             out.put_u8(0);
         }
-        put_sealed_origin(origin, record.sealed_with.as_ref(), seal, &mut out);
+        put_sealed_origin(origin, &record.sealing, seal, &mut out);
     }
     out.freeze()
 }
 
-/// An origin, sealed if `seal` says so.
-fn put_sealed_origin(origin: &Origin, with: Option<&KeyId>, seal: Seal, out: &mut BytesMut) {
-    if seal.0.is_none() {
+/// An origin, sealed if `seal` says so for a record found `sealing`.
+fn put_sealed_origin(origin: &Origin, sealing: &Sealing, seal: Seal, out: &mut BytesMut) {
+    if !seal.seals(sealing) {
         return put_origin(origin, out);
     }
     let mut plain = BytesMut::with_capacity(origin_len(origin));
     put_origin(origin, &mut plain);
     out.put_u8(SEALED_ORIGIN);
-    seal.seal(with, Part::Origin, &plain, out);
+    seal.seal(sealing, Part::Origin, &plain, out);
 }
 
 /// The origin a record is stored with: only while its outcome is open, and only one whose
@@ -179,7 +185,7 @@ pub fn encode_origin(origin: &Origin, seal: Seal) -> Option<Vec<u8>> {
         return None;
     }
     let mut out = BytesMut::with_capacity(origin_len(origin));
-    put_sealed_origin(origin, None, seal, &mut out);
+    put_sealed_origin(origin, &Sealing::New, seal, &mut out);
     Some(out.to_vec())
 }
 
@@ -203,7 +209,7 @@ fn state_byte(state: &RecordState) -> u8 {
 /// with the current key if `seal` says so.
 pub fn encode_state(state: &RecordState, seal: Seal) -> Bytes {
     let mut out = BytesMut::with_capacity(state_len(state));
-    put_state(state, None, seal, &mut out);
+    put_state(state, &Sealing::New, seal, &mut out);
     out.freeze()
 }
 
@@ -292,7 +298,7 @@ fn state_len(state: &RecordState) -> usize {
     }
 }
 
-fn put_state(state: &RecordState, with: Option<&KeyId>, seal: Seal, out: &mut BytesMut) {
+fn put_state(state: &RecordState, sealing: &Sealing, seal: Seal, out: &mut BytesMut) {
     match state {
         RecordState::Pending {
             owner,
@@ -305,11 +311,11 @@ fn put_state(state: &RecordState, with: Option<&KeyId>, seal: Seal, out: &mut By
             out.put_u128(owner.0);
             out.put_u64(*lease_until_ms);
         }
-        RecordState::Completed(r) if seal.0.is_some() => {
+        RecordState::Completed(r) if seal.seals(sealing) => {
             let mut plain = BytesMut::with_capacity(state_len(state));
             put_answer(r, &mut plain);
             out.put_u16(SEALED_ANSWER);
-            seal.seal(with, Part::Answer, &plain, out);
+            seal.seal(sealing, Part::Answer, &plain, out);
         }
         RecordState::Completed(r) => put_answer(r, out),
         RecordState::Unknown { since_ms, reason } => {
@@ -351,6 +357,12 @@ fn put_answer(r: &StoredResponse, out: &mut BytesMut) {
     out.put_slice(&r.body);
 }
 
+/// Whether `raw` is a pending record of `owner`'s, read from the parts in the clear.
+pub fn pending_of(raw: &[u8], owner: OwnerToken) -> bool {
+    raw.get(1) == Some(&STATE_PENDING)
+        && raw.get(HEADER_LEN..HEADER_LEN + 16) == Some(&owner_bytes(owner)[..])
+}
+
 /// The owner token as the scripts compare it (16 bytes, big endian).
 pub fn owner_bytes(owner: OwnerToken) -> [u8; 16] {
     owner.0.to_be_bytes()
@@ -387,9 +399,15 @@ pub fn decode(raw: &Bytes, seal: Seal) -> Result<Record, StoreError> {
                     pos: 0,
                 }
                 .answer()?;
-                (RecordState::Completed(Arc::new(answer)), (None, Some(id)))
+                (
+                    RecordState::Completed(Arc::new(answer)),
+                    (None, Sealing::With(id)),
+                )
             } else {
-                (RecordState::Completed(Arc::new(r.answer()?)), (None, None))
+                (
+                    RecordState::Completed(Arc::new(r.answer()?)),
+                    (None, Sealing::Clear),
+                )
             }
         }
         STATE_UNKNOWN => {
@@ -406,13 +424,13 @@ pub fn decode(raw: &Bytes, seal: Seal) -> Result<Record, StoreError> {
         }
         other => return Err(corrupt(format!("unknown state {other}"))),
     };
-    let (origin, sealed_with) = origin;
+    let (origin, sealing) = origin;
     Ok(Record {
         fingerprint: Fingerprint(fingerprint),
         created_ms,
         state,
         origin,
-        sealed_with,
+        sealing,
     })
 }
 
@@ -468,7 +486,7 @@ impl<'a> Reader<'a> {
     /// read all of is not read at all).
     fn sealed_origin(&mut self, seal: Seal) -> Result<Opened, StoreError> {
         if self.raw.get(self.pos) != Some(&SEALED_ORIGIN) {
-            return Ok((self.origin(), None));
+            return Ok((self.origin(), Sealing::Clear));
         }
         let (plain, id) = seal.open(Part::Origin, &self.raw[self.pos + 1..])?;
         self.pos = self.raw.len();
@@ -478,7 +496,7 @@ impl<'a> Reader<'a> {
                 pos: 0,
             }
             .origin(),
-            Some(id),
+            Sealing::With(id),
         ))
     }
 
@@ -562,7 +580,7 @@ mod tests {
             created_ms: 1_700_000_000_123,
             state,
             origin: None,
-            sealed_with: None,
+            sealing: Sealing::New,
         }
     }
 
@@ -620,6 +638,48 @@ mod tests {
         for s in states {
             let r = record(s);
             assert_eq!(decode(&encode(&r, Seal::PLAIN), Seal::PLAIN).unwrap(), r);
+        }
+    }
+
+    /// Every record read is written again to the bytes it was read from (what the Redis and
+    /// Postgres compare-and-set compare): read in the clear by a gateway with keys, read sealed
+    /// with an older key after a rotation; and a new one is sealed with the current key.
+    #[test]
+    fn a_record_read_is_written_again_in_the_form_it_was_read() {
+        let key = StoreKey::from_bytes([4; 32]);
+        let old = Sealer::parse("old:AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=").unwrap();
+        let both = Sealer::parse(
+            "new:HxwdHhsaGRgXFhUUExIREA8ODQwLCgkIBwYFBAMCAQA=\nold:AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=",
+        )
+        .unwrap();
+        let unknown = Record {
+            origin: Some(origin()),
+            ..record(RecordState::Unknown {
+                since_ms: 5,
+                reason: UnknownReason::Timeout,
+            })
+        };
+        let completed = record(RecordState::Completed(Arc::new(StoredResponse {
+            status: StatusCode::OK,
+            headers: vec![],
+            trailers: vec![],
+            body: Bytes::from_static(b"secret"),
+            body_kept: true,
+            completed_ms: 7,
+            link: None,
+        })));
+        let rotated = Seal::new(Some(&both), &key);
+        for r in [unknown, completed] {
+            for written in [
+                encode(&r, Seal::PLAIN),
+                encode(&r, Seal::new(Some(&old), &key)),
+            ] {
+                let read = decode(&written, rotated).unwrap();
+                assert_eq!(encode(&read, rotated), written, "{read:?}");
+            }
+            let new = encode(&r, rotated);
+            assert!(new.windows(4).any(|w| w == b"\x03new"), "{new:?}");
+            assert!(!new.windows(6).any(|w| w == b"secret"));
         }
     }
 
@@ -728,7 +788,7 @@ mod tests {
         let o = origin();
         assert_eq!(
             decode_origin(&encode_origin(&o, Seal::PLAIN).unwrap(), Seal::PLAIN),
-            Ok((Some(o), None))
+            Ok((Some(o), Sealing::Clear))
         );
     }
 

@@ -519,7 +519,7 @@ impl Store for MemoryStore {
                 created_ms,
                 state: RecordState::Completed(Arc::new(response)),
                 origin: None,
-                sealed_with: None,
+                sealing: super::seal::Sealing::New,
             };
             let encoded = codec::encode(&record, self.seal(key));
             inner.insert(*key, Held::Encoded(encoded), deadline(ttl), size, counts);

@@ -53,8 +53,9 @@ impl OwnerToken {
     }
 }
 
-/// What is stored under a key.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// What is stored under a key. Two records are equal when they hold the same, however it was
+/// found sealed ([`Record::sealing`] says how to write it, not what it is).
+#[derive(Debug, Clone)]
 pub struct Record {
     pub fingerprint: Fingerprint,
     /// Wall-clock milliseconds since the Unix epoch (shared by every instance of a shared store).
@@ -62,11 +63,20 @@ pub struct Record {
     pub state: RecordState,
     /// Who asked for it, while its outcome is open; stores drop it once the record completes.
     pub origin: Option<Arc<Origin>>,
-    /// The key its sealed parts were sealed with, when it was read sealed ([`seal`]): written
-    /// again, it is sealed with that key while it is listed, so that it encodes to the bytes
-    /// it was read from (the stores' compare-and-set compares them). `None` for a new record.
-    pub sealed_with: Option<seal::KeyId>,
+    /// How its parts were found sealed ([`seal`]), so that written again it encodes to the
+    /// bytes it was read from (the stores' compare-and-set compares them); `New` for a record
+    /// made here.
+    pub sealing: seal::Sealing,
 }
+
+impl PartialEq for Record {
+    fn eq(&self, o: &Record) -> bool {
+        let this = (self.fingerprint, self.created_ms, &self.state, &self.origin);
+        this == (o.fingerprint, o.created_ms, &o.state, &o.origin)
+    }
+}
+
+impl Eq for Record {}
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RecordState {
@@ -524,7 +534,7 @@ pub fn pending(claim: &Claim, lease: Duration) -> (OwnerToken, Record) {
             lease_until_ms: ms_after(lease),
         },
         origin: claim.origin.clone(),
-        sealed_with: None,
+        sealing: seal::Sealing::New,
     };
     (owner, record)
 }
@@ -701,7 +711,7 @@ mod tests {
                 lease_until_ms,
             },
             origin: None,
-            sealed_with: None,
+            sealing: seal::Sealing::New,
         }
     }
 

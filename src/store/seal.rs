@@ -18,7 +18,8 @@
 //! the id of the key it was read with ([`super::Record::sealed_with`]) so that it encodes to
 //! the same bytes after a rotation.
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, PoisonError};
 
 use aes_gcm_siv::aead::{AeadInPlace, KeyInit};
 use aes_gcm_siv::{Aes256GcmSiv, Nonce};
@@ -33,6 +34,20 @@ use crate::key::StoreKey;
 
 /// The id of a key, as the keys file names it and a sealed part records it.
 pub type KeyId = Arc<str>;
+
+/// How a record's sealable parts were found, so that it is written again in the same form (the
+/// stores' compare-and-set compares a record read, encoded again, with the stored bytes).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum Sealing {
+    /// Made here: sealed with the current key when the store seals.
+    #[default]
+    New,
+    /// Read in the clear (stored before keys were configured, or with nothing to seal):
+    /// written again in the clear.
+    Clear,
+    /// Read sealed with this key: sealed with it again while it is listed.
+    With(KeyId),
+}
 
 /// What a sealed part holds: bound into its associated data.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -51,6 +66,22 @@ const MAX_ID: usize = 32;
 /// The keys a gateway seals and opens with; replaced as a whole on reload.
 pub struct Sealer {
     keys: ArcSwap<Keys>,
+    /// Parts opened with each key id since the start (kept across reloads), for
+    /// `idemgate_store_sealed_opened_total`: an old key whose count stops rising holds nothing
+    /// read any more.
+    opened: std::sync::Mutex<Vec<(KeyId, Arc<AtomicU64>)>>,
+    /// Parts that did not open.
+    unreadable: AtomicU64,
+    /// Why the last reload failed (the keys in use stay), until one succeeds: `/readyz` says so.
+    reload_failed: std::sync::Mutex<Option<String>>,
+}
+
+/// What [`Sealer::stats`] counts.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct SealStats {
+    /// Parts opened, by the id of the key that sealed them.
+    pub opened: Vec<(KeyId, u64)>,
+    pub unreadable: u64,
 }
 
 struct Keys {
@@ -63,6 +94,8 @@ struct Key {
     cipher: Aes256GcmSiv,
     /// The HMAC key the synthetic nonces are made with.
     nonce_key: Hmac<Sha256>,
+    /// This id's count in [`Sealer::opened`].
+    opened: Arc<AtomicU64>,
 }
 
 /// Why a keys file was refused. Never holds key material.
@@ -109,8 +142,13 @@ impl Sealer {
     /// The keys in a keys file's text: one `ID:BASE64` per line, the first the key that seals;
     /// blank lines and lines starting with `#` are skipped.
     pub fn parse(text: &str) -> Result<Sealer, KeysError> {
+        let opened = std::sync::Mutex::new(Vec::new());
+        let keys = Keys::parse(text, &opened)?;
         Ok(Sealer {
-            keys: ArcSwap::from_pointee(Keys::parse(text)?),
+            keys: ArcSwap::from_pointee(keys),
+            opened,
+            unreadable: AtomicU64::new(0),
+            reload_failed: std::sync::Mutex::new(None),
         })
     }
 
@@ -121,8 +159,40 @@ impl Sealer {
 
     /// Replaces the keys with those in `text`; on an error the keys in use stay.
     pub fn reload(&self, text: &str) -> Result<(), KeysError> {
-        self.keys.store(Arc::new(Keys::parse(text)?));
+        self.keys.store(Arc::new(Keys::parse(text, &self.opened)?));
         Ok(())
+    }
+
+    /// Reads the keys again where the config says (SIGHUP). On an error the keys in use stay,
+    /// and [`Sealer::not_ready`] says why until a reload succeeds.
+    pub fn reload_from(&self, source: &TokenSource) -> Result<(), KeysError> {
+        let done = read(source).and_then(|text| self.reload(&text));
+        let mut failed = self
+            .reload_failed
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        *failed = done.as_ref().err().map(|e| e.to_string());
+        done
+    }
+
+    /// Why the gateway should not take traffic: the last reload of the keys failed.
+    pub fn not_ready(&self) -> Option<String> {
+        let failed = self
+            .reload_failed
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        (failed.as_ref()).map(|why| format!("store.encryption_keys_*: the last reload failed ({why}); the keys read before are in use"))
+    }
+
+    /// Parts opened per key id, and parts that did not open, since the start.
+    pub fn stats(&self) -> SealStats {
+        let opened = self.opened.lock().unwrap_or_else(PoisonError::into_inner);
+        SealStats {
+            opened: (opened.iter())
+                .map(|(id, n)| (id.clone(), n.load(Ordering::Relaxed)))
+                .collect(),
+            unreadable: self.unreadable.load(Ordering::Relaxed),
+        }
     }
 
     /// The id of the key that seals now.
@@ -163,14 +233,18 @@ impl Sealer {
         let start = out.len();
         out.put_slice(plain);
         let aad = associated(part, key);
-        // Encrypting in place never fails for lengths below the cipher's (2^36 bytes) limit,
-        // far above any record's.
+        // Encrypting in place fails only past the cipher's limit (2^36 bytes), far above any
+        // record (bodies are capped by max_body). Were it to fail, the part is cut short: it
+        // then reads as unreadable (refused, never run again), never as the plain bytes.
         match chosen
             .cipher
             .encrypt_in_place_detached(nonce, &aad, &mut out[start..])
         {
             Ok(tag) => out.put_slice(&tag),
-            Err(_) => out.truncate(start),
+            Err(_) => {
+                tracing::error!(bytes = plain.len(), "a record part too long to seal");
+                out.truncate(start);
+            }
         }
         chosen.id.clone()
     }
@@ -178,6 +252,19 @@ impl Sealer {
     /// Opens a part [`Sealer::seal`] made: the plain bytes and the id of the key that sealed
     /// them.
     pub fn open(
+        &self,
+        part: Part,
+        key: &StoreKey,
+        sealed: &[u8],
+    ) -> Result<(Vec<u8>, KeyId), OpenError> {
+        let opened = self.try_open(part, key, sealed);
+        if opened.is_err() {
+            self.unreadable.fetch_add(1, Ordering::Relaxed);
+        }
+        opened
+    }
+
+    fn try_open(
         &self,
         part: Part,
         key: &StoreKey,
@@ -203,6 +290,7 @@ impl Sealer {
                 tag.into(),
             )
             .map_err(|_| OpenError::Tampered(shown(id)))?;
+        found.opened.fetch_add(1, Ordering::Relaxed);
         Ok((plain, found.id.clone()))
     }
 }
@@ -269,7 +357,11 @@ fn valid_id(id: &str) -> bool {
 }
 
 impl Keys {
-    fn parse(text: &str) -> Result<Keys, KeysError> {
+    /// The keys in `text`; each id's open count is taken from (or added to) `counts`.
+    fn parse(
+        text: &str,
+        counts: &std::sync::Mutex<Vec<(KeyId, Arc<AtomicU64>)>>,
+    ) -> Result<Keys, KeysError> {
         let mut all: Vec<Key> = Vec::new();
         for (i, line) in text.lines().enumerate() {
             let line_no = i + 1;
@@ -300,6 +392,13 @@ impl Keys {
         if all.is_empty() {
             return Err(KeysError::Empty);
         }
+        let mut counts = counts.lock().unwrap_or_else(PoisonError::into_inner);
+        for key in &mut all {
+            match counts.iter().find(|(id, _)| *id == key.id) {
+                Some((_, n)) => key.opened = Arc::clone(n),
+                None => counts.push((key.id.clone(), Arc::clone(&key.opened))),
+            }
+        }
         Ok(Keys { all })
     }
 }
@@ -319,6 +418,7 @@ impl Key {
             id: Arc::from(id),
             cipher,
             nonce_key,
+            opened: Arc::new(AtomicU64::new(0)),
         })
     }
 }
@@ -401,6 +501,17 @@ mod tests {
         assert_eq!(both.ids().len(), 2);
         both.reload(ONE).unwrap();
         assert_eq!(both.ids(), vec![KeyId::from("k1")]);
+        // Opens are counted per key id, across reloads; failures apart.
+        both.open(Part::Origin, &key(1), &blob).unwrap();
+        assert!(both.open(Part::Origin, &key(1), &new).is_err());
+        let stats = both.stats();
+        assert_eq!(stats.unreadable, 1);
+        let k1 = stats
+            .opened
+            .iter()
+            .find(|(id, _)| &**id == "k1")
+            .map(|(_, n)| *n);
+        assert_eq!(k1, Some(2));
     }
 
     #[test]

@@ -24,7 +24,7 @@ use idemgate::key::StoreKey;
 use idemgate::key::{parse_key_value, KeySource};
 use idemgate::route::{RoutePattern, Routed, Router};
 use idemgate::store::codec::{self, Seal};
-use idemgate::store::seal::Sealer;
+use idemgate::store::seal::{Sealer, Sealing};
 use idemgate::store::{
     Origin, OriginKind, OwnerToken, Record, RecordState, StoreError, StoredResponse, TraceLink,
     UnknownReason,
@@ -351,7 +351,7 @@ fn record() -> impl Strategy<Value = Record> {
             created_ms,
             state,
             origin,
-            sealed_with: None,
+            sealing: Sealing::New,
         }
     })
 }
@@ -372,11 +372,18 @@ proptest! {
         let (sealer, key) = (sealer(), StoreKey::from_bytes(key));
         let seal = Seal::new(Some(&sealer), &key);
         let raw = codec::encode(&r, seal);
-        let mut read = codec::decode(&raw, seal).unwrap();
+        let read = codec::decode(&raw, seal).unwrap();
         prop_assert_eq!(codec::encode(&read, seal), raw.clone());
         let sealed = read.origin.is_some() || matches!(read.state, RecordState::Completed(_));
-        prop_assert_eq!(read.sealed_with.take().is_some(), sealed);
-        prop_assert_eq!(read, r);
+        prop_assert_eq!(matches!(read.sealing, Sealing::With(_)), sealed);
+        prop_assert_eq!(read, r.clone());
+        // Read back as it was written (what the compare-and-set compares): a record sealed
+        // with the older key before a rotation, and one stored in the clear before keys.
+        let old = Sealer::parse("old:HxwdHhsaGRgXFhUUExIREA8ODQwLCgkIBwYFBAMCAQA=").unwrap();
+        for written in [codec::encode(&r, Seal::new(Some(&old), &key)), codec::encode(&r, plain)] {
+            let read = codec::decode(&written, seal).unwrap();
+            prop_assert_eq!(codec::encode(&read, seal), written);
+        }
         // Under another store key it does not open, and nothing decodes it in the clear.
         if sealed {
             let other = StoreKey::from_bytes([!key.as_bytes()[0]; 32]);

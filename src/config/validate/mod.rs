@@ -58,9 +58,10 @@ fn secret_source(
                 && name.len() <= 128
                 && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
             if !valid {
+                // Not shown if it looks like the secret pasted in the name's place.
                 return Err(ConfigError::invalid(
                     env_key,
-                    name.clone(),
+                    super::shown_name(name),
                     format!("the name of an environment variable, such as \"IDEMGATE_SECRET\" (the {what} itself never goes in the file)"),
                 ));
             }
@@ -70,7 +71,7 @@ fn secret_source(
         (None, Some(path)) => {
             return Err(ConfigError::invalid(
                 file_key,
-                path.clone(),
+                super::shown_name(path),
                 format!("the path of a file holding the {what}"),
             ))
         }

@@ -583,7 +583,13 @@ impl Tables<'_> {
     ) -> Result<(), StoreError> {
         let old_len = current.as_ref().map_or(0, |(_, raw)| 8 + raw.len());
         let (old_expiry, pending) = owned(current, owner, self.db.seal(key))?;
-        let record = Record { state, ..pending };
+        // Sealed again with the current key: a new answer is never sealed with a key a
+        // rotation retired (this store compares records decoded, not their bytes).
+        let record = Record {
+            state,
+            sealing: crate::store::seal::Sealing::New,
+            ..pending
+        };
         let expires_at = expires_at.unwrap_or(old_expiry);
         self.put(
             key,

@@ -339,13 +339,18 @@ impl Store for PostgresStore {
             }
             let now = count(&row, 1)?;
             let expires: Option<i64> = rows::get(&row, 2)?;
-            match (record_at(&row, 3, now, self.seal(key))?, expires) {
-                (Some(record), Some(expires)) if expires > now => {
-                    guard.disarm();
-                    return Ok(Reservation::Existing(record));
-                }
+            // Another's live row (the insert did nothing): no give-back, whatever reading it
+            // comes to; an expired one is replaced without being read.
+            if expires.is_some_and(|e| e > now) {
+                guard.disarm();
+                return match record_at(&row, 3, now, self.seal(key))? {
+                    Some(record) => Ok(Reservation::Existing(record)),
+                    None => Err(StoreError::Corrupt("a live row without its record".into())),
+                };
+            }
+            match expires {
                 // Past its expiry but not purged yet: the key is free.
-                (Some(_), _) => {
+                Some(_) => {
                     if self
                         .execute("reserve", &shared.sql.replace_expired, &params)
                         .await?
@@ -356,7 +361,7 @@ impl Store for PostgresStore {
                     }
                 }
                 // Inserted by a transaction that committed after this statement's snapshot.
-                (None, _) => {
+                None => {
                     if let Some(record) = self.read(key).await? {
                         guard.disarm();
                         return Ok(Reservation::Existing(record));

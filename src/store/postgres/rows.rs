@@ -12,7 +12,7 @@ use super::PostgresStore;
 use crate::fingerprint::Fingerprint;
 use crate::key::StoreKey;
 use crate::store::codec::{self, Seal};
-use crate::store::seal::Sealer;
+use crate::store::seal::{Sealer, Sealing};
 use crate::store::{OwnerToken, Record, RecordState, ScanPage, Scanned, StoreError};
 
 /// Column `at` of `row`; a column of another type than expected is a corrupt answer.
@@ -72,9 +72,9 @@ pub(super) fn record_at(
     let fingerprint: &[u8] = get(row, at + 1)?;
     let owner: &[u8] = get(row, at + 3)?;
     let origin: Option<&[u8]> = get(row, at + 6)?;
-    let (origin, sealed_with) = match origin {
+    let (origin, sealing) = match origin {
         Some(raw) => codec::decode_origin(raw, seal)?,
-        None => (None, None),
+        None => (None, Sealing::Clear),
     };
     let record = Record {
         fingerprint: Fingerprint(array(fingerprint, "fingerprint")?),
@@ -84,7 +84,7 @@ pub(super) fn record_at(
             lease_until_ms: unsigned(count(row, at + 4)?),
         },
         origin,
-        sealed_with,
+        sealing,
     };
     Ok(Some(record.checked_lease_at(unsigned(now_ms))))
 }

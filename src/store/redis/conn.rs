@@ -19,6 +19,7 @@ use tokio::sync::OnceCell;
 
 use super::sentinel::Follower;
 use crate::config::RedisSettings;
+use crate::key::StoreKey;
 use crate::store::{OpenError, StoreError};
 
 /// One connection handle for either deployment; cheap to clone (both are multiplexed).
@@ -307,4 +308,14 @@ pub(super) fn manager_config(timeout: Duration) -> ConnectionManagerConfig {
         .set_response_timeout(None)
         .set_number_of_retries(2)
         .set_max_delay(Duration::from_secs(1))
+}
+
+/// `<prefix>{<hex>}`, built by hand: `format!` cost more than the command it names.
+pub(super) fn record_key(prefix: &str, key: &StoreKey) -> Vec<u8> {
+    let mut out = Vec::with_capacity(prefix.len() + 66);
+    out.extend_from_slice(prefix.as_bytes());
+    out.push(b'{');
+    out.extend_from_slice(&key.hex_digits());
+    out.push(b'}');
+    out
 }

@@ -9,9 +9,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::conn::record_key;
 use super::conn::{eval, RedisConn};
 use super::scripts::Scripts;
-use super::{codec, record_key, RedisStore};
+use super::{codec, RedisStore};
 use crate::key::StoreKey;
 use crate::store::OwnerToken;
 

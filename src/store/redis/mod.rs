@@ -41,7 +41,9 @@ use tokio::task::AbortHandle;
 pub use self::conn::{certificates, client};
 pub use self::streams::{StreamConn, StreamRedis};
 
-use self::conn::{commands_client, eval, manager_config, Connector, HandleConn, RedisConn};
+use self::conn::{
+    commands_client, eval, manager_config, record_key, Connector, HandleConn, RedisConn,
+};
 use self::guard::ReleaseOnDrop;
 use self::replicas::{Replicas, Shortfall};
 use self::safety::{Eviction, Safety};
@@ -349,16 +351,6 @@ impl RedisStore {
 /// Connections per handle to a single Redis or a Sentinel's primary with `min_replicas`.
 const REPLICATED_LANES: usize = 8;
 
-/// `<prefix>{<hex>}`, built by hand: `format!` cost more than the command it names.
-fn record_key(prefix: &str, key: &StoreKey) -> Vec<u8> {
-    let mut out = Vec::with_capacity(prefix.len() + 66);
-    out.extend_from_slice(prefix.as_bytes());
-    out.push(b'{');
-    out.extend_from_slice(&key.hex_digits());
-    out.push(b'}');
-    out
-}
-
 type OptionalRecord = Result<Option<Record>, StoreError>;
 
 impl RedisStore {
@@ -435,6 +427,15 @@ impl Store for RedisStore {
                     .await?;
                 (existing, Some(acked))
             }
+        };
+        // Another's record (told from ours by the owner token, in the clear): no give-back,
+        // whatever reading it comes to (a record the keys do not open is refused, not ours).
+        let existing = match existing {
+            Some(raw) if !codec::pending_of(&raw, owner) => {
+                guard.disarm();
+                return Ok(Reservation::Existing(self.decode(key, raw)?));
+            }
+            ours_or_none => ours_or_none,
         };
         match self.decode_reply(key, existing)? {
             Some(record) if !holds(&record, owner) => {
