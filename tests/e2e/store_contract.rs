@@ -645,6 +645,14 @@ macro_rules! all_checks {
     };
 }
 
+/// The keys the sealed runs use: a rotated file, the first key sealing.
+fn sealer() -> Option<Arc<idemgate::store::seal::Sealer>> {
+    let keys = "new:HxwdHhsaGRgXFhUUExIREA8ODQwLCgkIBwYFBAMCAQA=\nold:AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=";
+    Some(Arc::new(
+        idemgate::store::seal::Sealer::parse(keys).unwrap(),
+    ))
+}
+
 /// The embedded store: one test per check.
 mod memory {
     use super::*;
@@ -657,6 +665,21 @@ mod memory {
         )*};
     }
     all_checks!(each);
+
+    /// Sealing completed records' answers (`store.encryption_keys_*`).
+    mod sealed {
+        use super::*;
+        macro_rules! each {
+            ($($name:ident),* $(,)?) => {$(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    let store = MemoryStore::sealed(10_000, 64 << 20, super::super::sealer());
+                    super::super::$name(Arc::new(store)).await;
+                }
+            )*};
+        }
+        all_checks!(each);
+    }
 }
 
 /// The disk store, syncing every result, and in batches: one fresh directory per check.
@@ -667,17 +690,36 @@ mod disk {
     use idemgate::store::disk::DiskStore;
 
     pub fn open(dir: &TempDir, sync: SyncMode) -> Arc<dyn Store> {
-        Arc::new(
-            DiskStore::open(
-                &DiskSettings {
-                    path: dir.path.clone(),
-                    sync,
-                    max_disk: 64 << 20,
-                },
-                None,
-            )
-            .unwrap(),
-        )
+        open_sealed(dir, sync, None)
+    }
+
+    pub fn open_sealed(
+        dir: &TempDir,
+        sync: SyncMode,
+        sealer: Option<Arc<idemgate::store::seal::Sealer>>,
+    ) -> Arc<dyn Store> {
+        let settings = DiskSettings {
+            path: dir.path.clone(),
+            sync,
+            max_disk: 64 << 20,
+        };
+        Arc::new(DiskStore::open(&settings, sealer).unwrap())
+    }
+
+    /// Sealing every record's answer and origin, syncing every result.
+    mod sealed {
+        use super::*;
+        macro_rules! each {
+            ($($name:ident),* $(,)?) => {$(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    let dir = TempDir::new("contract-disk-sealed");
+                    let store = open_sealed(&dir, SyncMode::Always, super::super::sealer());
+                    super::super::$name(store).await;
+                }
+            )*};
+        }
+        all_checks!(each);
     }
 
     mod always {
@@ -711,7 +753,14 @@ mod disk {
 }
 
 async fn redis_store(settings: RedisSettings) -> Arc<dyn Store> {
-    let store = Arc::new(RedisStore::new(&settings, None).unwrap());
+    sealed_redis_store(settings, None).await
+}
+
+async fn sealed_redis_store(
+    settings: RedisSettings,
+    sealer: Option<Arc<idemgate::store::seal::Sealer>>,
+) -> Arc<dyn Store> {
+    let store = Arc::new(RedisStore::new(&settings, sealer).unwrap());
     // The connections are made in the background: wait until the store answers and its
     // subscriber listens. A subscriber that starts listening wakes every waiter, which would let
     // the waiter checks pass without any message from the scripts.
@@ -747,6 +796,24 @@ mod redis_single {
             async fn $name() {
                 let server = RedisServer::start();
                 let store = redis_store(settings(RedisTarget::Single(server.url()))).await;
+                super::$name(store).await;
+                drop(server);
+            }
+        )*};
+    }
+    all_checks!(each);
+}
+
+/// One real redis-server per check, every record's answer and origin sealed.
+mod redis_sealed {
+    use super::*;
+    macro_rules! each {
+        ($($name:ident),* $(,)?) => {$(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                let server = RedisServer::start();
+                let target = RedisTarget::Single(server.url());
+                let store = sealed_redis_store(settings(target), super::sealer()).await;
                 super::$name(store).await;
                 drop(server);
             }
@@ -921,7 +988,14 @@ mod postgres {
     /// The store once it answers and listens: a listener that starts wakes every waiter, which
     /// would let the waiter checks pass without a notification.
     pub async fn ready(settings: &PostgresSettings) -> Arc<PostgresStore> {
-        let store = Arc::new(PostgresStore::new(settings, None).unwrap());
+        ready_sealed(settings, None).await
+    }
+
+    pub async fn ready_sealed(
+        settings: &PostgresSettings,
+        sealer: Option<Arc<idemgate::store::seal::Sealer>>,
+    ) -> Arc<PostgresStore> {
+        let store = Arc::new(PostgresStore::new(settings, sealer).unwrap());
         let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
         while store.ping().await.is_err() || !store.is_listening() {
             assert!(
@@ -946,4 +1020,21 @@ mod postgres {
         )*};
     }
     all_checks!(each);
+
+    /// Every record's answer and origin sealed.
+    mod sealed {
+        use super::*;
+        macro_rules! each {
+            ($($name:ident),* $(,)?) => {$(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    let server = Postgres::start();
+                    let store = ready_sealed(&settings(&server), super::super::sealer()).await;
+                    super::super::$name(store).await;
+                    drop(server);
+                }
+            )*};
+        }
+        all_checks!(each);
+    }
 }
