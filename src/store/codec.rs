@@ -82,7 +82,7 @@ impl<'a> Seal<'a> {
 
     /// Whether a record found `sealing` is written sealed: when the store seals, unless it
     /// was read in the clear (written again as it was read).
-    fn seals(&self, sealing: &Sealing) -> bool {
+    pub fn seals(&self, sealing: &Sealing) -> bool {
         self.0.is_some() && *sealing != Sealing::Clear
     }
 

@@ -139,15 +139,41 @@ struct Entry {
 ///
 /// A record held as is is boxed, so that every key's map slot stays small (a test holds it to 96
 /// bytes): under new keys that is less memory to touch for every request than the allocation costs.
+///
+/// With keys (`store.encryption_keys_*`), an open record's origin (route and client key) is
+/// held sealed beside it, as the shared stores keep it.
 enum Held {
-    Record(Box<Record>),
+    /// The record, and its origin sealed apart (then the record's own is `None`).
+    Record(Box<(Record, Option<Bytes>)>),
     Encoded(Bytes),
 }
 
 impl Held {
+    /// An open record as held: its origin sealed apart when `seal` seals.
+    fn open(mut record: Record, seal: Seal) -> Held {
+        let sealed = match (seal.seals(&record.sealing), &record.origin) {
+            (true, Some(origin)) => codec::encode_origin(origin, seal).map(Bytes::from),
+            _ => None,
+        };
+        if sealed.is_some() {
+            record.origin = None;
+        }
+        Held::Record(Box::new((record, sealed)))
+    }
+
     fn record(&self, seal: Seal) -> Result<Record, StoreError> {
         match self {
-            Held::Record(r) => Ok(Record::clone(r)),
+            Held::Record(open) => match &open.1 {
+                None => Ok(open.0.clone()),
+                Some(origin) => {
+                    let (origin, sealing) = codec::decode_origin(origin, seal)?;
+                    Ok(Record {
+                        origin,
+                        sealing,
+                        ..open.0.clone()
+                    })
+                }
+            },
             Held::Encoded(raw) => codec::decode(raw, seal),
         }
     }
@@ -229,13 +255,8 @@ impl Shared {
             return Err(StoreError::Full(which));
         }
         let (owner, record) = super::pending(claim, lease);
-        inner.insert(
-            *key,
-            Held::Record(Box::new(record)),
-            deadline(ttl),
-            size,
-            &self.counts,
-        );
+        let held = Held::open(record, Seal::new(self.sealer.as_deref(), key));
+        inner.insert(*key, held, deadline(ttl), size, &self.counts);
         Ok(Reservation::Owner(owner))
     }
 
@@ -248,9 +269,10 @@ impl Shared {
             let inner = lock(shard);
             for (key, entry) in &inner.map {
                 // Completed records are kept encoded; only open ones as records.
-                let Held::Record(record) = &entry.held else {
+                let Held::Record(open) = &entry.held else {
                     continue;
                 };
+                let record = &open.0;
                 let unknown = match record.state {
                     RecordState::Unknown { .. } => true,
                     RecordState::Pending { lease_until_ms, .. } => lease_until_ms < wall,
@@ -258,9 +280,14 @@ impl Shared {
                 };
                 if unknown && entry.expires_at > now && after.is_none_or(|a| *key > a) {
                     let left = entry.expires_at.saturating_duration_since(now);
+                    // With its origin, opened; one the keys do not open is not listed.
+                    let Ok(whole) = entry.held.record(Seal::new(self.sealer.as_deref(), key))
+                    else {
+                        continue;
+                    };
                     found.push(Scanned {
                         key: *key,
-                        record: Record::clone(record).checked_lease_at(wall),
+                        record: whole.checked_lease_at(wall),
                         expires_ms: Some(wall.saturating_add(left.as_millis() as u64)),
                     });
                 }
@@ -366,11 +393,11 @@ impl Inner {
     ) -> Result<(&mut Record, u64), StoreError> {
         match self.live(key, now, counts) {
             Some(Entry {
-                held: Held::Record(record),
+                held: Held::Record(open),
                 size,
                 ..
-            }) if matches!(record.state, RecordState::Pending { owner: o, .. } if o == owner) => {
-                Ok((record, *size))
+            }) if matches!(open.0.state, RecordState::Pending { owner: o, .. } if o == owner) => {
+                Ok((&mut open.0, *size))
             }
             _ => Err(StoreError::NotOwner),
         }
@@ -456,13 +483,8 @@ impl Store for MemoryStore {
             _ => return Ok(None),
         }
         let (owner, record) = super::pending(claim, lease);
-        inner.insert(
-            *key,
-            Held::Record(Box::new(record)),
-            deadline(ttl),
-            pending_size(claim),
-            counts,
-        );
+        let held = Held::open(record, self.seal(key));
+        inner.insert(*key, held, deadline(ttl), pending_size(claim), counts);
         Ok(Some(owner))
     }
 
@@ -692,6 +714,53 @@ mod tests {
             top.len()
         );
         assert!(keys.iter().all(|k| a.hash_one(k) != b.hash_one(k)));
+    }
+
+    /// With keys, what a completed record keeps is sealed: its bytes show neither body nor
+    /// headers, and it reads back whole.
+    #[tokio::test]
+    async fn a_completed_record_is_kept_sealed() {
+        let keys = "k1:AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=";
+        let sealer = Arc::new(Sealer::parse(keys).unwrap());
+        let s = MemoryStore::sealed(10, 1 << 20, Some(sealer));
+        let t = own(&s, "a", Duration::from_secs(60)).await;
+        let mut answer = response(b"card-4242-body");
+        answer.headers = vec![(
+            http::HeaderName::from_static("x-card"),
+            http::HeaderValue::from_static("4242-header"),
+        )];
+        s.complete(&key("a"), t, answer.clone(), Duration::from_secs(60))
+            .await
+            .unwrap();
+        let held = match &s.shared.shard(&key("a")).map[&key("a")].held {
+            Held::Encoded(raw) => raw.clone(),
+            Held::Record(..) => panic!("a completed record is kept encoded"),
+        };
+        assert!(!held.windows(4).any(|w| w == b"4242"), "{held:?}");
+        let read = s.get(&key("a")).await.unwrap().unwrap();
+        assert_eq!(read.state, RecordState::Completed(Arc::new(answer)));
+        // An open record's origin, the key the client sent, is held sealed too.
+        let origin = crate::store::Origin::new(
+            crate::store::OriginKind::Route,
+            "payments",
+            "client-key-4242".into(),
+        );
+        let claim = Claim {
+            fingerprint: Fingerprint([0; 32]),
+            origin: Some(origin.clone()),
+        };
+        let ttl = Duration::from_secs(60);
+        s.reserve(&key("b"), &claim, ttl, ttl).await.unwrap();
+        match &s.shared.shard(&key("b")).map[&key("b")].held {
+            Held::Record(open) if open.1.is_some() => {
+                let (record, sealed) = (&open.0, open.1.as_ref().unwrap());
+                assert_eq!(record.origin, None);
+                assert!(!sealed.windows(4).any(|w| w == b"4242"), "{sealed:?}");
+            }
+            _ => panic!("an open record's origin is held sealed"),
+        }
+        let read = s.get(&key("b")).await.unwrap().unwrap();
+        assert_eq!(read.origin, Some(origin));
     }
 
     #[tokio::test(start_paused = true)]
