@@ -83,6 +83,14 @@ async fn pay(gw: &Running, key: &str) -> Got {
         .await
 }
 
+/// The `[store]` section of a gateway on `redis`.
+fn redis_section(redis: &RedisServer) -> String {
+    format!(
+        "[store]\nbackend = \"redis\"\nurl = \"{}\"\ncommand_timeout = \"2s\"",
+        redis.url()
+    )
+}
+
 /// Every value the Redis server holds, as text.
 fn redis_values(redis: &RedisServer) -> Vec<String> {
     let keys = redis.cli(&["--scan"]);
@@ -97,10 +105,7 @@ async fn sealed_records_on_redis_show_nothing_replay_everywhere_and_rotate() {
     let redis = RedisServer::start();
     let up = upstream().await;
     let dir = TempDir::new("sealed-redis");
-    let store = format!(
-        "[store]\nbackend = \"redis\"\nurl = \"{}\"\ncommand_timeout = \"2s\"",
-        redis.url()
-    );
+    let store = redis_section(&redis);
     let first = keys_file(&dir, "keys-1", &[K1]);
     let gw = start(&up.url(), &store, Some(&first)).await;
     let original = pay(&gw, CLIENT_KEY).await;
@@ -269,10 +274,7 @@ async fn records_stored_before_keys_stay_readable_and_changeable() {
     let redis = RedisServer::start();
     let up = upstream().await;
     let dir = TempDir::new("sealed-after");
-    let store = format!(
-        "[store]\nbackend = \"redis\"\nurl = \"{}\"\ncommand_timeout = \"2s\"",
-        redis.url()
-    );
+    let store = redis_section(&redis);
     let before = start(&up.url(), &store, None).await;
     let original = pay(&before, CLIENT_KEY).await;
     assert_eq!(original.status, 201);
