@@ -309,6 +309,11 @@ pub async fn release(
     match released {
         // Nothing of it can be read, so nothing compared: deleted whatever it holds, and only
         // when the operator says so.
+        // Pending, its lease running: its owner may still be executing, force or not.
+        Err(StoreError::Unreadable {
+            lease_until_ms: Some(lease),
+            ..
+        }) if lease > now_ms() => Ok(Change::Live),
         Err(StoreError::Unreadable { .. }) if force => match store.delete(key).await? {
             true => Ok(Change::Done),
             false => Ok(Change::NotFound),
@@ -463,6 +468,56 @@ mod tests {
         assert_eq!(timestamp(0), "1970-01-01T00:00:00.000Z");
         assert_eq!(timestamp(u64::MAX), "9999-12-31T23:59:59.999Z");
         assert_eq!(timestamp(LAST_RFC3339_MS + 1), "9999-12-31T23:59:59.999Z");
+    }
+
+    /// A record the keys no longer open: never resolved; released only when forced, and never
+    /// while it is pending with its lease running (its owner may still be executing).
+    #[tokio::test]
+    async fn an_unreadable_record_is_released_only_when_forced_and_not_live() {
+        use crate::store::seal::Sealer;
+        let k1 = "k1:AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=";
+        let sealer = std::sync::Arc::new(Sealer::parse(k1).unwrap());
+        let store = MemoryStore::sealed(100, 1 << 20, Some(std::sync::Arc::clone(&sealer)));
+        let (lease, ttl) = (Duration::from_secs(30), Duration::from_secs(60));
+        let origin = store::Origin::new(OriginKind::Route, "payments", "k".into());
+        let claim = store::Claim {
+            fingerprint: Fingerprint([1; 32]),
+            origin: Some(origin),
+        };
+        let (live, done) = (StoreKey::from_bytes([5; 32]), StoreKey::from_bytes([6; 32]));
+        store.reserve(&live, &claim, lease, ttl).await.unwrap();
+        let Reservation::Owner(t) = store.reserve(&done, &claim, lease, ttl).await.unwrap() else {
+            panic!("a new key");
+        };
+        store.complete(&done, t, answer(), ttl).await.unwrap();
+        sealer
+            .reload("k2:HxwdHhsaGRgXFhUUExIREA8ODQwLCgkIBwYFBAMCAQA=")
+            .unwrap();
+        for key in [&live, &done] {
+            assert!(matches!(
+                store.get(key).await,
+                Err(StoreError::Unreadable { .. })
+            ));
+            let resolved = resolve(&store, (key, None), answer(), true, ttl).await;
+            assert_eq!(resolved, Ok(Change::Unreadable));
+        }
+        assert_eq!(
+            release(&store, (&live, None), false, ttl).await,
+            Ok(Change::Live)
+        );
+        assert_eq!(
+            release(&store, (&done, None), false, ttl).await,
+            Ok(Change::Unreadable)
+        );
+        assert_eq!(
+            release(&store, (&live, None), true, ttl).await,
+            Ok(Change::Live)
+        );
+        assert_eq!(
+            release(&store, (&done, None), true, ttl).await,
+            Ok(Change::Done)
+        );
+        assert!(store.get(&done).await.unwrap().is_none());
     }
 
     /// A reconciliation decides on the record it read before asking the upstream: if a retry

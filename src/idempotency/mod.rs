@@ -685,7 +685,7 @@ pub fn not_executed(status: u16, store_server_errors: bool) -> bool {
 
 fn store_refusal(key: &StoreKey, e: StoreError) -> Refusal {
     // An unreadable record is logged with its key id only: never key material, nor the record.
-    if let StoreError::Unreadable { key_id, why } = e {
+    if let StoreError::Unreadable { key_id, why, .. } = e {
         tracing::error!(key = key.short(), key_id = ?key_id, why, "a sealed record does not open: refused, not executed (record-unreadable)");
         return Refusal::Unreadable;
     }

@@ -323,7 +323,7 @@ impl Problem {
             }
             Problem::StoreUnavailable => "The idempotency store cannot be reached, so the request was not forwarded. Retry with the same key later.".into(),
             Problem::StoreFull => "The idempotency store is at its capacity, so the request was not forwarded. Retry with the same key later.".into(),
-            Problem::RecordUnreadable => "An earlier request with this key was recorded, and its record cannot be read with the gateway's keys, so it is neither replayed nor run again. An operator must restore the key or settle the record.".into(),
+            Problem::RecordUnreadable => "An earlier request with this key was recorded, and its record cannot be read with the gateway's keys, so it is neither replayed nor run again. An operator must list its key again or release the record.".into(),
             Problem::KeyQuota { retry_after } => format!(
                 "This client stored as many results under new idempotency keys as this endpoint allows for now. The request was not forwarded. Retries of earlier keys still get their results; a new key can be used in {} seconds.",
                 retry_after.as_millis().div_ceil(1000).max(1)

@@ -115,6 +115,7 @@ impl<'a> Seal<'a> {
                 Err(StoreError::Unreadable {
                     key_id,
                     why: e.to_string(),
+                    lease_until_ms: None,
                 })
             }
         }
@@ -383,13 +384,18 @@ pub fn decode(raw: &Bytes, seal: Seal) -> Result<Record, StoreError> {
     let created_ms = r.u64()?;
     let (state, origin) = match state {
         STATE_PENDING => {
+            let (owner, lease_until_ms) = (u128::from_be_bytes(r.array()?), r.u64()?);
             let state = RecordState::Pending {
-                owner: OwnerToken(u128::from_be_bytes(r.array()?)),
-                lease_until_ms: r.u64()?,
+                owner: OwnerToken(owner),
+                lease_until_ms,
             };
             // The watched flag: the Redis store's business.
             let _ = r.u8();
-            (state, r.sealed_origin(seal)?)
+            (
+                state,
+                r.sealed_origin(seal)
+                    .map_err(|e| leased(e, lease_until_ms))?,
+            )
         }
         STATE_COMPLETED => {
             if raw.get(r.pos..r.pos + 2) == Some(&SEALED_ANSWER.to_be_bytes()[..]) {
@@ -432,6 +438,18 @@ pub fn decode(raw: &Bytes, seal: Seal) -> Result<Record, StoreError> {
         origin,
         sealing,
     })
+}
+
+/// An unreadable pending record's error, with the lease its clear part holds.
+pub fn leased(e: StoreError, lease: u64) -> StoreError {
+    match e {
+        StoreError::Unreadable { key_id, why, .. } => StoreError::Unreadable {
+            key_id,
+            why,
+            lease_until_ms: Some(lease),
+        },
+        other => other,
+    }
 }
 
 fn corrupt(msg: impl Into<String>) -> StoreError {

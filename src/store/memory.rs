@@ -101,8 +101,8 @@ struct Shared {
     waiters: Waiters,
     max_keys: usize,
     max_bytes: u64,
-    /// `store.encryption_keys_*`: completed records' answers sealed ([`super::seal`]); open
-    /// records are kept as they are, in this process's memory like every request it serves.
+    /// `store.encryption_keys_*`: completed records' answers and open records' origins sealed
+    /// ([`super::seal`]).
     sealer: Option<Arc<Sealer>>,
 }
 
@@ -166,7 +166,15 @@ impl Held {
             Held::Record(open) => match &open.1 {
                 None => Ok(open.0.clone()),
                 Some(origin) => {
-                    let (origin, sealing) = codec::decode_origin(origin, seal)?;
+                    let lease = match open.0.state {
+                        RecordState::Pending { lease_until_ms, .. } => Some(lease_until_ms),
+                        _ => None,
+                    };
+                    let (origin, sealing) =
+                        codec::decode_origin(origin, seal).map_err(|e| match lease {
+                            Some(l) => codec::leased(e, l),
+                            None => e,
+                        })?;
                     Ok(Record {
                         origin,
                         sealing,
@@ -185,7 +193,7 @@ impl MemoryStore {
         Self::sealed(max_keys, max_bytes, None)
     }
 
-    /// [`MemoryStore::new`], sealing completed records' answers with `sealer`'s keys.
+    /// [`MemoryStore::new`], sealing answers and origins with `sealer`'s keys.
     pub fn sealed(max_keys: usize, max_bytes: u64, sealer: Option<Arc<Sealer>>) -> Self {
         let shared = Arc::new(Shared {
             shards: (0..SHARDS).map(|_| Mutex::new(Inner::default())).collect(),
@@ -281,9 +289,12 @@ impl Shared {
                 if unknown && entry.expires_at > now && after.is_none_or(|a| *key > a) {
                     let left = entry.expires_at.saturating_duration_since(now);
                     // With its origin, opened; one the keys do not open is not listed.
-                    let Ok(whole) = entry.held.record(Seal::new(self.sealer.as_deref(), key))
-                    else {
-                        continue;
+                    let whole = match entry.held.record(Seal::new(self.sealer.as_deref(), key)) {
+                        Ok(whole) => whole,
+                        Err(e) => {
+                            tracing::warn!(id = key.hex(), error = %e, "listing: a record that does not open with this gateway's keys (GET /keys/{{id}})");
+                            continue;
+                        }
                     };
                     found.push(Scanned {
                         key: *key,

@@ -277,12 +277,14 @@ pub enum StoreError {
     #[error("stored record is corrupt: {0}")]
     Corrupt(String),
     /// A stored record is sealed and does not open with this gateway's keys (its key is not
-    /// listed, or the gateway has none, or it was altered): never replayed, never executed.
+    /// listed, the gateway has none, or it was altered): never replayed, never executed.
+    /// `key_id`: the key it names (never key material); `lease_until_ms`: a pending record's
+    /// lease, from its clear part (while it runs, not even a forced release frees the key).
     #[error("stored record is unreadable: {why}")]
     Unreadable {
-        /// The id of the key it names, if any (never key material).
         key_id: Option<String>,
         why: String,
+        lease_until_ms: Option<u64>,
     },
     /// The store answers, but is not known to keep what it is given (`store.require_noeviction`
     /// and Redis may evict): new keys are refused, never forwarded without idempotency.

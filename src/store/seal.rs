@@ -15,8 +15,8 @@
 //! compares a record read with the stored bytes by encoding it again, so the same record must
 //! seal to the same bytes; what this shows a reader is only that two sealed parts under the
 //! same store key are the same, which the stored bytes around them say anyway. A record keeps
-//! the id of the key it was read with ([`super::Record::sealed_with`]) so that it encodes to
-//! the same bytes after a rotation.
+//! how it was read ([`Sealing`]: the key it was sealed with, or in the clear) so that it encodes
+//! to the same bytes after a rotation, or after keys were configured.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, PoisonError};
@@ -163,8 +163,9 @@ impl Sealer {
         Ok(())
     }
 
-    /// Reads the keys again where the config says (SIGHUP). On an error the keys in use stay,
-    /// and [`Sealer::not_ready`] says why until a reload succeeds.
+    /// Reads the keys again where the config says (SIGHUP; a variable is the process's own,
+    /// so only a file changes). On an error the keys in use stay, and [`Sealer::not_ready`]
+    /// says why until a reload succeeds.
     pub fn reload_from(&self, source: &TokenSource) -> Result<(), KeysError> {
         let done = read(source).and_then(|text| self.reload(&text));
         let mut failed = self

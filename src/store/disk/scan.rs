@@ -49,7 +49,7 @@ pub(super) fn unknown_after(
             Ok(record) => record.checked_lease_at(now),
             // Shown by `GET /keys/{id}` as unreadable; a page goes on without it.
             Err(StoreError::Unreadable { key_id, .. }) => {
-                tracing::warn!(key = key.short(), key_id = ?key_id, "listing: a record that does not open with this gateway's keys");
+                tracing::warn!(id = key.hex(), key_id = ?key_id, "listing: a record that does not open with this gateway's keys (GET /keys/{{id}})");
                 continue;
             }
             Err(e) => return Err(e),

@@ -361,12 +361,19 @@ impl Store for PostgresStore {
                     }
                 }
                 // Inserted by a transaction that committed after this statement's snapshot.
-                None => {
-                    if let Some(record) = self.read(key).await? {
+                None => match self.read(key).await {
+                    Ok(None) => {}
+                    Ok(Some(record)) => {
                         guard.disarm();
                         return Ok(Reservation::Existing(record));
                     }
-                }
+                    // Another's, whatever it reads as: nothing of ours to give back.
+                    Err(e @ StoreError::Unreadable { .. }) => {
+                        guard.disarm();
+                        return Err(e);
+                    }
+                    Err(e) => return Err(e),
+                },
             }
         }
         guard.disarm();

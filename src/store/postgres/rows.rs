@@ -72,8 +72,11 @@ pub(super) fn record_at(
     let fingerprint: &[u8] = get(row, at + 1)?;
     let owner: &[u8] = get(row, at + 3)?;
     let origin: Option<&[u8]> = get(row, at + 6)?;
+    let lease_until_ms = unsigned(count(row, at + 4)?);
     let (origin, sealing) = match origin {
-        Some(raw) => codec::decode_origin(raw, seal)?,
+        Some(raw) => {
+            codec::decode_origin(raw, seal).map_err(|e| codec::leased(e, lease_until_ms))?
+        }
         None => (None, Sealing::Clear),
     };
     let record = Record {
@@ -81,7 +84,7 @@ pub(super) fn record_at(
         created_ms: unsigned(count(row, at + 2)?),
         state: RecordState::Pending {
             owner: OwnerToken(u128::from_be_bytes(array(owner, "owner")?)),
-            lease_until_ms: unsigned(count(row, at + 4)?),
+            lease_until_ms,
         },
         origin,
         sealing,
@@ -118,7 +121,7 @@ pub(super) fn unknown_page(
             Ok(None) => continue,
             // Shown by `GET /keys/{id}` as unreadable; a page goes on without it.
             Err(StoreError::Unreadable { key_id, .. }) => {
-                tracing::warn!(key = key.short(), key_id = ?key_id, "listing: a record that does not open with this gateway's keys");
+                tracing::warn!(id = key.hex(), key_id = ?key_id, "listing: a record that does not open with this gateway's keys (GET /keys/{{id}})");
                 continue;
             }
             Err(e) => return Err(e),

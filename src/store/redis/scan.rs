@@ -204,7 +204,7 @@ impl RedisStore {
                 Ok(record) => record.checked_lease_at(now),
                 // Listed by `GET /keys/{id}` as unreadable; a page goes on without it.
                 Err(StoreError::Unreadable { key_id, .. }) => {
-                    tracing::warn!(key = keys[i].short(), key_id = ?key_id, "listing: a record that does not open with this gateway's keys");
+                    tracing::warn!(id = keys[i].hex(), key_id = ?key_id, "listing: a record that does not open with this gateway's keys (GET /keys/{{id}})");
                     continue;
                 }
                 Err(e) => return Err(e),
