@@ -63,9 +63,8 @@ pub struct Record {
     pub state: RecordState,
     /// Who asked for it, while its outcome is open; stores drop it once the record completes.
     pub origin: Option<Arc<Origin>>,
-    /// How its parts were found sealed ([`seal`]), so that written again it encodes to the
-    /// bytes it was read from (the stores' compare-and-set compares them); `New` for a record
-    /// made here.
+    /// How its parts were found sealed ([`seal`]): written again, it is the bytes it was read
+    /// from (the stores' compare-and-set compares them).
     pub sealing: seal::Sealing,
 }
 
@@ -75,7 +74,6 @@ impl PartialEq for Record {
         this == (o.fingerprint, o.created_ms, &o.state, &o.origin)
     }
 }
-
 impl Eq for Record {}
 
 #[derive(Debug, Clone, PartialEq, Eq)]
