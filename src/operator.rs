@@ -120,13 +120,8 @@ fn route_key(source: &KeySource, parts: &[KeyPart]) -> Result<String, OperatorEr
 
 /// Opens the configured shared store and waits until it answers.
 pub async fn open_store(config: &Config) -> Result<std::sync::Arc<dyn Store>, OperatorError> {
-    let sealer = match &config.store_keys {
-        Some(source) => Some(std::sync::Arc::new(
-            crate::store::seal::Sealer::load(source)
-                .map_err(|e| OperatorError::Store(format!("store.encryption_keys_*: {e}")))?,
-        )),
-        None => None,
-    };
+    let sealer = crate::store::seal::Sealer::configured(config.store_keys.as_ref())
+        .map_err(|e| OperatorError::Store(format!("store.encryption_keys_*: {e}")))?;
     let store = match &config.store {
         StoreConfig::Memory { .. } => return Err(OperatorError::MemoryStore),
         // The file is the running gateway's while it runs: fjall lets one process at a time open

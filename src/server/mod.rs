@@ -98,10 +98,7 @@ impl Server {
             None => None,
         };
         let metrics = Arc::new(Metrics::new());
-        let sealer = match &config.store_keys {
-            Some(source) => Some(Arc::new(Sealer::load(source)?)),
-            None => None,
-        };
+        let sealer = Sealer::configured(config.store_keys.as_ref())?;
         let store = store::open(&config.store, sealer.clone())?;
         // Half the shortest upstream_timeout: a connect attempt always fails before the request
         // could time out, so "not sent" is never mistaken for "unknown".

@@ -86,6 +86,16 @@ impl<'a> Seal<'a> {
         self.0.is_some() && *sealing != Sealing::Clear
     }
 
+    /// What sealing adds to a part of a record found `sealing` (at most): its marker, the key
+    /// id, nonce and tag; so that a buffer sized for the record never grows (a grown one the
+    /// memory store would keep at twice the size).
+    fn overhead(&self, sealing: &Sealing) -> usize {
+        match self.seals(sealing) {
+            true => 2 + seal::OVERHEAD,
+            false => 0,
+        }
+    }
+
     /// Appends `plain` sealed to `out`: with the key the record was read with, if still
     /// listed, else the current one.
     fn seal(&self, sealing: &Sealing, part: Part, plain: &[u8], out: &mut BytesMut) {
@@ -102,22 +112,15 @@ impl<'a> Seal<'a> {
     fn open(&self, part: Part, sealed: &[u8]) -> Result<(Bytes, KeyId), StoreError> {
         let opened = match self.0 {
             Some((sealer, key)) => sealer.open(part, key, sealed),
-            None => Err(seal::sealed_with(sealed)
-                .map_or(seal::OpenError::Malformed, |_| seal::OpenError::NoKeys)),
+            None => Err(seal::sealed_with(sealed).map_or_else(|e| e, seal::OpenError::NoKeys)),
         };
         match opened {
             Ok((plain, id)) => Ok((Bytes::from(plain), id)),
-            Err(e) => {
-                let key_id = match &e {
-                    seal::OpenError::NoKeys => seal::sealed_with(sealed).ok(),
-                    other => other.key_id().map(str::to_string),
-                };
-                Err(StoreError::Unreadable {
-                    key_id,
-                    why: e.to_string(),
-                    lease_until_ms: None,
-                })
-            }
+            Err(e) => Err(StoreError::Unreadable {
+                key_id: e.key_id().map(str::to_string),
+                why: e.to_string(),
+                lease_until_ms: None,
+            }),
         }
     }
 }
@@ -126,8 +129,12 @@ impl<'a> Seal<'a> {
 /// sealed as `seal` says, with the key it was read with if it is still listed.
 pub fn encode(record: &Record, seal: Seal) -> Bytes {
     let origin = kept_origin(record);
+    let sealed = seal.overhead(&record.sealing);
     let mut out = BytesMut::with_capacity(
-        HEADER_LEN + state_len(&record.state) + origin.map_or(0, |o| 1 + origin_len(o)),
+        HEADER_LEN
+            + state_len(&record.state)
+            + sealed
+            + origin.map_or(0, |o| 1 + origin_len(o) + sealed),
     );
     out.put_u8(VERSION);
     out.put_u8(state_byte(&record.state));
@@ -209,7 +216,7 @@ fn state_byte(state: &RecordState) -> u8 {
 /// The state-specific part after byte 42 (what the scripts splice in), a new answer sealed
 /// with the current key if `seal` says so.
 pub fn encode_state(state: &RecordState, seal: Seal) -> Bytes {
-    let mut out = BytesMut::with_capacity(state_len(state));
+    let mut out = BytesMut::with_capacity(state_len(state) + seal.overhead(&Sealing::New));
     put_state(state, &Sealing::New, seal, &mut out);
     out.freeze()
 }
@@ -394,7 +401,7 @@ pub fn decode(raw: &Bytes, seal: Seal) -> Result<Record, StoreError> {
             (
                 state,
                 r.sealed_origin(seal)
-                    .map_err(|e| leased(e, lease_until_ms))?,
+                    .map_err(|e| leased(e, Some(lease_until_ms)))?,
             )
         }
         STATE_COMPLETED => {
@@ -440,13 +447,13 @@ pub fn decode(raw: &Bytes, seal: Seal) -> Result<Record, StoreError> {
     })
 }
 
-/// An unreadable pending record's error, with the lease its clear part holds.
-pub fn leased(e: StoreError, lease: u64) -> StoreError {
+/// An unreadable record's error, with the lease its clear part holds if it is pending.
+pub fn leased(e: StoreError, lease: Option<u64>) -> StoreError {
     match e {
         StoreError::Unreadable { key_id, why, .. } => StoreError::Unreadable {
             key_id,
             why,
-            lease_until_ms: Some(lease),
+            lease_until_ms: lease,
         },
         other => other,
     }

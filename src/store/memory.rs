@@ -171,10 +171,7 @@ impl Held {
                         _ => None,
                     };
                     let (origin, sealing) =
-                        codec::decode_origin(origin, seal).map_err(|e| match lease {
-                            Some(l) => codec::leased(e, l),
-                            None => e,
-                        })?;
+                        codec::decode_origin(origin, seal).map_err(|e| codec::leased(e, lease))?;
                     Ok(Record {
                         origin,
                         sealing,
@@ -218,11 +215,15 @@ impl MemoryStore {
 
     /// How the record under `key` is sealed.
     fn seal<'a>(&'a self, key: &'a StoreKey) -> Seal<'a> {
-        Seal::new(self.shared.sealer.as_deref(), key)
+        self.shared.seal(key)
     }
 }
 
 impl Shared {
+    fn seal<'a>(&'a self, key: &'a StoreKey) -> Seal<'a> {
+        Seal::new(self.sealer.as_deref(), key)
+    }
+
     fn shard(&self, key: &StoreKey) -> MutexGuard<'_, Inner> {
         lock(&self.shards[key.shard(SHARDS)])
     }
@@ -256,14 +257,15 @@ impl Shared {
         let size = pending_size(claim);
         let mut inner = self.shard(key);
         if let Some(e) = inner.live(key, now, &self.counts) {
-            let seal = Seal::new(self.sealer.as_deref(), key);
-            return Ok(Reservation::Existing(e.held.record(seal)?.checked_lease()));
+            return Ok(Reservation::Existing(
+                e.held.record(self.seal(key))?.checked_lease(),
+            ));
         }
         if let Some(which) = self.over_bound(size) {
             return Err(StoreError::Full(which));
         }
         let (owner, record) = super::pending(claim, lease);
-        let held = Held::open(record, Seal::new(self.sealer.as_deref(), key));
+        let held = Held::open(record, self.seal(key));
         inner.insert(*key, held, deadline(ttl), size, &self.counts);
         Ok(Reservation::Owner(owner))
     }
@@ -289,7 +291,7 @@ impl Shared {
                 if unknown && entry.expires_at > now && after.is_none_or(|a| *key > a) {
                     let left = entry.expires_at.saturating_duration_since(now);
                     // With its origin, opened; one the keys do not open is not listed.
-                    let whole = match entry.held.record(Seal::new(self.sealer.as_deref(), key)) {
+                    let whole = match entry.held.record(self.seal(key)) {
                         Ok(whole) => whole,
                         Err(e) => {
                             tracing::warn!(id = key.hex(), error = %e, "listing: a record that does not open with this gateway's keys (GET /keys/{{id}})");

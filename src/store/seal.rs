@@ -62,6 +62,9 @@ const NONCE_LEN: usize = 12;
 const TAG_LEN: usize = 16;
 /// A key id: 1 to 32 of `[A-Za-z0-9._-]`.
 const MAX_ID: usize = 32;
+/// The most a sealed part adds to what it holds: the key id's length and the id, the nonce, the
+/// tag.
+pub const OVERHEAD: usize = 1 + MAX_ID + NONCE_LEN + TAG_LEN;
 
 /// The keys a gateway seals and opens with; replaced as a whole on reload.
 pub struct Sealer {
@@ -120,8 +123,10 @@ pub enum KeysError {
 pub enum OpenError {
     #[error("sealed with key {0}, which is not listed")]
     UnknownKey(String),
-    #[error("sealed, and this gateway has no keys (store.encryption_keys_file or _env)")]
-    NoKeys,
+    #[error(
+        "sealed with key {0}, and this gateway has no keys (store.encryption_keys_file or _env)"
+    )]
+    NoKeys(String),
     #[error("sealed with key {0}, and does not open with it (altered, or moved)")]
     Tampered(String),
     #[error("a sealed part cut short")]
@@ -132,7 +137,7 @@ impl OpenError {
     /// The key id named, if any (logged and shown to operators; never key material).
     pub fn key_id(&self) -> Option<&str> {
         match self {
-            OpenError::UnknownKey(id) | OpenError::Tampered(id) => Some(id),
+            OpenError::UnknownKey(id) | OpenError::Tampered(id) | OpenError::NoKeys(id) => Some(id),
             _ => None,
         }
     }
@@ -155,6 +160,11 @@ impl Sealer {
     /// The keys where the config says they are (`store.encryption_keys_file` or `_env`).
     pub fn load(source: &TokenSource) -> Result<Sealer, KeysError> {
         Sealer::parse(&read(source)?)
+    }
+
+    /// The keys a config names, if it names any (`Config::store_keys`).
+    pub fn configured(source: Option<&TokenSource>) -> Result<Option<Arc<Sealer>>, KeysError> {
+        source.map(|s| Sealer::load(s).map(Arc::new)).transpose()
     }
 
     /// Replaces the keys with those in `text`; on an error the keys in use stay.
@@ -196,11 +206,6 @@ impl Sealer {
         }
     }
 
-    /// The id of the key that seals now.
-    pub fn current(&self) -> KeyId {
-        self.keys.load().all[0].id.clone()
-    }
-
     /// Every key id listed, the sealing one first.
     pub fn ids(&self) -> Vec<KeyId> {
         self.keys.load().all.iter().map(|k| k.id.clone()).collect()
@@ -208,7 +213,7 @@ impl Sealer {
 
     /// Appends `plain` sealed as `part` of the record under `key` to `out`, with the key named
     /// `with` if it is listed (a record read keeps the key it was sealed with), else the
-    /// current one. Returns the id of the key used.
+    /// current one.
     pub fn seal(
         &self,
         with: Option<&KeyId>,
@@ -216,7 +221,7 @@ impl Sealer {
         key: &StoreKey,
         plain: &[u8],
         out: &mut BytesMut,
-    ) -> KeyId {
+    ) {
         let keys = self.keys.load();
         let chosen = with
             .and_then(|id| keys.all.iter().find(|k| k.id == *id))
@@ -247,7 +252,6 @@ impl Sealer {
                 out.truncate(start);
             }
         }
-        chosen.id.clone()
     }
 
     /// Opens a part [`Sealer::seal`] made: the plain bytes and the id of the key that sealed
@@ -482,7 +486,7 @@ mod tests {
         let old = Sealer::parse(ONE).unwrap();
         let blob = sealed(&old, None, Part::Origin, &key(1), b"route k");
         let both = Sealer::parse(&format!("{TWO}\n# the old one\n{ONE}\n")).unwrap();
-        assert_eq!(&*both.current(), "k2");
+        assert_eq!(&*both.ids()[0], "k2");
         let (plain, id) = both.open(Part::Origin, &key(1), &blob).unwrap();
         assert_eq!((plain.as_slice(), &*id), (&b"route k"[..], "k1"));
         // Sealed again with the key it was read with: the same bytes (compare-and-set).

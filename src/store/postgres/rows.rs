@@ -75,7 +75,7 @@ pub(super) fn record_at(
     let lease_until_ms = unsigned(count(row, at + 4)?);
     let (origin, sealing) = match origin {
         Some(raw) => {
-            codec::decode_origin(raw, seal).map_err(|e| codec::leased(e, lease_until_ms))?
+            codec::decode_origin(raw, seal).map_err(|e| codec::leased(e, Some(lease_until_ms)))?
         }
         None => (None, Sealing::Clear),
     };
