@@ -53,6 +53,7 @@
 //!   (`/keys`, `/keys/{id}`, with a token). A new endpoint is one more arm of its path `match`.
 //! - [`metrics`] - the Prometheus metrics and the outcome names they count.
 //! - [`telemetry`] - logging, and traces: OpenTelemetry spans over OTLP (`[telemetry]`).
+//! - `fuzzing` - entry points for the fuzz targets into private parsers (hidden, not an API).
 //!
 //! Public: what the binary, the tests and an embedder use ([`cli`], [`config`], [`server`], and
 //! the parts the store contract tests drive: [`store`], [`key`], [`fingerprint`], [`route`]);
@@ -67,6 +68,8 @@ mod consumer;
 mod duplicates;
 mod error;
 pub mod fingerprint;
+#[doc(hidden)]
+pub mod fuzzing;
 mod gateway;
 mod grpc;
 mod idempotency;

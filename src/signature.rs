@@ -208,11 +208,10 @@ fn matches(secrets: &[Secret], parts: &[&[u8]], candidates: &[Vec<u8>]) -> Resul
     Err(Rejection::Invalid)
 }
 
-/// What a sender puts in its headers (for the tests below): the signature headers of `scheme`
+/// What a sender puts in its headers (for the tests below and `crate::fuzzing`): the signature headers of `scheme`
 /// for `body`, signed with `secret` at `ts` (seconds since the epoch) and, for Standard
 /// Webhooks, with message id `id`.
-#[cfg(test)]
-fn sign(
+pub(crate) fn sign(
     scheme: &SignatureScheme,
     secret: &Secret,
     id: &str,

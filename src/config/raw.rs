@@ -152,6 +152,8 @@ pub(super) struct RawStore {
     pub(super) key_prefix: Option<String>,
     #[serde(default, deserialize_with = "duration")]
     pub(super) command_timeout: Option<Duration>,
+    #[serde(default, deserialize_with = "duration")]
+    pub(super) max_clock_skew: Option<Duration>,
     pub(super) tls_ca_file: Option<String>,
     pub(super) require_noeviction: Option<bool>,
     pub(super) allow_async_commit: Option<bool>,

@@ -16,6 +16,17 @@ pub enum StoreConfig {
     Postgres(PostgresSettings),
 }
 
+impl StoreConfig {
+    /// `max_clock_skew` of a shared store; none for an embedded one (one process, one clock).
+    pub fn max_clock_skew(&self) -> std::time::Duration {
+        match self {
+            StoreConfig::Redis(r) => r.max_clock_skew,
+            StoreConfig::Postgres(p) => p.max_clock_skew,
+            StoreConfig::Memory { .. } | StoreConfig::Disk(_) => std::time::Duration::ZERO,
+        }
+    }
+}
+
 #[derive(Clone, PartialEq, Eq)]
 pub struct PostgresSettings {
     /// A libpq-style URL, perhaps with several hosts and `target_session_attrs=read-write`; it
@@ -31,6 +42,10 @@ pub struct PostgresSettings {
     pub workers: usize,
     /// Upper bound for one statement, and for waiting on a connection from the pool.
     pub command_timeout: Duration,
+    /// `store.max_clock_skew`: the most the clocks of the instances sharing the store may
+    /// differ. A pending record is taken for abandoned, and an unknown outcome looked up, only
+    /// this long after the time another instance's clock wrote in it.
+    pub max_clock_skew: Duration,
     /// PEM file of the CA that signed the server's certificate; `None` trusts the system's roots.
     pub tls_ca_file: Option<std::path::PathBuf>,
     /// PEM certificate and key presented to a server that verifies its clients.
@@ -49,6 +64,7 @@ impl std::fmt::Debug for PostgresSettings {
             .field("pool_size", &self.pool_size)
             .field("workers", &self.workers)
             .field("command_timeout", &self.command_timeout)
+            .field("max_clock_skew", &self.max_clock_skew)
             .field("tls_ca_file", &self.tls_ca_file)
             .field("tls_client", &self.tls_client)
             .field("allow_async_commit", &self.allow_async_commit)
@@ -82,6 +98,10 @@ pub struct RedisSettings {
     pub key_prefix: String,
     /// Upper bound for one Redis command, so a slow Redis cannot stall requests.
     pub command_timeout: Duration,
+    /// `store.max_clock_skew`: the most the clocks of the instances sharing the store may
+    /// differ. A pending record is taken for abandoned, and an unknown outcome looked up, only
+    /// this long after the time another instance's clock wrote in it.
+    pub max_clock_skew: Duration,
     /// PEM file of the CA that signed Redis's certificate (rediss:// with a private CA); `None`
     /// trusts the system's roots.
     pub tls_ca_file: Option<std::path::PathBuf>,

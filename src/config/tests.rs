@@ -364,6 +364,7 @@ fn redis_store_settings() {
             target: RedisTarget::Single("redis://user:s3cret@10.0.0.5:6380/2".into()),
             key_prefix: "idemgate:".into(),
             command_timeout: Duration::from_millis(500),
+            max_clock_skew: Duration::from_secs(1),
             tls_ca_file: None,
             require_noeviction: false,
             tls_client: None,
@@ -491,6 +492,7 @@ fn postgres_store_settings() {
             pool_size: 16,
             workers: c.server.workers,
             command_timeout: Duration::from_secs(1),
+            max_clock_skew: Duration::from_secs(1),
             tls_ca_file: None,
             tls_client: None,
             allow_async_commit: false,
@@ -630,6 +632,29 @@ fn bad_redis_settings_are_refused() {
         .0,
         "store.command_timeout"
     );
+}
+
+#[test]
+fn max_clock_skew_is_a_shared_stores_bounded_setting() {
+    let redis = |extra: &str| store(&format!("backend = \"redis\"\nurl = \"redis://a:1\"\n{extra}"));
+    assert_eq!(
+        redis("max_clock_skew = \"250ms\"").unwrap().store.max_clock_skew(),
+        Duration::from_millis(250)
+    );
+    assert_eq!(
+        redis("max_clock_skew = \"0s\"").unwrap().store.max_clock_skew(),
+        Duration::ZERO
+    );
+    let (field, value) = invalid_field(redis("max_clock_skew = \"2m\""));
+    assert_eq!((field.as_str(), value.as_str()), ("store.max_clock_skew", "2m"));
+    let pg = store("backend = \"postgres\"\nurl = \"postgres://a/db\"\nmax_clock_skew = \"3s\"");
+    assert_eq!(pg.unwrap().store.max_clock_skew(), Duration::from_secs(3));
+    // One process reads and writes an embedded store: no other clock to allow for.
+    assert_eq!(
+        invalid_field(store("max_clock_skew = \"1s\"")).0,
+        "store.max_clock_skew"
+    );
+    assert_eq!(store("").unwrap().store.max_clock_skew(), Duration::ZERO);
 }
 
 #[test]

@@ -698,3 +698,6 @@ fn store_refusal(key: &StoreKey, e: StoreError) -> Refusal {
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod model;

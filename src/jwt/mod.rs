@@ -31,6 +31,19 @@ use refresh::Refetched;
 pub use refresh::Verifiers;
 pub use verify::Unverified;
 
+/// A token checked against `set` and `config` at `now_ms`, as [`Verifier`] checks one, without
+/// its cache: until when it may be remembered, or why it was refused (for `crate::fuzzing`).
+pub(crate) fn verify_token(
+    token: &str,
+    set: &KeySet,
+    config: &ClientJwt,
+    now_ms: u64,
+) -> Result<u64, &'static str> {
+    verify::verify(token, set, config, now_ms)
+        .map(|v| v.until_ms)
+        .map_err(Unverified::as_str)
+}
+
 /// An unknown `kid` fetches the key set again at most this often, so that forged `kid`s cannot
 /// make the gateway hammer the issuer.
 pub const KID_REFETCH: Duration = Duration::from_secs(30);

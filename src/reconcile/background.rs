@@ -25,7 +25,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::{Lookup, Reconciled, Reconciler};
 use crate::key::StoreKey;
-use crate::store::{now_ms, Origin, RecordState, Store};
+use crate::store::{now_ms, Origin, Store};
 
 /// Lookups per key that did not say, before the key is left to the operator.
 pub const MAX_TRIES: u32 = 5;
@@ -299,14 +299,13 @@ async fn sweep(store: &dyn Store, sources: &dyn Sources, tx: &mpsc::Sender<Job>)
             let Some((lookup, ttl)) = sources.lookup(origin) else {
                 continue;
             };
-            let last_ran = match scanned.record.state {
-                RecordState::Unknown { since_ms, .. } => since_ms,
-                RecordState::Abandoned { lease_until_ms, .. } => lease_until_ms,
-                _ => continue,
+            let skew = store.max_clock_skew();
+            let Some(due_ms) = super::lookup_due(&scanned.record.state, lookup.after, skew) else {
+                continue;
             };
             let job = Job {
                 key: scanned.key,
-                due_ms: last_ran.saturating_add(millis(lookup.after)),
+                due_ms,
                 lookup,
                 ttl,
                 tries: 0,

@@ -256,6 +256,20 @@ struct Asker<'a> {
     trace: Option<&'a Trace>,
 }
 
+/// When a lookup about an unknown outcome may first be believed (ms since the epoch): `after`
+/// past the time the request was last known to run (marked unknown, or its lease's end), and
+/// `skew` more, as that time is another clock's (the instance that wrote it, or the database's)
+/// and this one may be ahead of it by up to `skew`. `None` unless the outcome is unknown.
+pub(crate) fn lookup_due(state: &RecordState, after: Duration, skew: Duration) -> Option<u64> {
+    let last_ran = match *state {
+        RecordState::Unknown { since_ms, .. } => since_ms,
+        RecordState::Abandoned { lease_until_ms, .. } => lease_until_ms,
+        _ => return None,
+    };
+    let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+    Some(last_ran.saturating_add(ms(after)).saturating_add(ms(skew)))
+}
+
 async fn ask(
     store: &dyn Store,
     key: &StoreKey,
@@ -268,15 +282,9 @@ async fn ask(
         Ok(None) => return (Reconciled::Settled, None),
         Err(e) => return (Reconciled::Unknown, Some(format!("the store: {e}"))),
     };
-    // When the request was last known to run: the original must be over before its lookup
-    // can be believed.
-    let last_ran = match record.state {
-        RecordState::Unknown { since_ms, .. } => since_ms,
-        RecordState::Abandoned { lease_until_ms, .. } => lease_until_ms,
-        _ => return (Reconciled::Settled, None),
+    let Some(due) = lookup_due(&record.state, lookup.after, store.max_clock_skew()) else {
+        return (Reconciled::Settled, None);
     };
-    let after = u64::try_from(lookup.after.as_millis()).unwrap_or(u64::MAX);
-    let due = last_ran.saturating_add(after);
     if now_ms() < due {
         return (Reconciled::TooEarly(due), None);
     }

@@ -10,7 +10,9 @@
 //! - a pending record lives for the full `ttl`, not just its lease, so a crashed owner's key never
 //!   silently vanishes and lets a retry execute again;
 //! - a pending record whose lease ran out is read as [`RecordState::Abandoned`]: the store
-//!   decides it, on every read, so no caller compares clocks;
+//!   decides it, on every read. Where the lease was written by another instance's clock (Redis),
+//!   it runs out `max_clock_skew` later ([`Record::checked_lease_skewed`]): clocks that differ
+//!   by less never make a live owner's record read as abandoned;
 //! - [`Store::watch`] reads a record for a caller that will wait on it, and wakes that caller
 //!   when the record changes, without polling.
 //!
@@ -108,6 +110,21 @@ impl Record {
             RecordState::Pending { .. } => self.checked_lease_at(now_ms()),
             _ => self,
         }
+    }
+
+    /// [`Record::checked_lease`] for a lease written by another clock, which may be up to
+    /// `skew` ahead of this one: it has run out only once it is `skew` past.
+    pub fn checked_lease_skewed(self, skew: Duration) -> Record {
+        match self.state {
+            RecordState::Pending { .. } => self.checked_lease_skewed_at(now_ms(), skew),
+            _ => self,
+        }
+    }
+
+    /// [`Record::checked_lease_skewed`] at `now_ms` (this clock's).
+    pub fn checked_lease_skewed_at(self, now_ms: u64, skew: Duration) -> Record {
+        let skew_ms = u64::try_from(skew.as_millis()).unwrap_or(u64::MAX);
+        self.checked_lease_at(now_ms.saturating_sub(skew_ms))
     }
 
     /// Whether nobody knows if it ran: marked unknown, or abandoned (read so by
@@ -511,6 +528,13 @@ pub trait Store: Send + Sync + 'static {
         None
     }
 
+    /// `store.max_clock_skew`: how far the clock that wrote a time into a record (another
+    /// instance's, or the database's) may be from this instance's. None for an embedded store,
+    /// which one process reads and writes.
+    fn max_clock_skew(&self) -> Duration {
+        Duration::ZERO
+    }
+
     /// What the store's own configuration means for readiness (`/readyz`), beyond reaching it.
     fn readiness(&self) -> Readiness {
         Readiness::Fine
@@ -668,10 +692,27 @@ where
 
 /// Wall-clock milliseconds since the Unix epoch.
 pub fn now_ms() -> u64 {
-    SystemTime::now()
+    let now = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
+        .unwrap_or(0);
+    #[cfg(feature = "failpoints")]
+    let now = now.saturating_add_signed(clock_offset_ms());
+    now
+}
+
+/// A test's clock offset for this process (`IDEMGATE_TEST_CLOCK_OFFSET_MS`, in ms, signed): a
+/// gateway whose clock is ahead of or behind the others', in the tests of clock skew. Only in
+/// builds with the `failpoints` feature (the tests'); nothing of it in others.
+#[cfg(feature = "failpoints")]
+fn clock_offset_ms() -> i64 {
+    static OFFSET: std::sync::OnceLock<i64> = std::sync::OnceLock::new();
+    *OFFSET.get_or_init(|| {
+        std::env::var("IDEMGATE_TEST_CLOCK_OFFSET_MS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    })
 }
 
 /// `now_ms() + d`, saturating.
@@ -713,6 +754,18 @@ mod tests {
             origin: None,
             sealing: seal::Sealing::New,
         }
+    }
+
+    #[test]
+    fn a_lease_of_another_clock_runs_out_max_clock_skew_later() {
+        let skew = Duration::from_millis(500);
+        let live = pending_until(1_000).checked_lease_skewed_at(1_500, skew);
+        assert!(matches!(live.state, RecordState::Pending { .. }));
+        let gone = pending_until(1_000).checked_lease_skewed_at(1_501, skew);
+        assert!(matches!(gone.state, RecordState::Abandoned { .. }));
+        // A skew past the epoch reads nothing as abandoned rather than wrapping.
+        let huge = pending_until(1_000).checked_lease_skewed_at(1_501, Duration::MAX);
+        assert!(matches!(huge.state, RecordState::Pending { .. }));
     }
 
     #[test]

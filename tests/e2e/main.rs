@@ -13,6 +13,7 @@ mod architecture;
 mod cli;
 mod client_jwt;
 mod client_scope;
+mod clock_skew;
 mod consumers;
 mod disk_restarts;
 mod disk_store;

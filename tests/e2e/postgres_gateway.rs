@@ -25,6 +25,7 @@ fn settings(url: String) -> PostgresSettings {
         pool_size: 8,
         workers: 2,
         command_timeout: Duration::from_secs(2),
+        max_clock_skew: Duration::ZERO,
         tls_ca_file: None,
         tls_client: None,
         allow_async_commit: false,

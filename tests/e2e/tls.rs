@@ -657,6 +657,7 @@ async fn the_postgres_store_verifies_the_servers_certificate() {
         pool_size: 2,
         workers: 2,
         command_timeout: std::time::Duration::from_secs(2),
+        max_clock_skew: Duration::ZERO,
         tls_ca_file: Some(dir.path.join(ca)),
         tls_client: None,
         allow_async_commit: false,

@@ -13,6 +13,20 @@ use crate::config::ConfigError;
 /// than 0s, at most 60s) and the TLS files (`tls_ca_file`, `tls_client_cert` with its key).
 pub(super) type Connection = (Duration, Option<PathBuf>, Option<(PathBuf, PathBuf)>);
 
+/// `store.max_clock_skew`: 1s unless set; at most 60s (a larger one delays every take-over of
+/// an abandoned key and every lookup by as much).
+pub(super) fn clock_skew(raw: &RawStore) -> Result<Duration, ConfigError> {
+    let skew = raw.max_clock_skew.unwrap_or(Duration::from_secs(1));
+    if skew > Duration::from_secs(60) {
+        return Err(ConfigError::invalid(
+            "store.max_clock_skew",
+            shown(skew),
+            "at most 60s (0s when every instance runs on one host)",
+        ));
+    }
+    Ok(skew)
+}
+
 pub(super) fn connection(raw: &RawStore, default: Duration) -> Result<Connection, ConfigError> {
     let command_timeout = raw.command_timeout.unwrap_or(default);
     if command_timeout.is_zero() || command_timeout > Duration::from_secs(60) {

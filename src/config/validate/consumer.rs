@@ -306,6 +306,8 @@ fn redis_source(
             target: RedisTarget::Single(validate_redis_url(&at("source.url"), url)?),
             key_prefix: String::new(),
             command_timeout: Duration::from_secs(5),
+            // No record is kept there: no lease is read.
+            max_clock_skew: Duration::ZERO,
             tls_ca_file: None,
             require_noeviction: false,
             tls_client: None,

@@ -11,6 +11,7 @@ use crate::config::{redact_url, ConfigError, PostgresSettings};
 pub(super) fn postgres(raw: RawStore, workers: usize) -> Result<PostgresSettings, ConfigError> {
     let (command_timeout, tls_ca_file, tls_client) =
         super::connection::connection(&raw, Duration::from_secs(1))?;
+    let max_clock_skew = super::connection::clock_skew(&raw)?;
     let url = raw.url.ok_or_else(|| ConfigError::Missing {
         field: "store.url (postgres://user:password@host:5432/database)".into(),
     })?;
@@ -30,6 +31,7 @@ pub(super) fn postgres(raw: RawStore, workers: usize) -> Result<PostgresSettings
         pool_size,
         workers,
         command_timeout,
+        max_clock_skew,
         tls_ca_file,
         tls_client,
         allow_async_commit: raw.allow_async_commit.unwrap_or(false),

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use super::connection::connection;
+use super::connection::{clock_skew, connection};
 use super::postgres::postgres;
 use super::{shown, size_at_most, validate_redis_url, whole_number};
 use crate::config::raw::{Backend, RawStore, Sync};
@@ -73,6 +73,7 @@ fn not_memory(raw: &RawStore) -> Result<(), ConfigError> {
 fn not_redis(raw: &RawStore) -> Result<(), ConfigError> {
     only("url", raw.url.is_some(), SHARED)?;
     only("command_timeout", raw.command_timeout.is_some(), SHARED)?;
+    only("max_clock_skew", raw.max_clock_skew.is_some(), SHARED)?;
     only("tls_ca_file", raw.tls_ca_file.is_some(), SHARED)?;
     only("tls_client_cert", raw.tls_client_cert.is_some(), SHARED)?;
     only("tls_client_key", raw.tls_client_key.is_some(), SHARED)?;
@@ -178,6 +179,7 @@ fn memory(raw: RawStore) -> Result<StoreConfig, ConfigError> {
 
 fn redis(raw: RawStore) -> Result<RedisSettings, ConfigError> {
     let (command_timeout, tls_ca_file, tls_client) = connection(&raw, Duration::from_millis(500))?;
+    let max_clock_skew = clock_skew(&raw)?;
     let target = redis_target(raw.url, raw.cluster, raw.sentinels, raw.master)?;
     let key_prefix = raw.key_prefix.unwrap_or_else(|| "idemgate:".into());
     if key_prefix.contains(['{', '}']) || key_prefix.len() > 64 {
@@ -191,6 +193,7 @@ fn redis(raw: RawStore) -> Result<RedisSettings, ConfigError> {
         target,
         key_prefix,
         command_timeout,
+        max_clock_skew,
         tls_ca_file,
         require_noeviction: raw.require_noeviction.unwrap_or(false),
         tls_client,

@@ -67,6 +67,8 @@ struct Shared {
     sql: Sql,
     table: String,
     timeout: Duration,
+    /// `store.max_clock_skew`: an unknown outcome's time is its gateway's clock.
+    skew: Duration,
     waiters: Waiters,
     /// Set once the table is known to be at this gateway's schema version.
     schema: OnceCell<()>,
@@ -118,6 +120,7 @@ impl PostgresStore {
                 sql: Sql::new(&settings.table, &channel),
                 table: settings.table.clone(),
                 timeout: settings.command_timeout,
+                skew: settings.max_clock_skew,
                 waiters,
                 schema: OnceCell::new(),
                 schema_problem: Mutex::new(None),
@@ -566,6 +569,10 @@ impl Store for PostgresStore {
         // Every change was committed before it was answered; its durability is the
         // database's (`synchronous_commit`, docs/stores.md).
         Ok(())
+    }
+
+    fn max_clock_skew(&self) -> Duration {
+        self.shared.skew
     }
 
     fn system(&self) -> &'static str {

@@ -84,6 +84,8 @@ struct Shared {
     safety: Arc<Safety>,
     /// `store.require_noeviction`: new keys only once Redis is known not to evict.
     require_noeviction: bool,
+    /// `store.max_clock_skew`: a lease is written by its owner's clock and read by this one.
+    skew: Duration,
     /// `store.min_replicas` above 0.
     replicas: Option<Replicas>,
     /// `store.encryption_keys_*`: records' answers and origins sealed ([`super::seal`]).
@@ -194,6 +196,7 @@ impl RedisStore {
                 subscribed,
                 safety,
                 require_noeviction: settings.require_noeviction,
+                skew: settings.max_clock_skew,
                 replicas: settings.replicas.map(Replicas::new),
                 sealer,
             }),
@@ -361,7 +364,8 @@ impl RedisStore {
 
     /// A record as Redis returned it, as the contract returns it (its lease checked).
     fn decode(&self, key: &StoreKey, raw: Vec<u8>) -> Result<Record, StoreError> {
-        Ok(codec::decode(&Bytes::from(raw), self.seal(key))?.checked_lease())
+        let record = codec::decode(&Bytes::from(raw), self.seal(key))?;
+        Ok(record.checked_lease_skewed(self.shared.skew))
     }
 
     /// [`RedisStore::decode`] of a reply that may be `nil` (no record).
@@ -641,6 +645,10 @@ impl Store for RedisStore {
     async fn flush(&self) -> Result<(), StoreError> {
         // Every change was answered by Redis; its persistence is Redis's (docs/stores.md).
         Ok(())
+    }
+
+    fn max_clock_skew(&self) -> Duration {
+        self.shared.skew
     }
 
     fn system(&self) -> &'static str {

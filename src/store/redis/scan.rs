@@ -187,7 +187,9 @@ impl RedisStore {
             p
         });
         let heads: Vec<(Vec<u8>,)> = self.per_key(conn, heads.collect()).await?;
-        let now = now_ms();
+        // A lease is its owner's clock: run out `max_clock_skew` past it, as a read finds it.
+        let skew_ms = u64::try_from(self.shared.skew.as_millis()).unwrap_or(u64::MAX);
+        let now = now_ms().saturating_sub(skew_ms);
         let candidates: Vec<usize> = (0..keys.len())
             .filter(|&i| heads.get(i).is_some_and(|(h,)| maybe_unknown(h, now)))
             .collect();

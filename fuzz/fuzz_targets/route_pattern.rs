@@ -1,0 +1,7 @@
+//! cargo-fuzz target `route_pattern`: the checks of [`checks::run`] on each input.
+#![no_main]
+
+#[path = "../../tests/fuzz/checks.rs"]
+mod checks;
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| checks::run("route_pattern", data));
