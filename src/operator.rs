@@ -304,11 +304,12 @@ pub async fn release(
     match released {
         // Nothing of it can be read, so nothing compared: deleted whatever it holds, and only
         // when the operator says so.
-        // Pending, its lease running: its owner may still be executing, force or not.
+        // Pending, its lease running: its owner may still be executing, force or not. The lease
+        // is another clock's (the owner's, the database's): running until `max_clock_skew` past.
         Err(StoreError::Unreadable {
             lease_until_ms: Some(lease),
             ..
-        }) if lease > now_ms() => Ok(Change::Live),
+        }) if lease.saturating_add(skew_ms(store)) >= now_ms() => Ok(Change::Live),
         Err(StoreError::Unreadable { .. }) if force => match store.delete(key).await? {
             true => Ok(Change::Done),
             false => Ok(Change::NotFound),
@@ -316,6 +317,11 @@ pub async fn release(
         Err(StoreError::Unreadable { .. }) => Ok(Change::Unreadable),
         other => other,
     }
+}
+
+/// The store's `max_clock_skew` in ms.
+fn skew_ms(store: &dyn Store) -> u64 {
+    u64::try_from(store.max_clock_skew().as_millis()).unwrap_or(u64::MAX)
 }
 
 /// Resolves a record as completed with `response`: retries replay exactly that, kept for `ttl`.

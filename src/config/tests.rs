@@ -636,17 +636,30 @@ fn bad_redis_settings_are_refused() {
 
 #[test]
 fn max_clock_skew_is_a_shared_stores_bounded_setting() {
-    let redis = |extra: &str| store(&format!("backend = \"redis\"\nurl = \"redis://a:1\"\n{extra}"));
+    let redis = |extra: &str| {
+        store(&format!(
+            "backend = \"redis\"\nurl = \"redis://a:1\"\n{extra}"
+        ))
+    };
     assert_eq!(
-        redis("max_clock_skew = \"250ms\"").unwrap().store.max_clock_skew(),
+        redis("max_clock_skew = \"250ms\"")
+            .unwrap()
+            .store
+            .max_clock_skew(),
         Duration::from_millis(250)
     );
     assert_eq!(
-        redis("max_clock_skew = \"0s\"").unwrap().store.max_clock_skew(),
+        redis("max_clock_skew = \"0s\"")
+            .unwrap()
+            .store
+            .max_clock_skew(),
         Duration::ZERO
     );
     let (field, value) = invalid_field(redis("max_clock_skew = \"2m\""));
-    assert_eq!((field.as_str(), value.as_str()), ("store.max_clock_skew", "2m"));
+    assert_eq!(
+        (field.as_str(), value.as_str()),
+        ("store.max_clock_skew", "2m")
+    );
     let pg = store("backend = \"postgres\"\nurl = \"postgres://a/db\"\nmax_clock_skew = \"3s\"");
     assert_eq!(pg.unwrap().store.max_clock_skew(), Duration::from_secs(3));
     // One process reads and writes an embedded store: no other clock to allow for.

@@ -44,6 +44,9 @@ fn admin() -> std::net::SocketAddr {
 }
 
 async fn pair(max_clock_skew: &str) -> Pair {
+    if !cfg!(feature = "failpoints") {
+        panic!("these tests set a gateway's clock ahead: run them with `cargo test --features failpoints` (scripts/test does)");
+    }
     let redis = RedisServer::start();
     let (up, gate) = Upstream::gated().await;
     let first = GatewayProcess::start(&config(&redis, &up, admin(), max_clock_skew));

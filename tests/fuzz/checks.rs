@@ -53,11 +53,20 @@ fn canon(body: &[u8]) -> Option<Vec<u8>> {
     canonical_json(body, &IgnoredFields::default())
 }
 
-/// Canonical JSON: never a panic; a canonical form is its own canonical form; a JSON value has
-/// one canonical form in any layout; ignored fields never panic.
+/// Canonical JSON: never a panic; a canonical form is its own canonical form, unless it holds a
+/// number whose exponent is too long to normalise, which it keeps verbatim behind a `~` (no
+/// JSON, so never equal to a normalised one: found by cargo-fuzz, `[86e-3531539885380889008]`);
+/// a JSON value has one canonical form in any layout; ignored fields never panic.
 pub fn canonical(body: &[u8]) {
     if let Some(c) = canon(body) {
-        assert_eq!(canon(&c).as_ref(), Some(&c), "not its own canonical form");
+        match canon(&c) {
+            Some(again) => assert_eq!(again, c, "not its own canonical form"),
+            None => assert!(
+                c.contains(&b'~'),
+                "not JSON: {:?}",
+                String::from_utf8_lossy(&c)
+            ),
+        }
     }
     if let Ok(value) = serde_json::from_slice::<Value>(body) {
         let compact = canon(value.to_string().as_bytes()).expect("valid JSON");
@@ -66,7 +75,8 @@ pub fn canonical(body: &[u8]) {
     }
     let ignore = IgnoredFields::new(&["/id".into(), "/a/0".into(), "/meta/~1x~0y".into()]);
     if let Some(c) = canonical_json(body, &ignore) {
-        assert_eq!(canonical_json(&c, &ignore).as_ref(), Some(&c));
+        let again = canonical_json(&c, &ignore);
+        assert!(again.as_ref() == Some(&c) || (again.is_none() && c.contains(&b'~')));
     }
 }
 
@@ -156,14 +166,17 @@ pub fn config(text: &str) {
     }
 }
 
-/// A keys file (`store.encryption_keys_file`): keys, or an error that never shows a key.
+/// A keys file (`store.encryption_keys_file`): keys, or an error that never shows a key (any
+/// line's text that is one: 32 bytes of base64).
 pub fn keys_file(text: &str) {
+    use base64::Engine as _;
     if let Err(e) = Sealer::parse(text) {
         let shown = e.to_string();
         for line in text.lines() {
             if let Some((_, secret)) = line.split_once(':') {
                 let secret = secret.trim();
-                if secret.len() >= 12 && !"abcdefghijklmnopqrstuvwxyz ".contains(secret) {
+                let decoded = base64::engine::general_purpose::STANDARD.decode(secret);
+                if decoded.is_ok_and(|k| k.len() == 32) {
                     assert!(!shown.contains(secret), "{shown:?} shows {secret:?}");
                 }
             }
@@ -200,10 +213,16 @@ pub fn headers_and_body(input: &[u8]) -> (HeaderMap, &[u8]) {
 /// Now, for the timestamped signature schemes (a fixed time: a run is reproducible).
 pub const NOW_S: i64 = 1_800_000_000;
 
-/// A webhook delivery under scheme `n`: never a panic; its sender's signature over the same
-/// bytes passes; the same signature over other bytes is refused.
+/// A webhook delivery under scheme `n`: never a panic; a delivery that passes, passes for its
+/// bytes only; its sender's signature over the same bytes passes; the same signature over
+/// other bytes is refused.
 pub fn webhook(n: u8, headers: &HeaderMap, body: &[u8]) {
-    let _ = idemgate::fuzzing::verify_webhook(n, headers, body, NOW_S);
+    if idemgate::fuzzing::verify_webhook(n, headers, body, NOW_S).is_ok() {
+        // Whatever headers passed, their signature binds these bytes and no others.
+        let mut other = body.to_vec();
+        other.push(b'x');
+        assert!(idemgate::fuzzing::verify_webhook(n, headers, &other, NOW_S).is_err());
+    }
     let mut signed = HeaderMap::new();
     for (name, value) in idemgate::fuzzing::sign_webhook(n, "msg_1", NOW_S, body) {
         signed.append(

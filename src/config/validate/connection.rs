@@ -21,7 +21,7 @@ pub(super) fn clock_skew(raw: &RawStore) -> Result<Duration, ConfigError> {
         return Err(ConfigError::invalid(
             "store.max_clock_skew",
             shown(skew),
-            "at most 60s (0s when every instance runs on one host)",
+            "at most 60s",
         ));
     }
     Ok(skew)

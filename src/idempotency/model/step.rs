@@ -28,6 +28,10 @@ pub(super) fn actions(m: &Protocol, s: &State, out: &mut Vec<Action>) {
                 out.push(Action::Forward(g8));
                 out.push(Action::Crash(g8));
             }
+            Gw::Owner { .. } if unrenewed(m, s, g) => {
+                out.push(Action::Renew(g8));
+                out.push(Action::Crash(g8));
+            }
             Gw::Owner { exec: Some(e), .. } => {
                 let exec = s.execs[usize::from(e)];
                 if exec.run != Run::Running {
@@ -55,7 +59,9 @@ pub(super) fn actions(m: &Protocol, s: &State, out: &mut Vec<Action>) {
         .execs
         .iter()
         .any(|e| e.run == Run::Running && e.deadline.is_some_and(|d| d <= s.now + 1));
-    if s.now < m.horizon && !overdue {
+    // Nor before every live owner has renewed its lease in this tick.
+    let renewing = (0..s.gws.len()).any(|g| unrenewed(m, s, g));
+    if s.now < m.horizon && !overdue && !renewing {
         out.push(Action::Tick);
     }
     if m.on_unknown == OnUnknown::Reject && !s.operator_acted && open_outcome(m, s) {
@@ -64,6 +70,20 @@ pub(super) fn actions(m: &Protocol, s: &State, out: &mut Vec<Action>) {
         if s.execs.iter().all(|e| e.run == Run::Failed) {
             out.push(Action::OperatorRelease);
         }
+    }
+}
+
+/// Whether gateway `g` owns the pending record and has not renewed its lease in this tick.
+fn unrenewed(m: &Protocol, s: &State, g: usize) -> bool {
+    match (s.gws[g], s.store) {
+        (
+            Gw::Owner { token, .. },
+            Some(Rec::Pending {
+                token: t,
+                lease_until,
+            }),
+        ) => token == t && lease_until < m.clock(g, s.now) + L,
+        _ => false,
     }
 }
 
@@ -83,12 +103,20 @@ pub(super) fn next(m: &Protocol, s: &State, action: Action) -> State {
         Action::Recheck(g) => arrive(m, &mut s, usize::from(g)),
         Action::GiveUp(g) => s.gws[usize::from(g)] = Gw::Idle,
         Action::Forward(g) => forward(&mut s, usize::from(g)),
+        Action::Renew(g) => {
+            if let Some(Rec::Pending { token, .. }) = s.store {
+                s.store = Some(Rec::Pending {
+                    token,
+                    lease_until: m.clock(usize::from(g), s.now) + L,
+                });
+            }
+        }
         Action::Apply(e) => s.execs[usize::from(e)].run = Run::Applied,
         Action::Fail(e) => s.execs[usize::from(e)].run = Run::Failed,
         Action::Answer(e, status) => answer(m, &mut s, e, status),
         Action::Lose(e) => lose(m, &mut s, e),
         Action::Crash(g) => crash(m, &mut s, usize::from(g)),
-        Action::Tick => tick(m, &mut s),
+        Action::Tick => tick(&mut s),
         Action::OperatorResolve => {
             s.operator_acted = true;
             complete(&mut s, By::Operator);
@@ -110,6 +138,9 @@ fn arrive(m: &Protocol, s: &mut State, g: usize) {
         return;
     };
     let (record, decided) = m.judge(g, s.now, rec);
+    if matches!(rec, Rec::Completed(_)) && !matches!(decided, Ok(Some(Resolved::Replay(_)))) {
+        s.missed_answer = true;
+    }
     s.gws[g] = match decided {
         Ok(Some(Resolved::Replay(_))) => {
             s.replayed = true;
@@ -174,11 +205,11 @@ fn forward(s: &mut State, g: usize) {
     if s.unknown_open {
         s.reexecuted_unknown = true;
     }
-    let live_owner_running = s.execs.iter().any(|e| {
-        e.run == Run::Running
-            && matches!(s.gws[usize::from(e.gw)], Gw::Owner { token: t, .. } if t == e.token)
-    });
-    if live_owner_running {
+    // Another gateway that forwarded and is alive, its answer not settled: its execution may
+    // still run (or have applied, its answer on the way).
+    let live_owner =
+        (0..s.gws.len()).any(|h| h != g && matches!(s.gws[h], Gw::Owner { exec: Some(_), .. }));
+    if live_owner {
         s.overlapped_live_owner = true;
     }
     s.execs.push(Exec {
@@ -267,19 +298,9 @@ fn crash(m: &Protocol, s: &mut State, g: usize) {
     s.gws[g] = Gw::Idle;
 }
 
-/// A tick passes; every live owner renews its lease (every third of it, as the core does).
-fn tick(m: &Protocol, s: &mut State) {
+/// A tick passes (every live owner renews in it: [`Action::Renew`]).
+fn tick(s: &mut State) {
     s.now += 1;
-    for (g, gw) in s.gws.iter().enumerate() {
-        if let (Gw::Owner { token, .. }, Some(Rec::Pending { token: t, .. })) = (gw, s.store) {
-            if *token == t {
-                s.store = Some(Rec::Pending {
-                    token: t,
-                    lease_until: m.clock(g, s.now) + L,
-                });
-            }
-        }
-    }
 }
 
 fn owns(s: &State, token: u8) -> bool {

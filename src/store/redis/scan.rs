@@ -189,7 +189,8 @@ impl RedisStore {
         let heads: Vec<(Vec<u8>,)> = self.per_key(conn, heads.collect()).await?;
         // A lease is its owner's clock: run out `max_clock_skew` past it, as a read finds it.
         let skew_ms = u64::try_from(self.shared.skew.as_millis()).unwrap_or(u64::MAX);
-        let now = now_ms().saturating_sub(skew_ms);
+        let wall = now_ms();
+        let now = wall.saturating_sub(skew_ms);
         let candidates: Vec<usize> = (0..keys.len())
             .filter(|&i| heads.get(i).is_some_and(|(h,)| maybe_unknown(h, now)))
             .collect();
@@ -215,7 +216,7 @@ impl RedisStore {
                 found.push(Scanned {
                     key: keys[i],
                     record,
-                    expires_ms: u64::try_from(ttl).ok().map(|t| now.saturating_add(t)),
+                    expires_ms: u64::try_from(ttl).ok().map(|t| wall.saturating_add(t)),
                 });
             }
         }
