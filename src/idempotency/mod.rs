@@ -578,9 +578,8 @@ impl Core {
             let took = started.elapsed();
             let settled = records.settle(&key, token, rules, attempt).await;
             if let (true, Some(lookup)) = (settled.kept_unknown(), &lookup) {
-                // Asked in the background once `after` has passed, whether or not anyone retries
-                // (and `max_clock_skew`, as another instance's lookup waits: asked earlier, the
-                // store's record would only say too early).
+                // Asked in the background once `after` (and `max_clock_skew`, as a lookup waits)
+                // has passed, whether or not anyone retries.
                 let wait = lookup.after.saturating_add(records.store.max_clock_skew());
                 let due = now_ms().saturating_add(wait.as_millis() as u64);
                 records

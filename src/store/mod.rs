@@ -24,8 +24,10 @@
 //! (`tests/e2e/store_contract.rs`).
 
 pub mod changes;
+mod clock;
 pub mod codec;
 pub mod disk;
+mod give_back;
 pub mod memory;
 mod origin;
 pub mod postgres;
@@ -33,7 +35,7 @@ pub mod redis;
 pub mod seal;
 
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -43,6 +45,8 @@ use crate::config::StoreConfig;
 use crate::fingerprint::Fingerprint;
 use crate::key::StoreKey;
 pub use changes::Subscription;
+pub use clock::{ms_after, now_ms};
+pub(crate) use give_back::{give_back, give_back_replaced, Replaced};
 pub use origin::{Claim, Origin, OriginKind, TraceLink};
 
 /// Proof of ownership of a pending key, random per reservation.
@@ -563,163 +567,6 @@ pub fn pending(claim: &Claim, lease: Duration) -> (OwnerToken, Record) {
     (owner, record)
 }
 
-/// What a take-over gives back when its own answer is uncertain (lost, timed out, or
-/// acknowledged by too few replicas): the state it replaced, written again under the take-over's
-/// token. A take-over never frees the key: releasing its new record would also drop the unknown
-/// or completed outcome it replaced, and the next retry would run the request again. The
-/// replaced outcome comes back (an unknown one as unknown, for the same reason; a completed one
-/// with its stored answer, kept for `ttl`); a pending or abandoned one comes back as abandoned.
-/// If this fails too, the new record keeps its lease and then reads as abandoned: an unknown
-/// outcome, never a free key.
-pub(crate) enum Replaced {
-    /// Completed with this answer: `complete` it again.
-    Completed(Arc<StoredResponse>),
-    /// Unknown for this reason: `mark_unknown` it again.
-    Unknown(UnknownReason),
-    /// A refusal (4xx) another request was taking over on a business-key route: `release`d
-    /// instead. Completed again under the taker's record, it would keep the taker's fingerprint
-    /// and be replayed to the taker's retries, which would never run; freed, the refusal's own
-    /// request (refused: nothing was done) runs again if it comes again.
-    Refusal,
-}
-
-impl Replaced {
-    /// What to write back of `replaced`, which a claim with `taker`'s fingerprint was taking
-    /// over: a refusal is released only when another request was taking it over (the core, on
-    /// a business-key route); an operator's take-over keeps the fingerprint, and gets it back.
-    pub(crate) fn of(replaced: &Record, taker: &Fingerprint) -> Replaced {
-        match &replaced.state {
-            RecordState::Completed(response)
-                if response.status.is_client_error() && *taker != replaced.fingerprint =>
-            {
-                Replaced::Refusal
-            }
-            RecordState::Completed(response) => Replaced::Completed(Arc::clone(response)),
-            RecordState::Unknown { reason, .. } => Replaced::Unknown(*reason),
-            RecordState::Pending { .. } | RecordState::Abandoned { .. } => {
-                Replaced::Unknown(UnknownReason::Abandoned)
-            }
-        }
-    }
-}
-
-/// Writes the [`Replaced`] outcome back under `owner` (the uncertain take-over's token) through
-/// the store's owner-only calls, and says in the error what became of the record.
-pub(crate) async fn give_back_replaced(
-    store: &dyn Store,
-    key: &StoreKey,
-    (owner, taker): (OwnerToken, &Fingerprint),
-    replaced: &Record,
-    ttl: Duration,
-    failed: StoreError,
-) -> StoreError {
-    let replacing = Replaced::of(replaced, taker);
-    let refusal = matches!(replacing, Replaced::Refusal);
-    let given = match replacing {
-        Replaced::Completed(response) => {
-            let response = Arc::unwrap_or_clone(response);
-            store.complete(key, owner, response, ttl).await
-        }
-        Replaced::Unknown(reason) => store.mark_unknown(key, owner, reason).await,
-        Replaced::Refusal => store.release(key, owner).await,
-    };
-    let note = match given {
-        Ok(()) if refusal => "the refusal it replaced was released: the next request with the key runs",
-        Ok(()) => "the record was left as it was",
-        // Not landed (not ours), or not answered: if the take-over lands, its record reads as
-        // in flight, then as abandoned.
-        Err(_) => "the record is unchanged, or reads as in flight until its lease ends and then as an unknown outcome; the key is never freed",
-    };
-    tracing::warn!(key = key.short(), error = %failed, note, "a take-over's answer is uncertain");
-    match failed {
-        StoreError::Unavailable(why) => StoreError::Unavailable(format!("{why}; {note}")),
-        other => other,
-    }
-}
-
-/// Give-backs of lost reservations being tried at once in this process ([`give_back`]).
-static GIVING_BACK: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-/// The most at once: past it (a store outage that loses every answer), a give-back is tried
-/// once, and a reservation that lands later reads as an unknown outcome instead.
-const MAX_GIVING_BACK: usize = 256;
-
-/// One running give-back, counted in [`GIVING_BACK`] for as long as it lives (a task dropped
-/// with its runtime included).
-struct Counted(usize);
-
-impl Counted {
-    fn new() -> Counted {
-        Counted(GIVING_BACK.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
-    }
-}
-
-impl Drop for Counted {
-    fn drop(&mut self) {
-        GIVING_BACK.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
-    }
-}
-
-/// Gives back a reservation whose answer was lost: `attempt` deletes the record with its owner's
-/// token, answering whether it did. A reservation whose answer was lost may land later (a
-/// command still queued or sent again; a Postgres statement is cancelled when it runs out of
-/// time, and one waiting for a synchronous standby then commits at once), so it is tried, with
-/// backoff up to 2 s, until it deletes or the lease ends: after that, a record that lands reads
-/// as abandoned, an unknown outcome. Deleting one's own reservation is right, since nothing was
-/// forwarded for it; at most [`MAX_GIVING_BACK`] are tried again at once.
-pub(crate) async fn give_back<F, Fut>(key: StoreKey, lease: Duration, mut attempt: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let until = tokio::time::Instant::now() + lease;
-    let counted = Counted::new();
-    let mut pause = Duration::from_millis(100);
-    loop {
-        if attempt().await {
-            tracing::info!(
-                key = key.short(),
-                "released a reservation whose answer was lost"
-            );
-            return;
-        }
-        if counted.0 >= MAX_GIVING_BACK || tokio::time::Instant::now() + pause >= until {
-            return;
-        }
-        tokio::time::sleep(pause).await;
-        pause = (pause * 2).min(Duration::from_secs(2));
-    }
-}
-
-/// Wall-clock milliseconds since the Unix epoch.
-pub fn now_ms() -> u64 {
-    let now = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0);
-    #[cfg(feature = "failpoints")]
-    let now = now.saturating_add_signed(clock_offset_ms());
-    now
-}
-
-/// A test's clock offset for this process (`IDEMGATE_TEST_CLOCK_OFFSET_MS`, in ms, signed): a
-/// gateway whose clock is ahead of or behind the others', in the tests of clock skew. Only in
-/// builds with the `failpoints` feature (the tests'); nothing of it in others.
-#[cfg(feature = "failpoints")]
-fn clock_offset_ms() -> i64 {
-    static OFFSET: std::sync::OnceLock<i64> = std::sync::OnceLock::new();
-    *OFFSET.get_or_init(|| {
-        std::env::var("IDEMGATE_TEST_CLOCK_OFFSET_MS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0)
-    })
-}
-
-/// `now_ms() + d`, saturating.
-pub fn ms_after(d: Duration) -> u64 {
-    now_ms().saturating_add(d.as_millis().min(u64::MAX as u128) as u64)
-}
-
 /// Opens the backend named in the config, sealing what it stores with `sealer`'s keys if
 /// given. Never waits for a remote store to be reachable.
 pub fn open(
@@ -740,62 +587,4 @@ pub fn open(
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn pending_until(lease_until_ms: u64) -> Record {
-        Record {
-            fingerprint: Fingerprint([1; 32]),
-            created_ms: 1,
-            state: RecordState::Pending {
-                owner: OwnerToken(9),
-                lease_until_ms,
-            },
-            origin: None,
-            sealing: seal::Sealing::New,
-        }
-    }
-
-    #[test]
-    fn a_lease_of_another_clock_runs_out_max_clock_skew_later() {
-        let skew = Duration::from_millis(500);
-        let live = pending_until(1_000).checked_lease_skewed_at(1_500, skew);
-        assert!(matches!(live.state, RecordState::Pending { .. }));
-        let gone = pending_until(1_000).checked_lease_skewed_at(1_501, skew);
-        assert!(matches!(gone.state, RecordState::Abandoned { .. }));
-        // A skew past the epoch reads nothing as abandoned rather than wrapping.
-        let huge = pending_until(1_000).checked_lease_skewed_at(1_501, Duration::MAX);
-        assert!(matches!(huge.state, RecordState::Pending { .. }));
-    }
-
-    #[test]
-    fn a_lease_that_ran_out_reads_as_abandoned() {
-        let live = pending_until(1_000).checked_lease_at(1_000);
-        assert!(matches!(live.state, RecordState::Pending { .. }));
-        let gone = pending_until(1_000).checked_lease_at(1_001);
-        assert_eq!(
-            gone.state,
-            RecordState::Abandoned {
-                owner: OwnerToken(9),
-                lease_until_ms: 1_000
-            }
-        );
-        // Other states are not touched.
-        let unknown = Record {
-            state: RecordState::Unknown {
-                since_ms: 5,
-                reason: UnknownReason::Timeout,
-            },
-            ..pending_until(0)
-        };
-        assert_eq!(unknown.clone().checked_lease_at(u64::MAX), unknown);
-        assert!(matches!(
-            pending_until(u64::MAX).checked_lease().state,
-            RecordState::Pending { .. }
-        ));
-        assert!(matches!(
-            pending_until(1).checked_lease().state,
-            RecordState::Abandoned { .. }
-        ));
-    }
-}
+mod tests;

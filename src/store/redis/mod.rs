@@ -111,11 +111,7 @@ impl RedisStore {
         let open = |url: &str| client(url, certs.as_ref());
         // With min_replicas, commands spread over several connections per handle: a `WAIT`
         // holds up everything behind it on its own.
-        let lanes = if settings.replicas.is_some() {
-            REPLICATED_LANES
-        } else {
-            1
-        };
+        let lanes = settings.replicas.map_or(1, |_| REPLICATED_LANES);
         let (connector, subscriber_source) = match &settings.target {
             RedisTarget::Single(url) => {
                 let client = commands_client(url, certs.as_ref())?;
