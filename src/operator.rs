@@ -309,7 +309,7 @@ pub async fn release(
         Err(StoreError::Unreadable {
             lease_until_ms: Some(lease),
             ..
-        }) if lease.saturating_add(skew_ms(store)) >= now_ms() => Ok(Change::Live),
+        }) if lease_live(lease, now_ms(), store.max_clock_skew()) => Ok(Change::Live),
         Err(StoreError::Unreadable { .. }) if force => match store.delete(key).await? {
             true => Ok(Change::Done),
             false => Ok(Change::NotFound),
@@ -319,9 +319,11 @@ pub async fn release(
     }
 }
 
-/// The store's `max_clock_skew` in ms.
-fn skew_ms(store: &dyn Store) -> u64 {
-    u64::try_from(store.max_clock_skew().as_millis()).unwrap_or(u64::MAX)
+/// Whether a lease ending at `lease` (another clock's) may still run at `now` (this one's): until
+/// `skew` past it, as a store's read judges it ([`Record::checked_lease_skewed_at`]).
+fn lease_live(lease: u64, now: u64, skew: Duration) -> bool {
+    let skew_ms = u64::try_from(skew.as_millis()).unwrap_or(u64::MAX);
+    lease.saturating_add(skew_ms) >= now
 }
 
 /// Resolves a record as completed with `response`: retries replay exactly that, kept for `ttl`.
@@ -450,6 +452,32 @@ mod tests {
     use super::*;
     use crate::fingerprint::Fingerprint;
     use crate::store::memory::MemoryStore;
+
+    /// A lease another clock wrote runs until `max_clock_skew` past it, as the stores read it:
+    /// never released as run out before a store would read it as abandoned.
+    #[test]
+    fn a_lease_runs_until_max_clock_skew_past_it() {
+        let skew = Duration::from_millis(500);
+        assert!(lease_live(1_000, 1_500, skew));
+        assert!(!lease_live(1_000, 1_501, skew));
+        assert!(lease_live(1_000, 1_000, Duration::ZERO));
+        assert!(lease_live(u64::MAX, u64::MAX, Duration::MAX));
+        // The same boundary as a read's.
+        let record = |lease_until_ms| Record {
+            fingerprint: crate::fingerprint::Fingerprint([1; 32]),
+            created_ms: 0,
+            state: RecordState::Pending {
+                owner: store::OwnerToken(1),
+                lease_until_ms,
+            },
+            origin: None,
+            sealing: store::seal::Sealing::New,
+        };
+        for now in [1_499, 1_500, 1_501, 1_502] {
+            let read = record(1_000).checked_lease_skewed_at(now, skew);
+            assert_eq!(lease_live(1_000, now, skew), !read.is_unknown(), "at {now}");
+        }
+    }
     use crate::store::{Reservation, StoredResponse, UnknownReason};
 
     fn answer() -> StoredResponse {

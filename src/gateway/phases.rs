@@ -320,7 +320,10 @@ impl Gateway {
         .await;
         let mut answer = match decision {
             Decision::Owned { settled, took } => {
-                let mut answer = settled_answer(settled, lookup.as_ref().map(|l| l.after));
+                // A lookup is made `after` and `max_clock_skew` past the time it is marked.
+                let skew = conn.worker.store.max_clock_skew();
+                let lookup_in = lookup.as_ref().map(|l| l.after.saturating_add(skew));
+                let mut answer = settled_answer(settled, lookup_in);
                 // For the request's log line; extensions never go on the wire.
                 answer.response.extensions_mut().insert(UpstreamTime(took));
                 answer

@@ -89,7 +89,6 @@ struct Exec {
     run: Run,
     /// Real time by which it has ended, once its gateway no longer watches it.
     deadline: Option<u64>,
-    settled: bool,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq)]

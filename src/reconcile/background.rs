@@ -266,7 +266,8 @@ async fn sweeps(
     tx: mpsc::Sender<Job>,
     stop: CancellationToken,
 ) {
-    let mut next = sources.longest_lease() + Duration::from_secs(1);
+    // A lease read by another clock runs out `max_clock_skew` later.
+    let mut next = sources.longest_lease() + store.max_clock_skew() + Duration::from_secs(1);
     loop {
         tokio::select! {
             () = stop.cancelled() => return,

@@ -648,6 +648,11 @@ impl Store for MemoryStore {
         Some(keys.max(bytes))
     }
 
+    fn max_clock_skew(&self) -> Duration {
+        // One process writes and reads it: one clock.
+        Duration::ZERO
+    }
+
     fn system(&self) -> &'static str {
         "memory"
     }

@@ -534,10 +534,9 @@ pub trait Store: Send + Sync + 'static {
 
     /// `store.max_clock_skew`: how far the clock that wrote a time into a record (another
     /// instance's, or the database's) may be from this instance's. None for an embedded store,
-    /// which one process reads and writes.
-    fn max_clock_skew(&self) -> Duration {
-        Duration::ZERO
-    }
+    /// which one process reads and writes. Required: a shared backend that forgot it would make
+    /// lookups and releases compare another clock's times with no margin.
+    fn max_clock_skew(&self) -> Duration;
 
     /// What the store's own configuration means for readiness (`/readyz`), beyond reaching it.
     fn readiness(&self) -> Readiness {

@@ -60,6 +60,9 @@ fn canon(body: &[u8]) -> Option<Vec<u8>> {
 pub fn canonical(body: &[u8]) {
     if let Some(c) = canon(body) {
         match canon(&c) {
+            // Normalising can make an exponent that long (`10e999999999999999999` is
+            // `1e1000000000000000000`): the second pass keeps it verbatim.
+            Some(again) if again.contains(&b'~') && !c.contains(&b'~') => {}
             Some(again) => assert_eq!(again, c, "not its own canonical form"),
             None => assert!(
                 c.contains(&b'~'),
@@ -76,7 +79,10 @@ pub fn canonical(body: &[u8]) {
     let ignore = IgnoredFields::new(&["/id".into(), "/a/0".into(), "/meta/~1x~0y".into()]);
     if let Some(c) = canonical_json(body, &ignore) {
         let again = canonical_json(&c, &ignore);
-        assert!(again.as_ref() == Some(&c) || (again.is_none() && c.contains(&b'~')));
+        let verbatim = |b: &[u8]| b.contains(&b'~');
+        assert!(
+            again.as_ref() == Some(&c) || verbatim(&c) || again.as_deref().is_some_and(verbatim)
+        );
     }
 }
 
@@ -116,6 +122,21 @@ pub fn route(path: &str) {
     if found.is_some() && !path.contains('%') {
         let upper = r.find(&Method::POST, &path.to_ascii_uppercase());
         assert_eq!(found, upper.map(|r| r.0.to_string()), "upper case");
+    }
+    // A segment that is only `;params` once `..` is resolved (`/orders/;/capture`, where `*`
+    // matches it as written) is dropped by a framework that drops them: no route there then.
+    let mut resolved: Vec<&str> = Vec::new();
+    for seg in path.split('/') {
+        match seg {
+            "" | "." => {}
+            ".." => {
+                resolved.pop();
+            }
+            _ => resolved.push(seg),
+        }
+    }
+    let only_params = resolved.iter().any(|seg| seg.starts_with(';'));
+    if found.is_some() && !path.contains('%') && !only_params {
         let with_params = r.find(&Method::POST, &format!("{path};jsessionid=1"));
         assert_eq!(found, with_params.map(|r| r.0.to_string()), ";params");
     }

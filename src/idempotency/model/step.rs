@@ -217,7 +217,6 @@ fn forward(s: &mut State, g: usize) {
         token,
         run: Run::Running,
         deadline: None,
-        settled: false,
     });
     s.gws[g] = Gw::Owner {
         token,
@@ -229,7 +228,6 @@ fn forward(s: &mut State, g: usize) {
 /// kept as unknown if `unknown_statuses` names it, else completed.
 fn answer(m: &Protocol, s: &mut State, e: u8, status: u16) {
     let exec = s.execs[usize::from(e)];
-    s.execs[usize::from(e)].settled = true;
     let rules = m.rules();
     if rules.unknown_statuses.contains(status) {
         unknown(m, s, exec);
@@ -247,7 +245,6 @@ fn answer(m: &Protocol, s: &mut State, e: u8, status: u16) {
 /// within `AFTER` of the time the record is marked with.
 fn lose(m: &Protocol, s: &mut State, e: u8) {
     let exec = s.execs[usize::from(e)];
-    s.execs[usize::from(e)].settled = true;
     if exec.run == Run::Running {
         s.execs[usize::from(e)].deadline = Some(s.now + AFTER);
     }
@@ -289,7 +286,6 @@ fn crash(m: &Protocol, s: &mut State, g: usize) {
             }
         }
         if let Some(e) = exec {
-            s.execs[usize::from(e)].settled = true;
             if s.execs[usize::from(e)].deadline.is_none() {
                 s.execs[usize::from(e)].deadline = Some(s.now + AFTER);
             }

@@ -650,6 +650,11 @@ impl Store for DiskStore {
         Some(self.used() as f64 / self.shared.max_disk.max(1) as f64)
     }
 
+    fn max_clock_skew(&self) -> Duration {
+        // One process writes and reads it: one clock.
+        Duration::ZERO
+    }
+
     fn system(&self) -> &'static str {
         "fjall"
     }
