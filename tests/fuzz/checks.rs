@@ -136,7 +136,10 @@ pub fn route(path: &str) {
         }
     }
     let only_params = resolved.iter().any(|seg| seg.starts_with(';'));
-    if found.is_some() && !path.contains('%') && !only_params {
+    // `;params` after a last `.` or `..` make it `..;x`, which frameworks read as `..` (found by
+    // cargo-fuzz): another path, rightly not the route.
+    let dots_last = matches!(path.rsplit('/').next(), Some("." | ".."));
+    if found.is_some() && !path.contains('%') && !only_params && !dots_last {
         let with_params = r.find(&Method::POST, &format!("{path};jsessionid=1"));
         assert_eq!(found, with_params.map(|r| r.0.to_string()), ";params");
     }

@@ -268,6 +268,7 @@ fn paths_with_semicolon_segments_keep_their_route() {
     checks::route("/orders/;/capture");
     checks::route("/orders/..;/capture");
     checks::route("/payments/;/../");
+    checks::route("/payments/;/..../s/.//../..//..");
     let r = checks::router(&["/payments"], false);
     assert!(r
         .find(&Method::POST, "/payments/;/../;jsessionid=1")
