@@ -322,8 +322,7 @@ pub async fn release(
 /// Whether a lease ending at `lease` (another clock's) may still run at `now` (this one's): until
 /// `skew` past it, as a store's read judges it ([`Record::checked_lease_skewed_at`]).
 fn lease_live(lease: u64, now: u64, skew: Duration) -> bool {
-    let skew_ms = u64::try_from(skew.as_millis()).unwrap_or(u64::MAX);
-    lease.saturating_add(skew_ms) >= now
+    lease.saturating_add(store::millis(skew)) >= now
 }
 
 /// Resolves a record as completed with `response`: retries replay exactly that, kept for `ttl`.

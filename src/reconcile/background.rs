@@ -25,7 +25,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::{Lookup, Reconciled, Reconciler};
 use crate::key::StoreKey;
-use crate::store::{now_ms, Origin, Store};
+use crate::store::{millis, now_ms, Origin, Store};
 
 /// Lookups per key that did not say, before the key is left to the operator.
 pub const MAX_TRIES: u32 = 5;
@@ -190,10 +190,6 @@ fn backoff(after: Duration, tries: u32) -> Duration {
         .max(Duration::from_millis(100))
         .saturating_mul(1 << tries.saturating_sub(1).min(16))
         .min(MAX_BACKOFF)
-}
-
-fn millis(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 /// Runs until `stop`: asks about each key when it is due, and sweeps the store.

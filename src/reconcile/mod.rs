@@ -32,7 +32,7 @@ use crate::config::Policy;
 use crate::key::StoreKey;
 use crate::metrics::Metrics;
 use crate::operator::{self, Change};
-use crate::store::{now_ms, RecordState, Store, StoredResponse};
+use crate::store::{millis, now_ms, RecordState, Store, StoredResponse};
 use crate::telemetry::span::Trace;
 use crate::upstream::{oneshot, ConnectionLimits, UpstreamTlsConnector};
 use background::Queue;
@@ -266,8 +266,11 @@ pub(crate) fn lookup_due(state: &RecordState, after: Duration, skew: Duration) -
         RecordState::Abandoned { lease_until_ms, .. } => lease_until_ms,
         _ => return None,
     };
-    let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
-    Some(last_ran.saturating_add(ms(after)).saturating_add(ms(skew)))
+    Some(
+        last_ran
+            .saturating_add(millis(after))
+            .saturating_add(millis(skew)),
+    )
 }
 
 async fn ask(

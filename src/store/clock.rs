@@ -28,6 +28,11 @@ fn clock_offset_ms() -> i64 {
     })
 }
 
+/// `d` in whole milliseconds, saturating.
+pub fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
 /// `now_ms() + d`, saturating.
 pub fn ms_after(d: Duration) -> u64 {
     now_ms().saturating_add(d.as_millis().min(u64::MAX as u128) as u64)

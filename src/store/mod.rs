@@ -45,7 +45,7 @@ use crate::config::StoreConfig;
 use crate::fingerprint::Fingerprint;
 use crate::key::StoreKey;
 pub use changes::Subscription;
-pub use clock::{ms_after, now_ms};
+pub use clock::{millis, ms_after, now_ms};
 pub(crate) use give_back::{give_back, give_back_replaced, Replaced};
 pub use origin::{Claim, Origin, OriginKind, TraceLink};
 
@@ -127,8 +127,7 @@ impl Record {
 
     /// [`Record::checked_lease_skewed`] at `now_ms` (this clock's).
     pub fn checked_lease_skewed_at(self, now_ms: u64, skew: Duration) -> Record {
-        let skew_ms = u64::try_from(skew.as_millis()).unwrap_or(u64::MAX);
-        self.checked_lease_at(now_ms.saturating_sub(skew_ms))
+        self.checked_lease_at(now_ms.saturating_sub(millis(skew)))
     }
 
     /// Whether nobody knows if it ran: marked unknown, or abandoned (read so by

@@ -188,9 +188,8 @@ impl RedisStore {
         });
         let heads: Vec<(Vec<u8>,)> = self.per_key(conn, heads.collect()).await?;
         // A lease is its owner's clock: run out `max_clock_skew` past it, as a read finds it.
-        let skew_ms = u64::try_from(self.shared.skew.as_millis()).unwrap_or(u64::MAX);
         let wall = now_ms();
-        let now = wall.saturating_sub(skew_ms);
+        let now = wall.saturating_sub(crate::store::millis(self.shared.skew));
         let candidates: Vec<usize> = (0..keys.len())
             .filter(|&i| heads.get(i).is_some_and(|(h,)| maybe_unknown(h, now)))
             .collect();
