@@ -89,53 +89,53 @@ fn scratch(tag: &str) -> PathBuf {
     dir
 }
 
-/// Templates of test processes that are gone (a static is never dropped, so each process leaves
-/// its own behind).
-fn remove_stale_templates() {
-    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
-        return;
-    };
-    for entry in entries.flatten() {
-        let name = entry.file_name().to_string_lossy().into_owned();
-        let Some(pid) = name
-            .strip_prefix("idemgate-pg-template-")
-            .and_then(|rest| rest.split('-').next())
-        else {
-            continue;
-        };
-        if !Path::new("/proc").join(pid).exists() {
-            let _ = std::fs::remove_dir_all(entry.path());
-        }
-    }
-}
-
-/// A data directory made by `initdb` once per test process; servers start from copies.
+/// A data directory made by `initdb` once per machine (per server version), shared by every test
+/// process (cargo-nextest runs each test in its own, and `initdb` takes seconds): made under a
+/// lock in a directory of its own, then renamed into place, so a process never copies a half-made
+/// one; servers start from copies and never write to it.
 fn template() -> &'static Path {
     static TEMPLATE: OnceLock<PathBuf> = OnceLock::new();
     TEMPLATE.get_or_init(|| {
-        remove_stale_templates();
-        let dir = scratch("template");
-        hand_over(&dir);
-        let data = dir.join("data");
-        let out = as_server_user(&bin("initdb"))
-            .arg("-D")
-            .arg(&data)
-            .args([
-                "-U",
-                "postgres",
-                "--auth=trust",
-                "-E",
-                "UTF8",
-                "--locale=C",
-                "--no-sync",
-            ])
-            .output()
+        let version = bin_dir()
+            .parent()
+            .and_then(|p| p.file_name())
+            .map(|v| v.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let shared = std::env::temp_dir().join(format!("idemgate-pg-template-v{version}"));
+        let data = shared.join("data");
+        let lock = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(std::env::temp_dir().join(format!("idemgate-pg-template-v{version}.lock")))
             .unwrap();
-        assert!(
-            out.status.success(),
-            "initdb failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        lock.lock().unwrap();
+        if !data.join("PG_VERSION").exists() {
+            let dir = scratch("template");
+            hand_over(&dir);
+            let out = as_server_user(&bin("initdb"))
+                .arg("-D")
+                .arg(dir.join("data"))
+                .args([
+                    "-U",
+                    "postgres",
+                    "--auth=trust",
+                    "-E",
+                    "UTF8",
+                    "--locale=C",
+                    "--no-sync",
+                ])
+                .output()
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "initdb failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            let _ = std::fs::remove_dir_all(&shared);
+            std::fs::rename(&dir, &shared).unwrap();
+        }
+        drop(lock);
         data
     })
 }

@@ -35,16 +35,22 @@ fn binary(name: &str) -> PathBuf {
 const PORTS: std::ops::Range<u16> = 20000..22760;
 
 /// A loopback port that is free now, never handed out before by this process (until all of
-/// [`PORTS`] were), never 6379; with `bus`, port + 10000 is free too (cluster bus).
+/// [`PORTS`] were) nor held by another test process, never 6379; with `bus`, port + 10000 is free
+/// too (cluster bus).
+///
+/// cargo-nextest runs each test in a process of its own, several at once: a port is claimed with
+/// a lock on a file named after it (see [`claim`]), held until the process ends, so two test
+/// processes never hand out the same port, whatever their order.
 pub fn free_port(bus: bool) -> u16 {
     use std::sync::atomic::{AtomicU32, Ordering};
-    // Starts somewhere else in each run, so that two runs one after the other do not meet
-    // ports the last one's servers may still hold in TIME_WAIT.
+    // Starts somewhere else in each process (spread by a multiplicative hash of the pid), so
+    // that processes started one after the other do not all walk the same ports, nor meet ports
+    // a finished one's servers may still hold in TIME_WAIT.
     static NEXT: AtomicU32 = AtomicU32::new(u32::MAX);
     let span = u32::from(PORTS.end - PORTS.start);
     let _ = NEXT.compare_exchange(
         u32::MAX,
-        std::process::id() % span,
+        std::process::id().wrapping_mul(2_654_435_761) % span,
         Ordering::Relaxed,
         Ordering::Relaxed,
     );
@@ -52,11 +58,31 @@ pub fn free_port(bus: bool) -> u16 {
         let n = NEXT.fetch_add(1, Ordering::Relaxed) % span;
         let port = PORTS.start + u16::try_from(n).unwrap();
         let free = |p: u16| TcpListener::bind(("127.0.0.1", p)).is_ok();
-        if free(port) && (!bus || free(port + 10000)) {
+        if free(port) && (!bus || free(port + 10000)) && claim(port) {
             return port;
         }
     }
     panic!("no free port found in {PORTS:?}");
+}
+
+/// Claims `port` for this process: an exclusive lock on a file named after it, kept open (and
+/// so held) until the process ends, when the kernel drops it, however the process ends.
+fn claim(port: u16) -> bool {
+    use std::sync::Mutex;
+    static HELD: Mutex<Vec<std::fs::File>> = Mutex::new(Vec::new());
+    let dir = std::env::temp_dir().join("idemgate-e2e-ports");
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(dir.join(port.to_string()))
+        .unwrap();
+    if file.try_lock().is_err() {
+        return false;
+    }
+    HELD.lock().unwrap().push(file);
+    true
 }
 
 fn scratch_dir(tag: &str) -> PathBuf {
