@@ -27,6 +27,7 @@ mod hostile;
 mod openapi;
 mod operations;
 mod operator_api;
+mod partitions;
 mod postgres_gateway;
 mod prometheus_rules;
 mod reconcile;

@@ -64,6 +64,23 @@ impl Reply {
 
 type Handler = Arc<dyn Fn(&Seen, usize) -> Reply + Send + Sync>;
 
+/// [`Upstream::counting`]'s answer: 201 with a JSON body numbering the execution.
+fn counting_reply(seen: &Seen, n: usize) -> Reply {
+    Reply::Respond {
+        status: 201,
+        headers: vec![
+            ("content-type", "application/json".into()),
+            ("x-execution", n.to_string()),
+            ("set-cookie", format!("session={n}; HttpOnly")),
+        ],
+        body: Bytes::from(format!(
+            "{{\"execution\":{n},\"path\":\"{}\",\"bytes\":{}}}",
+            seen.path_and_query,
+            seen.body.len()
+        )),
+    }
+}
+
 /// A real HTTP/1.1 upstream on 127.0.0.1:0 that records every request it executes.
 pub struct Upstream {
     pub addr: SocketAddr,
@@ -102,20 +119,16 @@ impl Upstream {
 
     /// An upstream answering 201 with a JSON body numbering the execution.
     pub async fn counting() -> Upstream {
-        Self::start(|seen, n| Reply::Respond {
-            status: 201,
-            headers: vec![
-                ("content-type", "application/json".into()),
-                ("x-execution", n.to_string()),
-                ("set-cookie", format!("session={n}; HttpOnly")),
-            ],
-            body: Bytes::from(format!(
-                "{{\"execution\":{n},\"path\":\"{}\",\"bytes\":{}}}",
-                seen.path_and_query,
-                seen.body.len()
-            )),
-        })
-        .await
+        Self::start(counting_reply).await
+    }
+
+    /// [`Upstream::counting`] on a listener of the caller's (one bound in another network
+    /// namespace); the listener must be non-blocking.
+    pub fn counting_on(listener: std::net::TcpListener) -> Upstream {
+        Self::serve(
+            TcpListener::from_std(listener).unwrap(),
+            Arc::new(counting_reply),
+        )
     }
 
     fn serve(listener: TcpListener, handler: Handler) -> Upstream {
