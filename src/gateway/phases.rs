@@ -529,7 +529,8 @@ fn extract_key(
 fn settled_answer(settled: Settled<Response<Body>>, lookup_in: Option<Duration>) -> Answer {
     match settled {
         // Not stored: the client still gets the real answer; its retries find the pending
-        // record, then an unknown outcome.
+        // record until the store's background write of it lands (Redis, Postgres:
+        // `store::complete_later`), then replay it; or, if it never does, an unknown outcome.
         Settled::Stored(r) | Settled::NotStored { output: r, .. } => {
             Answer::of(r, Outcome::Executed)
         }

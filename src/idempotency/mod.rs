@@ -187,10 +187,10 @@ pub enum Settled<R> {
     /// It ran and answered; the answer is stored for retries.
     Stored(R),
     /// It ran and answered, and the store did not take the answer. `lost`: the record was no
-    /// longer this owner's (its lease ran out and another took it over, or an operator released
-    /// it); else (the store down) it stays pending until its lease runs out, then reads as an
-    /// unknown outcome, never run again. An HTTP caller still gets the answer; a broker message
-    /// is not acknowledged.
+    /// longer this owner's (lease run out and taken over, or released by an operator); else
+    /// Redis and Postgres write it again in the background (`store::complete_later`): until then
+    /// it reads as in flight, then as an unknown outcome; never run again. An HTTP caller still
+    /// gets the answer; a broker message is not acknowledged.
     NotStored { output: R, lost: bool },
     /// It ran, and its answer says it did not execute (408, 415, 425, 429, or a 5xx the rules do
     /// not store): the answer is passed on and the key released.

@@ -289,8 +289,9 @@ impl Records {
                 quotas.stored_by(rules.quota.as_ref(), rules.share, rules.ttl);
                 Settled::Stored(output)
             }
-            // Retries will see the pending record, then (lease expired) an unknown outcome:
-            // never a second execution.
+            // Retries see the pending record until the store's background write of it lands
+            // (Redis, Postgres: `store::complete_later`, after `Unavailable`), or (lease ended)
+            // an unknown outcome: never a second execution.
             Err(e) => {
                 tracing::error!(key = key.short(), error = %e, "cannot store the response");
                 Settled::NotStored {

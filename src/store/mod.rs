@@ -26,6 +26,7 @@
 pub mod changes;
 mod clock;
 pub mod codec;
+mod complete_later;
 pub mod disk;
 mod give_back;
 pub mod memory;
@@ -46,6 +47,7 @@ use crate::fingerprint::Fingerprint;
 use crate::key::StoreKey;
 pub use changes::Subscription;
 pub use clock::{millis, ms_after, now_ms};
+pub(crate) use complete_later::complete_later;
 pub(crate) use give_back::{give_back, give_back_replaced, Replaced};
 pub use origin::{Claim, Origin, OriginKind, TraceLink};
 

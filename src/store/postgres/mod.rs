@@ -442,8 +442,27 @@ impl Store for PostgresStore {
         let (k, token, ttl): (&[u8], [u8; 16], i64) =
             (key.as_bytes(), codec::owner_bytes(owner), millis(ttl));
         let sql = &self.shared.sql.complete;
-        self.owned("complete", sql, &[&k, &&token[..], &&state[..], &ttl])
-            .await
+        let done = self
+            .owned("complete", sql, &[&k, &&token[..], &&state[..], &ttl])
+            .await;
+        if let Err(StoreError::Unavailable(_)) = &done {
+            // The statement may have committed (its answer lost, or cancelled after it did):
+            // the completion, owner-only, is run again in the background until it stands.
+            let store = self.handle();
+            let key = *key;
+            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                runtime.spawn(async move {
+                    crate::store::complete_later(key, || async {
+                        let k: &[u8] = key.as_bytes();
+                        let sql = &store.shared.sql.complete;
+                        let params: [&(dyn ToSql + Sync); 4] = [&k, &&token[..], &&state[..], &ttl];
+                        store.owned("complete", sql, &params).await
+                    })
+                    .await;
+                });
+            }
+        }
+        done
     }
 
     async fn mark_unknown(

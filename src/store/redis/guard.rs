@@ -4,17 +4,20 @@
 //! sent again by the cluster client): the give-back is tried again, with the owner's token,
 //! until it deletes the record ([`crate::store::give_back`]), so that a key nobody owns is not
 //! left to read as an unknown outcome for its whole `ttl`. Only for reservations: a take-over
-//! never frees its key ([`crate::store::give_back_replaced`]).
+//! never frees its key ([`crate::store::give_back_replaced`]). And the other uncertain end: a
+//! completion whose write got no answer, written again in the background
+//! ([`crate::store::complete_later`]).
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use super::conn::record_key;
 use super::conn::{eval, RedisConn};
+use super::replicas::Shortfall;
 use super::scripts::Scripts;
 use super::{codec, RedisStore};
 use crate::key::StoreKey;
-use crate::store::OwnerToken;
+use crate::store::{OwnerToken, StoreError, StoreOp};
 
 /// Releases a reservation whose answer was lost, unless disarmed: see [`RedisStore::reserve`].
 pub(super) struct ReleaseOnDrop {
@@ -107,5 +110,61 @@ impl Drop for ReleaseOnDrop {
                 .await;
             });
         }
+    }
+}
+
+impl RedisStore {
+    /// Whether a new record (of `reserve` or `take_over`) may be acted on: always without
+    /// `min_replicas`; with it, only once enough replicas acknowledged it.
+    pub(super) fn may_act(&self, op: StoreOp, acked: Option<i64>) -> Result<(), StoreError> {
+        match (&self.shared.replicas, acked) {
+            (Some(replicas), Some(acked)) if !replicas.enough(op, acked, Shortfall::Refuse) => {
+                Err(StoreError::Unavailable(format!(
+                    "{}: the new record was acknowledged by {acked} of {} replicas within {:?} (store.min_replicas)",
+                    op.as_str(),
+                    replicas.min(),
+                    replicas.timeout()
+                )))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Acts on a new record ([`Self::may_act`]), or gives it back (`guard`) before the refusal
+    /// is answered, so that the client's retry finds the key free rather than in flight.
+    pub(super) async fn act_or_give_back(
+        &self,
+        op: StoreOp,
+        acked: Option<i64>,
+        guard: ReleaseOnDrop,
+    ) -> Result<(), StoreError> {
+        let Err(refused) = self.may_act(op, acked) else {
+            guard.disarm();
+            return Ok(());
+        };
+        guard.release_now(self.shared.timeout).await;
+        Err(refused)
+    }
+}
+
+impl RedisStore {
+    /// Runs the completion script (`args`) again in the background after it got no answer
+    /// ([`crate::store::complete_later`]), on this handle's connections.
+    pub(super) fn complete_later(&self, key: StoreKey, args: [Vec<u8>; 5]) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let store = RedisStore {
+            shared: Arc::clone(&self.shared),
+            conn: self.conn.clone(),
+        };
+        runtime.spawn(async move {
+            crate::store::complete_later(key, || async {
+                let args = args.each_ref().map(Vec::as_slice);
+                let script = &store.shared.scripts.complete;
+                store.owned(StoreOp::Complete, script, &key, &args).await
+            })
+            .await;
+        });
     }
 }

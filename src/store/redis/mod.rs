@@ -63,8 +63,9 @@ use crate::key::StoreKey;
 pub struct RedisStore {
     shared: Arc<Shared>,
     /// `Err` only if a worker's lazy connection could not even be set up (settings that worked
-    /// at open); every call then answers `Unavailable`.
-    conn: Result<HandleConn, StoreError>,
+    /// at open); every call then answers `Unavailable`. Shared with the background work this
+    /// handle starts ([`RedisStore::complete_later`]), which opens no connection of its own.
+    conn: Result<Arc<HandleConn>, StoreError>,
 }
 
 /// What every handle of one store shares.
@@ -196,7 +197,7 @@ impl RedisStore {
                 replicas: settings.replicas.map(Replicas::new),
                 sealer,
             }),
-            conn: Ok(conn),
+            conn: Ok(Arc::new(conn)),
         })
     }
 
@@ -312,38 +313,6 @@ impl RedisStore {
             1 => Ok(()),
             _ => Err(StoreError::NotOwner),
         }
-    }
-
-    /// Whether a new record (of `reserve` or `take_over`) may be acted on: always without
-    /// `min_replicas`; with it, only once enough replicas acknowledged it.
-    fn may_act(&self, op: StoreOp, acked: Option<i64>) -> Result<(), StoreError> {
-        match (&self.shared.replicas, acked) {
-            (Some(replicas), Some(acked)) if !replicas.enough(op, acked, Shortfall::Refuse) => {
-                Err(StoreError::Unavailable(format!(
-                    "{}: the new record was acknowledged by {acked} of {} replicas within {:?} (store.min_replicas)",
-                    op.as_str(),
-                    replicas.min(),
-                    replicas.timeout()
-                )))
-            }
-            _ => Ok(()),
-        }
-    }
-
-    /// Acts on a new record ([`Self::may_act`]), or gives it back (`guard`) before the refusal
-    /// is answered, so that the client's retry finds the key free rather than in flight.
-    async fn act_or_give_back(
-        &self,
-        op: StoreOp,
-        acked: Option<i64>,
-        guard: ReleaseOnDrop,
-    ) -> Result<(), StoreError> {
-        let Err(refused) = self.may_act(op, acked) else {
-            guard.disarm();
-            return Ok(());
-        };
-        guard.release_now(self.shared.timeout).await;
-        Err(refused)
     }
 }
 
@@ -501,20 +470,24 @@ impl Store for RedisStore {
         ttl: Duration,
     ) -> Result<(), StoreError> {
         let tail = codec::encode_state(&RecordState::Completed(Arc::new(response)), self.seal(key));
-        let ttl = ms_arg(ttl).to_string();
-        self.owned(
-            StoreOp::Complete,
-            &self.shared.scripts.complete,
-            key,
-            &[
-                &codec::owner_bytes(owner),
-                &tail,
-                ttl.as_bytes(),
-                self.shared.channel.as_bytes(),
-                &key.hex_digits(),
-            ],
-        )
-        .await
+        let (owner, ttl, digits) = (
+            codec::owner_bytes(owner),
+            ms_arg(ttl).to_string(),
+            key.hex_digits(),
+        );
+        let args: [&[u8]; 5] = [
+            &owner,
+            &tail,
+            ttl.as_bytes(),
+            self.shared.channel.as_bytes(),
+            &digits,
+        ];
+        let script = &self.shared.scripts.complete;
+        let done = self.owned(StoreOp::Complete, script, key, &args).await;
+        if let Err(StoreError::Unavailable(_)) = &done {
+            self.complete_later(*key, args.map(<[u8]>::to_vec));
+        }
+        done
     }
 
     async fn mark_unknown(
@@ -692,7 +665,7 @@ impl Store for RedisStore {
     fn for_worker(&self) -> Arc<dyn Store> {
         Arc::new(RedisStore {
             shared: Arc::clone(&self.shared),
-            conn: self.shared.connector.handle(),
+            conn: self.shared.connector.handle().map(Arc::new),
         })
     }
 }

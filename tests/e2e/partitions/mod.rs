@@ -8,7 +8,9 @@
 //! root, as CI does); cargo-nextest runs these one at a time (.config/nextest.toml).
 
 mod net;
+mod postgres;
 mod redis;
+mod upstream_cut;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -16,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
-use crate::support::Http;
+use crate::support::{Http, Upstream};
 
 /// What the clients saw, key by key, and what the upstream executed.
 #[derive(Default)]
@@ -148,4 +150,36 @@ pub fn executions_by_count(
         *out.entry(*n).or_default() += 1;
     }
     out
+}
+
+/// Prints what a scenario saw: keys, answers by status, executions by count, acknowledged
+/// answers lost, and how long after healing every key was served; with the gateways' warnings
+/// and errors when an answer was lost.
+pub fn report(
+    scenario: &str,
+    ledger: &Ledger,
+    up: &Upstream,
+    gateways: &[net::Proc],
+    served_again: Duration,
+) {
+    if !ledger.lost().is_empty() {
+        for g in gateways {
+            for line in g
+                .log_text()
+                .lines()
+                .filter(|l| l.contains("WARN") || l.contains("ERROR"))
+            {
+                eprintln!("{line}");
+            }
+        }
+    }
+    let per_key = up.executions_per_key();
+    println!(
+        "partition {scenario}: {} keys; answers by status {:?}; executions by count {:?}; acknowledged then lost {:?}; served again {:.1} s after healing",
+        ledger.keys(),
+        ledger.by_status(),
+        executions_by_count(&per_key, ledger.keys()),
+        ledger.lost().len(),
+        served_again.as_secs_f64()
+    );
 }

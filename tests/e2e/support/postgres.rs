@@ -162,6 +162,9 @@ pub struct Postgres {
     child: Option<Child>,
     /// A WAL sender this test signalled ([`Self::signal_wal_sender`]).
     wal_sender: Option<String>,
+    /// The network namespace and address it runs in and listens on ([`Self::start_in`]); else
+    /// this machine's loopback.
+    host: Option<(String, String)>,
 }
 
 impl Postgres {
@@ -199,14 +202,41 @@ impl Postgres {
         Self::run_in(dir, &settings)
     }
 
-    /// A synchronous standby of `primary` (pg_basebackup), streaming as `name`.
-    pub fn standby_of(primary: &Postgres, name: &str) -> Postgres {
+    /// A server in the network namespace `ns`, on `addr`:5432, accepting every address of the
+    /// partition tests' bridges (10.231.0.0/16) for queries and replication, with `settings`.
+    pub fn start_in(ns: &str, addr: std::net::Ipv4Addr, settings: &[&str]) -> Postgres {
+        let dir = from_template();
+        let hba = dir.join("data").join("pg_hba.conf");
+        let mut text = std::fs::read_to_string(&hba).unwrap();
+        text.push_str(
+            "host all all 10.231.0.0/16 trust\nhost replication all 10.231.0.0/16 trust\n",
+        );
+        std::fs::write(&hba, text).unwrap();
+        hand_over(&dir);
+        Self::run_at(dir, settings, Some((ns.to_string(), addr.to_string())))
+    }
+
+    /// A standby of `primary` (pg_basebackup) in the network namespace `ns`, on `addr`:5432,
+    /// streaming as `name` (make it synchronous with [`Self::require_sync_standby`]).
+    pub fn standby_in(
+        primary: &Postgres,
+        ns: &str,
+        addr: std::net::Ipv4Addr,
+        name: &str,
+    ) -> Postgres {
+        let dir = Self::base_backup(primary);
+        let host = Some((ns.to_string(), addr.to_string()));
+        Self::run_at(dir, &[&format!("cluster_name={name}")], host)
+    }
+
+    /// A copy of `primary`'s data directory (`pg_basebackup -R`: it starts as its standby).
+    fn base_backup(primary: &Postgres) -> PathBuf {
         let dir = scratch("standby");
         hand_over(&dir);
         let out = as_server_user(&bin("pg_basebackup"))
             .args([
                 "-h",
-                "127.0.0.1",
+                primary.addr(),
                 "-U",
                 "postgres",
                 "-X",
@@ -224,16 +254,39 @@ impl Postgres {
             "pg_basebackup failed: {}",
             String::from_utf8_lossy(&out.stderr)
         );
+        dir
+    }
+
+    /// The address it listens on.
+    pub fn addr(&self) -> &str {
+        self.host
+            .as_ref()
+            .map_or("127.0.0.1", |(_, addr)| addr.as_str())
+    }
+
+    /// A synchronous standby of `primary` (pg_basebackup), streaming as `name`.
+    pub fn standby_of(primary: &Postgres, name: &str) -> Postgres {
+        let dir = Self::base_backup(primary);
         Self::run_in(dir, &[&format!("cluster_name={name}")])
     }
 
     fn run_in(dir: PathBuf, settings: &[&str]) -> Postgres {
+        Self::run_at(dir, settings, None)
+    }
+
+    fn run_at(dir: PathBuf, settings: &[&str], host: Option<(String, String)>) -> Postgres {
         let mut server = Postgres {
-            port: free_port(false),
+            // A namespace has ports of its own.
+            port: if host.is_some() {
+                5432
+            } else {
+                free_port(false)
+            },
             dir,
             settings: settings.iter().map(|s| s.to_string()).collect(),
             child: None,
             wal_sender: None,
+            host,
         };
         server.launch();
         server
@@ -245,14 +298,25 @@ impl Postgres {
             .append(true)
             .open(self.dir.join("server.log"))
             .unwrap();
-        let mut cmd = as_server_user(&bin("postgres"));
+        let mut cmd = match &self.host {
+            None => as_server_user(&bin("postgres")),
+            Some((ns, _)) => {
+                let user = as_server_user(&bin("postgres"));
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns])
+                    .arg(user.get_program())
+                    .args(user.get_args());
+                c
+            }
+        };
+        let listen = format!("listen_addresses={}", self.addr());
         cmd.arg("-D")
             .arg(self.dir.join("data"))
             .args(["-p", &self.port.to_string(), "-k"])
             .arg(&self.dir)
             .args([
                 "-c",
-                "listen_addresses=127.0.0.1",
+                &listen,
                 "-c",
                 "shared_buffers=16MB",
                 "-c",
@@ -278,7 +342,7 @@ impl Postgres {
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
             let ready = Command::new(bin("pg_isready"))
-                .args(["-h", "127.0.0.1", "-p", &self.port.to_string(), "-t", "1"])
+                .args(["-h", self.addr(), "-p", &self.port.to_string(), "-t", "1"])
                 .stdout(Stdio::null())
                 .status()
                 .map(|s| s.success())
@@ -303,9 +367,9 @@ impl Postgres {
         std::fs::read_to_string(self.dir.join("server.log")).unwrap_or_default()
     }
 
-    /// `postgres://postgres@127.0.0.1:<port>/postgres`.
+    /// `postgres://postgres@<address>:<port>/postgres`.
     pub fn url(&self) -> String {
-        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+        format!("postgres://postgres@{}:{}/postgres", self.addr(), self.port)
     }
 
     /// Runs `sql` with psql; its unaligned output, trimmed. Panics on an error.
@@ -318,7 +382,7 @@ impl Postgres {
         let out = Command::new(bin("psql"))
             .args([
                 "-h",
-                "127.0.0.1",
+                self.addr(),
                 "-U",
                 "postgres",
                 "-d",

@@ -122,12 +122,22 @@ impl Upstream {
         Self::start(counting_reply).await
     }
 
+    /// An upstream with `handler` on a listener of the caller's (one bound in another network
+    /// namespace; non-blocking).
+    pub fn start_on_listener(
+        listener: std::net::TcpListener,
+        handler: impl Fn(&Seen, usize) -> Reply + Send + Sync + 'static,
+    ) -> Upstream {
+        Self::serve(TcpListener::from_std(listener).unwrap(), Arc::new(handler))
+    }
+
     /// [`Upstream::counting`] on a listener of the caller's (one bound in another network
-    /// namespace); the listener must be non-blocking.
-    pub fn counting_on(listener: std::net::TcpListener) -> Upstream {
+    /// namespace; non-blocking), answering only with a permit of `gate` (held while answering).
+    pub fn counting_gated_on(listener: std::net::TcpListener, gate: &Arc<Semaphore>) -> Upstream {
+        let gate = Arc::clone(gate);
         Self::serve(
             TcpListener::from_std(listener).unwrap(),
-            Arc::new(counting_reply),
+            Arc::new(move |seen: &Seen, n| counting_reply(seen, n).gated(&gate)),
         )
     }
 
