@@ -19,13 +19,6 @@
 #
 # Built and run in the test suite by scripts/test-containers (podman; `--format docker` keeps the
 # HEALTHCHECK, which the OCI image format has no field for).
-#
-# BINARIES picks the stage the binaries come from: `build` (the default) compiles them here;
-# `prebuilt` copies them from the build context's prebuilt/ (idemgate and demo_upstream, built on a
-# Debian 12 host), which is how the test suite reuses the binaries its own run compiled instead of
-# compiling everything again (scripts/test-containers --binaries). Only the stages the target needs
-# are built, so the default build never reads prebuilt/ and the prebuilt one never compiles.
-ARG BINARIES=build
 
 FROM rust:1-bookworm AS build
 WORKDIR /src
@@ -43,12 +36,6 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry,sharing=locked \
  && install -s -m 0755 target/release/idemgate /usr/local/bin/idemgate \
  && install -s -m 0755 target/release/examples/demo_upstream /usr/local/bin/demo_upstream
 
-# Binaries built elsewhere (see BINARIES above).
-FROM scratch AS prebuilt
-COPY prebuilt/idemgate prebuilt/demo_upstream /usr/local/bin/
-
-FROM ${BINARIES} AS binaries
-
 # The demo upstream (docker-compose.yml's `demo`): a deliberately non-idempotent API.
 FROM debian:bookworm-slim AS demo
 # libssl3: the gateway's binary (beside the demo, for its health check) links OpenSSL, for
@@ -57,8 +44,8 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends libssl3 \
  && apt-get clean \
  && rm -rf /var/lib/apt/lists/*
-COPY --from=binaries /usr/local/bin/demo_upstream /usr/local/bin/demo_upstream
-COPY --from=binaries /usr/local/bin/idemgate /usr/local/bin/idemgate
+COPY --from=build /usr/local/bin/demo_upstream /usr/local/bin/demo_upstream
+COPY --from=build /usr/local/bin/idemgate /usr/local/bin/idemgate
 USER 10001
 ENTRYPOINT ["/usr/local/bin/demo_upstream"]
 CMD ["0.0.0.0:3000"]
@@ -74,7 +61,7 @@ RUN apt-get update \
         --shell /usr/sbin/nologin idemgate \
  && mkdir -p /etc/idemgate \
  && install -d -o 10001 -g 10001 -m 0700 /var/lib/idemgate
-COPY --from=binaries /usr/local/bin/idemgate /usr/local/bin/idemgate
+COPY --from=build /usr/local/bin/idemgate /usr/local/bin/idemgate
 # 8080: the proxy (`[server] listen`), 9090: /healthz, /readyz, /metrics (`[server] admin`).
 EXPOSE 8080 9090
 USER 10001

@@ -50,14 +50,31 @@ fn bridge(id: u8) -> String {
     format!("igp{id}br")
 }
 
-/// Removes what a test with `id` left behind (a killed test process runs no drop).
+/// Removes what a test with `id` left behind (a killed test process runs no drop): the
+/// processes still in its namespaces (a namespace goes only with its last process), the
+/// namespaces, the host ends of its veth pairs (each takes its peer with it) and the bridge.
 fn remove_leftovers(id: u8) {
     let prefix = format!("igp{id}-");
     if let Ok(out) = Command::new("ip").args(["netns", "list"]).output() {
         for line in String::from_utf8_lossy(&out.stdout).lines() {
             let name = line.split_whitespace().next().unwrap_or("");
             if name.starts_with(&prefix) {
+                if let Ok(pids) = Command::new("ip").args(["netns", "pids", name]).output() {
+                    for pid in String::from_utf8_lossy(&pids.stdout).split_whitespace() {
+                        quiet("kill", &["-9", pid]);
+                    }
+                }
                 quiet("ip", &["netns", "del", name]);
+            }
+        }
+    }
+    if let Ok(out) = Command::new("ip").args(["-o", "link", "show"]).output() {
+        let veth = format!("igp{id}h");
+        for line in String::from_utf8_lossy(&out.stdout).lines() {
+            let name = line.split(':').nth(1).unwrap_or("").trim();
+            let name = name.split('@').next().unwrap_or("");
+            if name.starts_with(&veth) {
+                quiet("ip", &["link", "del", name]);
             }
         }
     }
@@ -67,17 +84,10 @@ fn remove_leftovers(id: u8) {
 /// Claims a subnet number for this process: a lock on a file named after it, held until the
 /// process ends, so concurrent test processes never share a bridge.
 fn claim() -> (u8, std::fs::File) {
-    let dir = std::env::temp_dir().join("idemgate-netns");
-    std::fs::create_dir_all(&dir).unwrap();
     let start = std::process::id().wrapping_mul(2_654_435_761) % 250;
     for n in 0..250 {
         let id = u8::try_from((start + n) % 250 + 1).unwrap();
-        let file = std::fs::OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(dir.join(id.to_string()))
-            .unwrap();
+        let file = crate::support::lock_file("idemgate-e2e-locks", &format!("netns-{id}"));
         if file.try_lock().is_ok() {
             return (id, file);
         }

@@ -34,16 +34,16 @@ async fn wait_for(what: &str, limit: Duration, mut check: impl FnMut() -> bool) 
     }
 }
 
-/// The hosts, their processes and the upstream. Dropped in reverse order: processes before
-/// the network.
+/// The hosts, their processes and the upstream. Fields drop in order: the processes before
+/// the network they run in.
 pub struct Setup {
-    pub net: Net,
-    _redis: Vec<Proc>,
-    _sentinels: Vec<Proc>,
     gateways: Vec<Proc>,
+    _sentinels: Vec<Proc>,
+    _redis: Vec<Proc>,
     pub up: Upstream,
     /// The upstream answers with a permit of it ([`Setup::start_gated`]: none at first).
     pub gate: Arc<Semaphore>,
+    pub net: Net,
 }
 
 impl Setup {

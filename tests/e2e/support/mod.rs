@@ -123,6 +123,27 @@ impl TempDir {
     }
 }
 
+/// A file to lock (`File::lock`, `try_lock`) between test processes: `name` in the directory
+/// `dir` under the temporary directory, both made open to every user (1777, 0666), so that runs
+/// as root and as another user on one machine can share them.
+pub fn lock_file(dir: &str, name: &str) -> std::fs::File {
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    let dir = std::env::temp_dir().join(dir);
+    if std::fs::create_dir(&dir).is_ok() {
+        let _ = std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o1777));
+    }
+    let path = dir.join(name);
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .mode(0o666)
+        .open(&path)
+        .unwrap_or_else(|e| panic!("cannot open the lock file {}: {e}", path.display()));
+    let _ = std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666));
+    file
+}
+
 /// A config's text edited as TOML, not as text: a key is set in its table (made if missing), so
 /// an edit can neither miss its target silently nor land in another table; the gateway then
 /// refuses a misspelt key as it would in a file.

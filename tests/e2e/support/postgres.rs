@@ -103,12 +103,7 @@ fn template() -> &'static Path {
             .unwrap_or_default();
         let shared = std::env::temp_dir().join(format!("idemgate-pg-template-v{version}"));
         let data = shared.join("data");
-        let lock = std::fs::OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(std::env::temp_dir().join(format!("idemgate-pg-template-v{version}.lock")))
-            .unwrap();
+        let lock = super::lock_file("idemgate-e2e-locks", &format!("pg-template-v{version}"));
         lock.lock().unwrap();
         if !data.join("PG_VERSION").exists() {
             let dir = scratch("template");

@@ -70,14 +70,7 @@ pub fn free_port(bus: bool) -> u16 {
 fn claim(port: u16) -> bool {
     use std::sync::Mutex;
     static HELD: Mutex<Vec<std::fs::File>> = Mutex::new(Vec::new());
-    let dir = std::env::temp_dir().join("idemgate-e2e-ports");
-    std::fs::create_dir_all(&dir).unwrap();
-    let file = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(dir.join(port.to_string()))
-        .unwrap();
+    let file = super::lock_file("idemgate-e2e-locks", &format!("port-{port}"));
     if file.try_lock().is_err() {
         return false;
     }
