@@ -7,10 +7,11 @@
 //! again); the figures are in docs/stores.md ("Partitions"). Needs root (scripts/test runs as
 //! root, as CI does); cargo-nextest runs these one at a time (.config/nextest.toml).
 
+mod cluster;
 mod net;
 mod postgres;
 mod redis;
-mod upstream_cut;
+mod scenarios;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;

@@ -2,16 +2,14 @@
 //! sentinels (s1..s3, quorum 2), two gateways (gw1, gw2) following the primary through the
 //! sentinels, and the upstream, each on a host of its own.
 
-use std::collections::HashMap;
-use std::net::{Ipv4Addr, SocketAddr};
-use std::sync::{Arc, Mutex};
+use std::net::Ipv4Addr;
 use std::time::{Duration, Instant};
 
 use tokio::sync::Semaphore;
 
+use super::cluster::{gateways, Cluster, Front};
 use super::net::{Net, Proc};
-use super::Ledger;
-use crate::support::{Reply, Seen, TomlConfig, Upstream, PAYMENTS};
+use super::{scenarios, Ledger};
 
 const HOSTS: [&str; 9] = ["r1", "r2", "r3", "s1", "s2", "s3", "gw1", "gw2", "up"];
 const REDIS: [&str; 3] = ["r1", "r2", "r3"];
@@ -40,10 +38,8 @@ pub struct Setup {
     gateways: Vec<Proc>,
     _sentinels: Vec<Proc>,
     _redis: Vec<Proc>,
-    pub up: Upstream,
-    /// The upstream answers with a permit of it ([`Setup::start_gated`]: none at first).
-    pub gate: Arc<Semaphore>,
-    pub net: Net,
+    front: Front,
+    net: Net,
 }
 
 impl Setup {
@@ -53,14 +49,13 @@ impl Setup {
         Self::start_with(min_replicas, Semaphore::MAX_PERMITS, false).await
     }
 
-    /// The same with an upstream that answers nothing until the test adds permits to `gate`.
+    /// The same with an upstream that answers nothing until the test adds permits to its gate.
     pub async fn start_gated(min_replicas: u32) -> Setup {
         Self::start_with(min_replicas, 0, false).await
     }
 
     /// [`Setup::start_gated`] with `min_replicas = 1`, an upstream that can be asked what it did
-    /// with a key ([`reconciling`]), and the route reconciling with it: `upstream_timeout =
-    /// "2s"`, `reconcile = { url = ".../payments/by-key/{key}", after = "1s" }`.
+    /// with a key, and the route reconciling with it ([`Front::start`]).
     pub async fn start_reconciling() -> Setup {
         Self::start_with(1, 0, true).await
     }
@@ -159,92 +154,37 @@ impl Setup {
             )
             .await;
         }
-        let gate = Arc::new(Semaphore::new(permits));
-        let listener = net.host("up").listen(3000);
-        let up = if reconcile {
-            Upstream::start_on_listener(listener, reconciling(&gate))
-        } else {
-            Upstream::counting_gated_on(listener, &gate)
-        };
-        let up_url = format!("http://{}:3000", net.host("up").addr);
-        let mut gateways = Vec::new();
-        for name in ["gw1", "gw2"] {
-            let host = net.host(name);
-            let sentinels: Vec<toml::Value> = SENTINELS
-                .iter()
-                .map(|s| format!("redis://{}:26379", net.host(s).addr).into())
-                .collect();
-            let config = TomlConfig::parse(PAYMENTS)
-                .set("server.listen", format!("{}:8080", host.addr))
-                .set("server.admin", format!("{}:9090", host.addr))
+        let front = Front::start(&net, permits, reconcile);
+        let sentinel_urls: Vec<toml::Value> = SENTINELS
+            .iter()
+            .map(|s| format!("redis://{}:26379", net.host(s).addr).into())
+            .collect();
+        let gateways = gateways(&net, |name| {
+            let config = front
+                .config(&net, name)
                 .set("store.backend", "redis")
-                .set("store.sentinels", sentinels)
+                .set("store.sentinels", sentinel_urls.clone())
                 .set("store.master", "mymaster")
                 .set("store.command_timeout", "1s")
-                .set("store.min_replicas", i64::from(min_replicas))
-                .set("upstream.url", up_url.as_str());
-            let config = if reconcile {
-                config
-                    .set("routes[0].upstream_timeout", "2s")
-                    .set(
-                        "routes[0].reconcile.url",
-                        format!("{up_url}/payments/by-key/{{key}}"),
-                    )
-                    .set("routes[0].reconcile.after", "1s")
-            } else {
-                config
-            };
-            let config = if min_replicas > 0 {
+                .set("store.min_replicas", i64::from(min_replicas));
+            if min_replicas > 0 {
                 config.set("store.replica_timeout", "500ms")
             } else {
                 config
-            };
-            let path = net.dir(name).join("proxy.toml");
-            std::fs::write(&path, config.text()).unwrap();
-            gateways.push(host.spawn(
-                env!("CARGO_BIN_EXE_idemgate"),
-                &["run".into(), "--config".into(), path.display().to_string()],
-                net.dir("logs").join(format!("{name}.log")),
-            ));
-        }
-        let setup = Setup {
-            net,
-            _redis: redis,
-            _sentinels: sentinels,
-            gateways,
-            up,
-            gate,
-        };
-        for name in ["gw1", "gw2"] {
-            setup.wait_ready(name).await;
-        }
-        setup
-    }
-
-    pub fn gw(&self, name: &str) -> SocketAddr {
-        SocketAddr::from((self.net.host(name).addr, 8080))
-    }
-
-    async fn wait_ready(&self, name: &str) {
-        let admin = SocketAddr::from((self.net.host(name).addr, 9090));
-        let ready = crate::support::eventually_within(Duration::from_secs(30), || async move {
-            crate::support::Http::new(admin)
-                .request("GET", "/readyz")
-                .try_send(Duration::from_secs(2))
-                .await
-                .is_some_and(|got| got.status == 200)
+            }
         })
         .await;
-        if !ready {
-            for g in &self.gateways {
-                eprintln!("{}", g.log_text());
-            }
+        Setup {
+            gateways,
+            _sentinels: sentinels,
+            _redis: redis,
+            front,
+            net,
         }
-        assert!(ready, "{name} not ready within 30 s");
     }
 
     /// The primary the sentinel on `sentinel` names.
-    pub fn primary(&self, sentinel: &str) -> String {
+    pub fn named_primary(&self, sentinel: &str) -> String {
         redis_cli(
             self.net.host(sentinel).addr,
             26379,
@@ -261,7 +201,7 @@ impl Setup {
         let started = Instant::now();
         let old = self.net.host("r1").addr.to_string();
         wait_for("a replica promoted", Duration::from_secs(60), || {
-            let p = self.primary(sentinel);
+            let p = self.named_primary(sentinel);
             !p.is_empty() && p != old
         })
         .await;
@@ -277,101 +217,48 @@ impl Setup {
         })
         .await;
     }
+}
 
-    /// Prints what the scenario saw (and the gateways' warnings, when an answer was lost).
-    pub fn report(&self, scenario: &str, ledger: &Ledger, served_again: Duration) {
-        super::report(scenario, ledger, &self.up, &self.gateways, served_again);
+impl Cluster for Setup {
+    fn net(&self) -> &Net {
+        &self.net
+    }
+
+    fn front(&self) -> &Front {
+        &self.front
+    }
+
+    fn gateways(&self) -> &[Proc] {
+        &self.gateways
+    }
+
+    fn primary(&self) -> &'static str {
+        "r1"
+    }
+
+    fn store(&self) -> &'static str {
+        "redis"
     }
 }
 
-/// An upstream that executes each POST (its answer, 201 with the key in the body, held until
-/// `gate` gives a permit) and answers `GET /payments/by-key/{key}` with what it did with the key
-/// (200 and the same body, or 404): the lookup `reconcile` asks.
-fn reconciling(gate: &Arc<Semaphore>) -> impl Fn(&Seen, usize) -> Reply + Send + Sync + 'static {
-    let gate = Arc::clone(gate);
-    let done: Mutex<HashMap<String, String>> = Mutex::default();
-    move |seen, _| {
-        if seen.method == http::Method::GET {
-            let key = seen.path_and_query.rsplit('/').next().unwrap_or("");
-            return match done.lock().unwrap().get(key) {
-                Some(body) => Reply::json(200, body),
-                None => Reply::json(404, "{}"),
-            };
-        }
-        let key = seen.headers["idempotency-key"]
-            .to_str()
-            .unwrap()
-            .to_string();
-        let body = format!("{{\"charged\":\"{key}\"}}");
-        done.lock().unwrap().insert(key, body.clone());
-        Reply::json(201, &body).gated(&gate)
-    }
-}
-
-/// Scenario 1: the gateway cut from the store after it sent the reservation: what the primary sends it is
-/// dropped (the reservation lands, its reply is lost), then healed. The retry must not run the
-/// key a second time; once served it replays.
 #[tokio::test(flavor = "multi_thread")]
 async fn redis_a_reservation_whose_reply_is_lost_runs_at_most_once() {
-    let s = Setup::start(1).await;
-    let mut ledger = Ledger::default();
-    assert_eq!(ledger.post(s.gw("gw1"), "before").await, Some(201));
-    s.net.cut_inbound("gw1", "r1");
-    for i in 0..3 {
-        ledger.post(s.gw("gw1"), &format!("cut-{i}")).await;
-    }
-    s.net.heal();
-    let served = ledger.settle(s.gw("gw1"), Duration::from_secs(90)).await;
-    s.report("1 (reply lost, redis)", &ledger, served);
-    s.up.assert_at_most_once();
-    assert!(
-        ledger.lost().is_empty(),
-        "acknowledged answers lost: {:?}",
-        ledger.lost()
-    );
+    scenarios::reply_lost(&Setup::start(1).await).await;
 }
 
-/// Scenario 1, at the other end of the request: the gateway cut from the primary (what it sends
-/// is dropped) while it stores the upstream's answer. The client gets the answer; the
-/// completion, written again in the background once the link heals, makes every retry a replay
-/// of it (not a wait for the lease, then `outcome-unknown`).
 #[tokio::test(flavor = "multi_thread")]
 async fn redis_an_answer_whose_completion_is_cut_off_is_replayed_after_healing() {
-    let s = Setup::start_gated(1).await;
-    let mut ledger = Ledger::default();
-    let gw = s.gw("gw1");
-    let first = tokio::spawn(async move {
-        let mut ledger = Ledger::default();
-        ledger.post(gw, "cut-at-completion").await;
-        ledger
-    });
-    s.up.next_arrival().await;
-    s.net.cut_inbound("r1", "gw1");
-    s.gate.add_permits(1);
-    ledger.merge(first.await.unwrap());
-    assert_eq!(
-        ledger.answers("cut-at-completion"),
-        [Some(201)],
-        "the client gets the upstream's answer, stored or not"
-    );
-    // Long enough for the gateway to give up on its connection and for its next completion
-    // attempt to be cut off too.
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    s.net.heal();
-    let healed = Instant::now();
-    ledger.post(s.gw("gw2"), "cut-at-completion").await;
-    let served = healed.elapsed();
-    s.report("1 (completion cut off, redis)", &ledger, served);
-    s.up.assert_at_most_once();
-    assert!(
-        ledger.lost().is_empty(),
-        "the acknowledged answer was not replayed: {:?}",
-        ledger.lost_with_answers()
-    );
-    assert!(
-        served < Duration::from_secs(10),
-        "the replay waited {served:?}: the lease, not the completion"
-    );
+    scenarios::completion_cut_off(&Setup::start_gated(1).await).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn redis_an_answer_lost_between_upstream_and_gateway_is_reconciled_and_runs_once() {
+    scenarios::upstream_cut(&Setup::start_reconciling().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn redis_a_lossy_link_to_the_store_under_load_runs_each_key_at_most_once() {
+    scenarios::lossy_link(&Setup::start(1).await).await;
 }
 
 /// Scenario 2, split brain: the primary and gw1 on one side; the replicas, the sentinels and gw2 on the
@@ -398,8 +285,8 @@ async fn split_brain(min_replicas: u32) -> (Setup, Ledger) {
         ledger.post(s.gw("gw2"), &key).await;
         i += 1;
         if until.is_none()
-            && s.primary("s1") != s.net.host("r1").addr.to_string()
-            && !s.primary("s1").is_empty()
+            && s.named_primary("s1") != s.net.host("r1").addr.to_string()
+            && !s.named_primary("s1").is_empty()
         {
             println!(
                 "partition 2: a replica promoted {:.1} s after the split",
@@ -418,7 +305,7 @@ async fn split_brain(min_replicas: u32) -> (Setup, Ledger) {
     let served = ledger.settle(s.gw("gw1"), Duration::from_secs(90)).await;
     ledger.settle(s.gw("gw2"), Duration::from_secs(90)).await;
     s.report(
-        &format!("2 (split brain, redis, min_replicas = {min_replicas})"),
+        &format!("2 (split brain, min_replicas = {min_replicas})"),
         &ledger,
         served,
     );
@@ -428,7 +315,7 @@ async fn split_brain(min_replicas: u32) -> (Setup, Ledger) {
 #[tokio::test(flavor = "multi_thread")]
 async fn redis_split_brain_with_min_replicas_runs_each_key_at_most_once_and_keeps_every_answer() {
     let (s, ledger) = split_brain(1).await;
-    s.up.assert_at_most_once();
+    s.up().assert_at_most_once();
     assert!(
         ledger.lost().is_empty(),
         "acknowledged answers lost: {:?}",
@@ -441,11 +328,12 @@ async fn redis_split_brain_with_min_replicas_runs_each_key_at_most_once_and_keep
 #[tokio::test(flavor = "multi_thread")]
 async fn redis_split_brain_without_min_replicas_is_measured() {
     let (s, ledger) = split_brain(0).await;
-    let twice =
-        s.up.executions_per_key()
-            .values()
-            .filter(|n| **n > 1)
-            .count();
+    let twice = s
+        .up()
+        .executions_per_key()
+        .values()
+        .filter(|n| **n > 1)
+        .count();
     println!(
         "partition 2 (min_replicas = 0): {twice} keys executed twice, {} acknowledged answers lost",
         ledger.lost().len()
@@ -482,61 +370,11 @@ async fn redis_a_primary_cut_from_its_replicas_then_failed_over_loses_nothing_ac
     s.net.heal();
     s.wait_r1_replica().await;
     let served = ledger.settle(s.gw("gw2"), Duration::from_secs(90)).await;
-    s.report("3 (primary cut from replicas, redis)", &ledger, served);
-    s.up.assert_at_most_once();
+    s.report("3 (primary cut from replicas)", &ledger, served);
+    s.up().assert_at_most_once();
     assert!(
         ledger.lost().is_empty(),
         "acknowledged answers lost: {:?}",
         ledger.lost()
-    );
-}
-
-/// Scenario 5: a lossy link between gw1 and the primary under load: 10 % of the packets each way
-/// dropped (TCP retransmits them after 200 ms and more: a slow link too), 8 clients at once, each
-/// key retried on a 503 or no answer.
-#[tokio::test(flavor = "multi_thread")]
-async fn redis_a_lossy_link_to_the_store_under_load_runs_each_key_at_most_once() {
-    let s = Setup::start(1).await;
-    s.net.lossy("gw1", "r1", 0.1);
-    s.net.lossy("r1", "gw1", 0.1);
-    let gw = s.gw("gw1");
-    let started = Instant::now();
-    let clients: Vec<_> = (0..8)
-        .map(|c| {
-            tokio::spawn(async move {
-                let mut ledger = Ledger::default();
-                for i in 0..10 {
-                    let key = format!("lossy-{c}-{i}");
-                    // A client retries a 503 or a request that got no answer, twice.
-                    for _ in 0..3 {
-                        match ledger.post(gw, &key).await {
-                            Some(s) if s != 503 => break,
-                            _ => {}
-                        }
-                    }
-                }
-                ledger
-            })
-        })
-        .collect();
-    let mut ledger = Ledger::default();
-    for c in clients {
-        ledger.merge(c.await.unwrap());
-    }
-    let under_load = started.elapsed();
-    s.net.heal();
-    let served = ledger.settle(gw, Duration::from_secs(90)).await;
-    println!(
-        "partition 5: 80 keys from 8 clients through the lossy link (10 % each way) in {:.1} s",
-        under_load.as_secs_f64()
-    );
-    s.report("5 (lossy link, redis)", &ledger, served);
-    s.up.assert_at_most_once();
-    // This scenario found a completion whose write got no answer left pending (its retries
-    // waited out the lease, then got `outcome-unknown`): now written again in the background.
-    assert!(
-        ledger.lost().is_empty(),
-        "acknowledged answers lost: {:?}",
-        ledger.lost_with_answers()
     );
 }
